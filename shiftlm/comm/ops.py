@@ -1,0 +1,194 @@
+"""Collectives over a `CommGroup`: raw ops that count bytes, and autograd-aware conjugate pairs.
+
+The autograd pairs follow Megatron-LM (`mappings.py`) and nanotron: each forward's backward is its
+twin, and every op is the identity on a group of one.
+
+    copy_to_group        forward: identity,               backward: all-reduce     (Megatron `f`)
+    reduce_from_group    forward: all-reduce,             backward: identity       (Megatron `g`)
+    gather_along         forward: all-gather (dim),       backward: reduce-scatter (dim)
+    reduce_scatter_along forward: reduce-scatter (dim),   backward: all-gather     (dim)
+    split_along          forward: keep my chunk (dim),    backward: all-gather     (dim)
+    all_to_all           forward: all-to-all (scatter s, gather g), backward: all-to-all (scatter g, gather s)
+
+Gloo has no reduce-scatter, so there it is an all-reduce followed by taking this rank's chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shiftlm.comm.group import CommGroup, counters
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Out-of-place all-reduce."""
+    if group.size == 1:
+        return tensor
+    out = tensor.contiguous().clone()
+    counters.record("all_reduce", group, _nbytes(out))
+    dist.all_reduce(out, op=op, group=group.pg)
+    return out
+
+
+def all_gather(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    """Concatenate every rank's tensor along `dim`, in group-rank order."""
+    if group.size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    counters.record("all_gather", group, _nbytes(tensor))
+    parts = [torch.empty_like(tensor) for _ in range(group.size)]
+    dist.all_gather(parts, tensor, group=group.pg)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's chunk of `dim`."""
+    if group.size == 1:
+        return tensor
+    if tensor.shape[dim] % group.size:
+        raise ValueError(f"reduce_scatter: dim {dim} of {tuple(tensor.shape)} does not split into {group.size}")
+    tensor = tensor.contiguous()
+    counters.record("reduce_scatter", group, _nbytes(tensor))
+    if dist.get_backend(group.pg) == "gloo":
+        summed = tensor.clone()
+        dist.all_reduce(summed, group=group.pg)
+        return summed.chunk(group.size, dim=dim)[group.rank].contiguous()
+    parts = [p.contiguous() for p in tensor.chunk(group.size, dim=dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group.pg)
+    return out
+
+
+def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `scatter_dim` into group-size chunks, send chunk i to rank i, concatenate what arrives on `gather_dim`."""
+    if group.size == 1:
+        return tensor
+    counters.record("all_to_all", group, _nbytes(tensor))
+    inputs = [c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(group.size)]
+    dist.all_to_all(outputs, inputs, group=group.pg)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+def broadcast(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) -> torch.Tensor:
+    if group.size == 1:
+        return tensor
+    counters.record("broadcast", group, _nbytes(tensor))
+    dist.broadcast(tensor, src=group.ranks[src_group_rank], group=group.pg)
+    return tensor
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def copy_to_group(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """forward: identity, backward: all-reduce (enter a tensor-parallel region)."""
+    return x if group.size == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """forward: all-reduce, backward: identity (leave a row-parallel layer)."""
+    return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_along(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    """forward: all-gather along `dim`, backward: reduce-scatter along `dim`."""
+    return x if group.size == 1 else _GatherAlong.apply(x, group, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    """forward: reduce-scatter along `dim`, backward: all-gather along `dim`."""
+    return x if group.size == 1 else _ReduceScatterAlong.apply(x, group, dim)
+
+
+def split_along(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    """forward: keep this rank's chunk of `dim`, backward: all-gather along `dim`."""
+    return x if group.size == 1 else _SplitAlong.apply(x, group, dim)
+
+
+def all_to_all_along(x: torch.Tensor, group: CommGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """forward: all-to-all (scatter `scatter_dim`, gather `gather_dim`), backward: the inverse all-to-all."""
+    return x if group.size == 1 else _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+class _GatherNoReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.group.size, dim=ctx.dim)[ctx.group.rank].contiguous(), None, None
+
+
+def gather_replicated(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
+    """forward: all-gather along `dim`, backward: keep my chunk (the gradient is already whole on every rank)."""
+    return x if group.size == 1 else _GatherNoReduce.apply(x, group, dim)

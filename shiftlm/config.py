@@ -1,0 +1,240 @@
+"""Configuration dataclasses: the model (read from a Hugging Face `config.json`) and the parallel layout.
+
+Errors raised here are `ConfigError`s whose message says what is wrong and how to fix it; the CLI
+prints them without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(ValueError):
+    """A configuration, layout or checkpoint that cannot work, with the fix in the message."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_scaling` with `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Llama-family transformer (llama, qwen2, mistral)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # qwen2: biases on q/k/v projections
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # mistral
+    initializer_range: float = 0.02
+    model_type: str = "llama"
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not supported; shiftlm runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_params(self) -> int:
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        layer = attn + 3 * h * f + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unknown model_type {model_type!r} in config.json; shiftlm runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        rope_theta = raw.get("rope_theta")
+        rope_scaling = None
+        if isinstance(scaling, dict):
+            rope_theta = rope_theta or scaling.get("rope_theta")
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind == "llama3":
+                rope_scaling = RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                )
+            elif kind != "default":
+                raise ConfigError(
+                    f"rope_scaling type {kind!r} is not supported (supported: default, llama3)"
+                )
+        sliding = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            sliding_window=sliding,
+            initializer_range=raw.get("initializer_range", 0.02),
+            model_type=model_type,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` from a checkpoint directory (or the file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.exists():
+            raise ConfigError(f"no config.json at {file}: point --model at a Hugging Face checkpoint directory")
+        return cls.from_hf_dict(json.loads(file.read_text()))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` that `transformers` reads back into the same model."""
+        architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        raw: dict[str, Any] = {
+            "architectures": [architectures[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "float32",
+        }
+        if self.rope_scaling is not None:
+            raw["rope_scaling"] = {"rope_type": "llama3", **asdict(self.rope_scaling)}
+        if self.model_type == "llama":
+            raw["attention_bias"] = self.attention_bias
+            raw["mlp_bias"] = False
+        if self.model_type == "mistral":
+            raw["sliding_window"] = self.sliding_window
+        if self.model_type == "qwen2":
+            raw["use_sliding_window"] = False
+        return raw
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """World = DP x PP x SP x TP, TP innermost: rank = ((dp*PP + pp)*SP + sp)*TP + tp.
+
+    `sequence_parallel` turns on Megatron sequence-parallel regions (norms and residuals split along
+    the sequence inside the TP group); `sp` is Ulysses sequence parallelism (all-to-all around attention).
+    """
+
+    dp: int = 1
+    pp: int = 1
+    sp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "sp", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.sp * self.tp
+
+    @property
+    def shift_size(self) -> int:
+        """P = SP*TP: the ranks of one (dp, pp) slice, which full-TP serving shards over."""
+        return self.sp * self.tp
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ConfigError(
+                f"layout dp={self.dp} pp={self.pp} sp={self.sp} tp={self.tp} needs "
+                f"{self.world_size} ranks but the world has {world_size}: start "
+                f"{self.world_size} processes (e.g. torchrun --nproc-per-node {self.world_size}) "
+                f"or change the layout so that dp*pp*sp*tp = {world_size}"
+            )
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Fail early, with the fix, on layouts this model cannot be split into."""
+        p = self.shift_size
+        if model.num_heads % p:
+            raise ConfigError(
+                f"sp*tp = {p} must divide num_attention_heads = {model.num_heads}: "
+                f"pick tp and sp whose product divides {model.num_heads}"
+            )
+        kv = model.num_kv_heads
+        if kv % p and p % kv:
+            raise ConfigError(
+                f"num_key_value_heads = {kv} and sp*tp = {p} must divide one another so that every "
+                f"rank's query heads share whole KV heads: use sp*tp in "
+                f"{sorted(d for d in range(1, model.num_heads + 1) if model.num_heads % d == 0 and (kv % d == 0 or d % kv == 0))}"
+            )
+        if self.pp > model.num_layers:
+            raise ConfigError(
+                f"pp = {self.pp} is more than the model's {model.num_layers} layers: use pp <= {model.num_layers}"
+            )
+
+    def check_sequence(self, seq_len: int) -> None:
+        chunks = self.sp * (self.tp if self.sequence_parallel else 1)
+        if seq_len % chunks:
+            raise ConfigError(
+                f"sequence length {seq_len} must split evenly into sp{'*tp' if self.sequence_parallel else ''}"
+                f" = {chunks} chunks: pad the sequence to a multiple of {chunks} or lower sp"
+            )
+
+
+def ceil_to_multiple(value: int, multiple: int) -> int:
+    return int(math.ceil(value / multiple) * multiple)

@@ -1,0 +1,124 @@
+"""ParallelConfig -> Mesh: this rank's coordinates and its named process groups.
+
+Rank layout (DESIGN.md "Rank layout"), TP innermost:
+
+    rank = ((dp * PP + pp) * SP + sp) * TP + tp
+
+Groups: `tp` (TP consecutive ranks), `sp` (stride TP), `pp` (stride SP*TP), `dp` (stride PP*SP*TP), and
+`shift`: the SP*TP ranks of one (dp, pp) slice. In the shift group rank (sp, tp) holds shard index
+`j = tp*SP + sp` ("head order"): full-TP shard j is sub-slice `sp` of TP shard `tp`. The group's own
+rank order is sorted global rank, which is *not* head order, so `shard_index` is computed here and
+never read from the group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from shiftlm.comm.group import CommGroup
+from shiftlm.config import ParallelConfig
+
+AXES = ("dp", "pp", "sp", "tp")
+
+
+@dataclass(frozen=True)
+class Coords:
+    dp: int
+    pp: int
+    sp: int
+    tp: int
+
+
+def rank_of(config: ParallelConfig, dp: int, pp: int, sp: int, tp: int) -> int:
+    return ((dp * config.pp + pp) * config.sp + sp) * config.tp + tp
+
+
+def coords_of(config: ParallelConfig, rank: int) -> Coords:
+    tp = rank % config.tp
+    sp = rank // config.tp % config.sp
+    pp = rank // (config.tp * config.sp) % config.pp
+    dp = rank // (config.tp * config.sp * config.pp)
+    return Coords(dp=dp, pp=pp, sp=sp, tp=tp)
+
+
+def group_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group that varies `axes` (in that nesting order) with the other axes fixed."""
+    sizes = {a: getattr(config, a) for a in AXES}
+    fixed = [a for a in AXES if a not in axes]
+    groups = []
+    for fixed_values in itertools.product(*(range(sizes[a]) for a in fixed)):
+        base = dict(zip(fixed, fixed_values))
+        ranks = []
+        for varying in itertools.product(*(range(sizes[a]) for a in axes)):
+            ranks.append(rank_of(config, **base, **dict(zip(axes, varying))))
+        groups.append(ranks)
+    return groups
+
+
+class Mesh:
+    """This rank's view of a DP x PP x SP x TP layout.
+
+    Construct it on every rank in the same order (creating groups is collective). With a world of
+    one, or before torch.distributed is initialised with a one-rank layout, every group has size 1
+    and no process group is created.
+    """
+
+    def __init__(self, config: ParallelConfig, rank: int | None = None, world_size: int | None = None):
+        initialized = dist.is_available() and dist.is_initialized()
+        if world_size is None:
+            world_size = dist.get_world_size() if initialized else 1
+        if rank is None:
+            rank = dist.get_rank() if initialized else 0
+        config.check_world_size(world_size)
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.coords = coords_of(config, rank)
+        axes_of = {"tp": ("tp",), "sp": ("sp",), "pp": ("pp",), "dp": ("dp",), "shift": ("tp", "sp")}
+        self.groups: dict[str, CommGroup] = {}
+        for name, axes in axes_of.items():
+            for ranks in group_ranks(config, axes):
+                # new_group must be called by every rank for every group, in the same order
+                pg = dist.new_group(sorted(ranks)) if initialized and world_size > 1 and len(ranks) > 1 else None
+                if rank in ranks:
+                    self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
+        # the data-parallel replicas of a parameter shard: ranks that hold the same weights and see
+        # different tokens (Ulysses splits tokens too), so their gradients are summed
+        for ranks in group_ranks(config, ("dp", "sp")):
+            pg = dist.new_group(sorted(ranks)) if initialized and world_size > 1 and len(ranks) > 1 else None
+            if rank in ranks:
+                self.groups["dp_sp"] = CommGroup("dp_sp", tuple(sorted(ranks)), pg, rank)
+
+    tp = property(lambda self: self.groups["tp"])
+    sp = property(lambda self: self.groups["sp"])
+    pp = property(lambda self: self.groups["pp"])
+    dp = property(lambda self: self.groups["dp"])
+    shift = property(lambda self: self.groups["shift"])
+    dp_sp = property(lambda self: self.groups["dp_sp"])
+
+    @property
+    def shard_index(self) -> int:
+        """j = tp*SP + sp: this rank's head block in the shift group (full-TP shard index)."""
+        return self.coords.tp * self.config.sp + self.coords.sp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.config.pp - 1
+
+    def pp_peer(self, stage: int) -> int:
+        """Global rank that holds pipeline stage `stage` at this rank's (dp, sp, tp)."""
+        c = self.coords
+        return rank_of(self.config, c.dp, stage, c.sp, c.tp)
+
+    def __str__(self) -> str:
+        c = self.config
+        return f"DP({c.dp})-PP({c.pp})-SP({c.sp})-TP({c.tp}) rank {self.rank}"
+
+    __repr__ = __str__

@@ -1,0 +1,48 @@
+"""Rotary position embeddings (Su et al. 2021), with Llama-3 frequency scaling.
+
+Frequencies and angles are computed in fp32 exactly as `transformers` does, so logits match it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shiftlm.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between smoothed
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [..., head_dim] for integer `positions` of any shape."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., tokens, heads, head_dim]; cos/sin: [..., tokens, head_dim]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return x * cos + _rotate_half(x) * sin

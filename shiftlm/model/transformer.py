@@ -1,0 +1,153 @@
+"""The Llama-family decoder (llama, qwen2, mistral) built from parallel layers, as a whole model or a stage.
+
+Parameter names are the Hugging Face names (`model.layers.3.mlp.up_proj.weight`), layers keep their
+global index, so a pipeline stage holding layers [4, 8) names them `model.layers.4` ... `model.layers.7`.
+
+Data layout: tokens are [batch, seq]; activations [batch, seq, hidden]. With Ulysses SP each rank holds
+the contiguous sequence slice `sp`; with Megatron sequence parallelism the activations between the
+TP regions are further split over the TP group (and gathered back before the LM head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shiftlm.comm import CommGroup, copy_to_group, gather_along
+from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.mesh import Mesh
+from shiftlm.model.attention import Attention
+from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from shiftlm.model.loss import vocab_parallel_cross_entropy
+from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
+from shiftlm.model.sharding import padded_vocab
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, tp: CommGroup, sequence_parallel: bool):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size // tp.size
+        self.gate_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)
+        self.up_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)
+        self.down_proj = RowParallelLinear(f, h, tp, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gate_proj.enter(x)
+        return self.down_proj(F.silu(self.gate_proj(x, entered=True)) * self.up_proj(x, entered=True))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: CommGroup, sp: CommGroup, sequence_parallel: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, tp, sp, sequence_parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, tp, sequence_parallel)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """Holds the `model.*` submodules so that parameter names match Hugging Face."""
+
+
+class Transformer(nn.Module):
+    """A pipeline stage of the decoder: layers [first, last), plus embedding and/or head at the ends.
+
+    forward(first stage: token ids [B, S_local]; other stages: hidden states) returns hidden states,
+    or, on the last stage, vocab-parallel logits [B, S_local, padded_vocab/TP] (padding columns -inf).
+    """
+
+    def __init__(self, config: ModelConfig, mesh: Mesh | None = None, layers: tuple[int, int] | None = None,
+                 with_embedding: bool | None = None, with_head: bool | None = None):
+        super().__init__()
+        mesh = mesh or Mesh(ParallelConfig())
+        mesh.config.check_model(config)
+        if config.intermediate_size % mesh.config.tp:
+            raise ConfigError(
+                f"tp = {mesh.config.tp} must divide intermediate_size = {config.intermediate_size}"
+            )
+        first, last = layers if layers is not None else (0, config.num_layers)
+        if not 0 <= first < last <= config.num_layers:
+            raise ConfigError(f"layer range [{first}, {last}) is outside the model's {config.num_layers} layers")
+        self.config, self.mesh = config, mesh
+        self.layer_range = (first, last)
+        self.with_embedding = first == 0 if with_embedding is None else with_embedding
+        self.with_head = last == config.num_layers if with_head is None else with_head
+        self.sequence_parallel = mesh.config.sequence_parallel and mesh.tp.size > 1
+        tp, sp = mesh.tp, mesh.sp
+
+        vocab_local = padded_vocab(config, tp.size) // tp.size
+        self.vocab_start = tp.rank * vocab_local
+        self.model = _Body()
+        if self.with_embedding:
+            self.model.embed_tokens = VocabParallelEmbedding(
+                self.vocab_start, vocab_local, config.hidden_size, tp, self.sequence_parallel
+            )
+        self.model.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, tp, sp, self.sequence_parallel) for i in range(first, last)}
+        )
+        if self.with_head:
+            self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            # a tied head on a stage without the embedding keeps its own copy (kept equal by the trainer)
+            if not config.tie_word_embeddings or not self.with_embedding:
+                self.lm_head = ColumnParallelLinear(config.hidden_size, vocab_local, tp)
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        vocab_ids = self.vocab_start + torch.arange(vocab_local)
+        self.register_buffer("vocab_padding", vocab_ids >= config.vocab_size, persistent=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        if hasattr(self, "lm_head"):
+            return self.lm_head.weight
+        return self.model.embed_tokens.weight
+
+    def positions(self, batch: int, tokens_local: int) -> torch.Tensor:
+        """Global positions of this rank's sequence slice (Ulysses slice `sp`)."""
+        start = self.mesh.sp.rank * tokens_local
+        return torch.arange(start, start + tokens_local).unsqueeze(0).expand(batch, -1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if self.with_embedding:
+            batch, tokens = x.shape
+            hidden = self.model.embed_tokens(x)
+        else:
+            hidden = x
+            batch = x.shape[0]
+            tokens = x.shape[1] * (self.mesh.tp.size if self.sequence_parallel else 1)
+        if positions is None:
+            positions = self.positions(batch, tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        for layer in self.model.layers.values():
+            hidden = layer(hidden, cos, sin)
+        if not self.with_head:
+            return hidden
+        return self.head(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + vocab-parallel LM head; padding columns are -inf so they never win or weigh."""
+        hidden = self.model.norm(hidden)
+        if self.sequence_parallel:
+            hidden = gather_along(hidden, self.mesh.tp, dim=1)
+        else:
+            hidden = copy_to_group(hidden, self.mesh.tp)
+        logits = F.linear(hidden, self.head_weight)
+        if bool(self.vocab_padding.any()):
+            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
+        return logits
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy of vocab-parallel logits (targets -100 are ignored)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp, self.vocab_start)
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """Contiguous, balanced layer range of pipeline stage `stage` (earlier stages get the remainder)."""
+    base, extra = divmod(num_layers, num_stages)
+    first = stage * base + min(stage, extra)
+    return first, first + base + (1 if stage < extra else 0)

@@ -1,0 +1,206 @@
+"""Weights in and out: seeded layout-independent init, HF safetensors straight into a layout, and back.
+
+Every rank reads only its own slices (`safe_open(...).get_slice`), never the whole model. Saving
+gathers each tensor over the TP group; the (dp=0, sp=0, tp=0) rank of every pipeline stage writes that
+stage's file, global rank 0 writes `config.json` and the index. The directory appears atomically:
+everything is written into a temporary sibling that is renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shiftlm.comm import all_gather
+from shiftlm.config import ConfigError
+from shiftlm.model.sharding import ShardSpec, full_shape, shard_spec
+from shiftlm.model.transformer import Transformer
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that does not fit the model (missing tensor, wrong shape, unreadable file)."""
+
+
+def source_name(model: Transformer, name: str) -> str:
+    """The checkpoint tensor a parameter comes from (a tied head reads the embedding)."""
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    return name
+
+
+def take_shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's slice of a full tensor, per its spec (padding rows are zero)."""
+    if spec.dim is None:
+        return full
+    parts = [full.narrow(spec.dim, a, b - a) for a, b in spec.ranges]
+    if spec.pad:
+        shape = list(full.shape)
+        shape[spec.dim] = spec.pad
+        parts.append(full.new_zeros(shape))
+    return torch.cat(parts, dim=spec.dim)
+
+
+def place_shard(full: torch.Tensor, shard: torch.Tensor, spec: ShardSpec, accumulate: bool) -> None:
+    """Write (or add) a shard back into its rows of the full tensor; padding rows are dropped."""
+    if spec.dim is None:
+        full.add_(shard) if accumulate else full.copy_(shard)
+        return
+    offset = 0
+    for a, b in spec.ranges:
+        target, source = full.narrow(spec.dim, a, b - a), shard.narrow(spec.dim, offset, b - a)
+        target.add_(source) if accumulate else target.copy_(source)
+        offset += b - a
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int = 0) -> None:
+    """Seeded full-size init, then slice: identical weights in every layout (one generator per tensor)."""
+    tp = model.mesh.tp
+    for name, param in model.named_parameters():
+        source = source_name(model, name)
+        shape = full_shape(source, model.config)
+        if source.endswith("layernorm.weight") or source == "model.norm.weight":
+            full = torch.ones(shape)
+        elif source.endswith(".bias"):
+            full = torch.zeros(shape)
+        else:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
+            full = torch.empty(shape).normal_(0.0, model.config.initializer_range, generator=generator)
+        param.copy_(take_shard(full, shard_spec(source, model.config, tp.rank, tp.size)))
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(
+            f"no model.safetensors or model.safetensors.index.json in {path}: "
+            "save the checkpoint with save_pretrained(..., safe_serialization=True)"
+        )
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+@torch.no_grad()
+def load_hf_checkpoint(model: Transformer, path: str | Path) -> None:
+    """Fill this rank's shards from a HF checkpoint directory, reading only those slices."""
+    path = Path(path)
+    files = _tensor_files(path)
+    tp = model.mesh.tp
+    opened: dict[Path, object] = {}
+    try:
+        for name, param in model.named_parameters():
+            source = source_name(model, name)
+            if source not in files:
+                raise CheckpointError(
+                    f"checkpoint {path} is missing tensor {source!r} (expected shape "
+                    f"{list(full_shape(source, model.config))}): is it a {model.config.model_type} checkpoint "
+                    "matching config.json?"
+                )
+            file = files[source]
+            handle = opened.get(file) or opened.setdefault(file, safe_open(file, framework="pt"))
+            tensor_slice = handle.get_slice(source)
+            expected = list(full_shape(source, model.config))
+            if list(tensor_slice.get_shape()) != expected:
+                raise CheckpointError(
+                    f"tensor {source!r} in {file.name} has shape {list(tensor_slice.get_shape())} but "
+                    f"config.json implies {expected}: the weights and config.json do not belong together"
+                )
+            spec = shard_spec(source, model.config, tp.rank, tp.size)
+            param.copy_(_read_shard(tensor_slice, spec, expected, param.dtype))
+    finally:
+        opened.clear()
+
+
+def _read_shard(tensor_slice, spec: ShardSpec, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    if spec.dim is None:
+        return tensor_slice[:].to(dtype)
+    parts = []
+    for a, b in spec.ranges:
+        parts.append(tensor_slice[a:b] if spec.dim == 0 else tensor_slice[:, a:b])
+    if spec.pad:
+        pad_shape = list(shape)
+        pad_shape[spec.dim] = spec.pad
+        parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype if parts else dtype))
+    return torch.cat(parts, dim=spec.dim).to(dtype)
+
+
+@torch.no_grad()
+def gather_full(model: Transformer, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full HF-shaped tensors of this stage's parameters (or gradients, summed over every shard).
+
+    Gradients are also summed over the dp_sp group (Ulysses splits tokens), so the result equals the
+    gradient of the single-rank model on the whole batch when the loss is normalised globally.
+    """
+    tp = model.mesh.tp
+    out = {}
+    for name, param in model.named_parameters():
+        source = source_name(model, name)
+        if name == "lm_head.weight" and source != name and model.with_embedding:
+            continue
+        local = param.grad if grads else param
+        if local is None:
+            local = torch.zeros_like(param)
+        shards = all_gather(local.detach().unsqueeze(0), tp, dim=0)
+        full = torch.zeros(full_shape(source, model.config), dtype=param.dtype)
+        for rank in range(tp.size):
+            place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size), accumulate=grads)
+        out[name] = full
+    if grads:
+        from shiftlm.comm import all_reduce
+
+        out = {name: all_reduce(t, model.mesh.dp_sp) for name, t in out.items()}
+    return out
+
+
+def save_hf_checkpoint(model: Transformer, path: str | Path) -> None:
+    """Write this model (all stages, all ranks call it) as a HF checkpoint directory, atomically."""
+    path = Path(path)
+    mesh = model.mesh
+    distributed = dist.is_available() and dist.is_initialized() and mesh.world_size > 1
+    stages = mesh.config.pp
+    staging = path.parent / f".{path.name}.tmp"
+    if mesh.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    if distributed:
+        dist.barrier()
+    tensors = gather_full(model)
+    c = mesh.coords
+    file = "model.safetensors" if stages == 1 else f"model-{c.pp + 1:05d}-of-{stages:05d}.safetensors"
+    if c.dp == 0 and c.sp == 0 and c.tp == 0:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, staging / file, metadata={"format": "pt"})
+    names = [(name, file) for name in tensors] if c.dp == 0 and c.sp == 0 and c.tp == 0 else []
+    if distributed:
+        gathered: list = [None] * mesh.world_size
+        dist.all_gather_object(gathered, names)
+        names = [item for part in gathered for item in part]
+    if mesh.rank == 0:
+        (staging / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+        if stages > 1:
+            index = {"metadata": {}, "weight_map": dict(sorted(names))}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        _replace_dir(staging, path)
+    if distributed:
+        dist.barrier()
+
+
+def _replace_dir(staging: Path, path: Path) -> None:
+    """Swap `staging` into `path`; an existing directory is kept until the new one is in place."""
+    old = path.parent / f".{path.name}.old"
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(staging, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""Schedule generators: per-rank compute-action lists for every named schedule.
+
+    build_schedule("1f1b", pp=4, microbatches=8)
+    build_schedule("interleaved_1f1b", pp=4, microbatches=8, chunks=2)
+
+Each generator returns, for every rank, the order of its F/B/I/W actions; lowering.py adds the
+communication. Requirements are checked in `build_schedule` and broken ones rejected with a message
+that says how to fix them. Bubble fractions with T_F = T_I = T_W (what the simulator reproduces):
+
+    gpipe, 1f1b        (p-1) / (m+p-1)            GPipe: Huang et al. 2019; 1F1B: Narayanan et al. 2019
+    interleaved_1f1b   (p-1) / (v*m+p-1)          Narayanan et al. 2021, Sec. 2.2
+    zb_h1              (p-1) / (3m+p-1)           Qi et al. 2023, Sec. 3.1
+    zb_h2, zb_v        no idle time inside any rank's span   Qi et al. 2023, Sec. 3.1 and 6
+    bitpipe            see docs/pipeline.md        Wu et al. 2024
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shiftlm.pipeline.actions import Action, Kind, Placement, PlacementKind, Schedule
+from shiftlm.pipeline.greedy import greedy_order
+
+F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+
+
+def _one_f_one_b(pp: int, microbatches: int, rank: int, split_backward: bool, deferred_w: int) -> list[Action]:
+    """1F1B on rank `rank` of a loop placement: p-1-r warm-up forwards, then F/B pairs, then the rest.
+
+    With `split_backward`, B becomes I and each I is followed by the W of the oldest pending
+    micro-batch once more than `deferred_w` are pending; the rest fill the tail (ZB-H1).
+    """
+    warmup = min(pp - 1 - rank, microbatches)
+    backward = I if split_backward else B
+    actions = [Action(F, rank, j) for j in range(warmup)]
+    pending_w: list[int] = []
+    for j in range(microbatches):
+        if warmup + j < microbatches:
+            actions.append(Action(F, rank, warmup + j))
+        actions.append(Action(backward, rank, j))
+        if split_backward:
+            pending_w.append(j)
+            if len(pending_w) > deferred_w:
+                actions.append(Action(W, rank, pending_w.pop(0)))
+    actions += [Action(W, rank, j) for j in pending_w]
+    return actions
+
+
+def gpipe(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """All forwards, then all backwards (Huang et al. 2019)."""
+    return [[Action(F, r, j) for j in range(microbatches)] + [Action(B, r, j) for j in range(microbatches)] for r in range(pp)]
+
+
+def one_f_one_b(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """PipeDream-flush 1F1B: at most p-r micro-batches in flight on rank r (Narayanan et al. 2019)."""
+    return [_one_f_one_b(pp, microbatches, r, split_backward=False, deferred_w=0) for r in range(pp)]
+
+
+def zb_h1(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """ZB-H1: 1F1B with B split into I and W; rank r defers r W's to fill its tail (Qi et al. Sec. 3.1)."""
+    return [_one_f_one_b(pp, microbatches, r, split_backward=True, deferred_w=r) for r in range(pp)]
+
+
+def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of p per chunk.
+
+    The k-th forward of a rank runs chunk (k // p) % v on micro-batch (k // (p v)) p + k % p; backwards
+    walk the chunks in reverse. Warm-up: 2 (p-1-r) + (v-1) p forwards (Narayanan et al. 2021, Sec. 2.2).
+    """
+    total = microbatches * chunks
+
+    def action(kind: Kind, rank: int, k: int) -> Action:
+        chunk = (k // pp) % chunks
+        if kind is not F:
+            chunk = chunks - 1 - chunk
+        return Action(kind, chunk * pp + rank, (k // (pp * chunks)) * pp + k % pp)
+
+    ranks = []
+    for rank in range(pp):
+        warmup = min(2 * (pp - 1 - rank) + (chunks - 1) * pp, total)
+        actions = [action(F, rank, k) for k in range(warmup)]
+        for k in range(total):
+            if warmup + k < total:
+                actions.append(action(F, rank, warmup + k))
+            actions.append(action(B, rank, k))
+        ranks.append(actions)
+    return ranks
+
+
+def zb_v(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """ZB-V (Qi et al. 2023, Sec. 6): V placement, chunk 0 = stage r, chunk 1 = stage 2p-1-r.
+
+    Phases per rank: 2(p-r)-1 chunk-0 forwards; r pairs (chunk-1 F, chunk-0 F); p-r triples
+    (chunk-1 F, I, W); a steady state of (F, I, W) on chunk 0 then chunk 1; a cool-down of I's with W's
+    deferred to the end. Built for max(m, 2p-1) micro-batches, then the padding ones are dropped.
+    """
+    padded = max(microbatches, 2 * pp - 1)
+    ranks = []
+    for rank in range(pp):
+        stage = (rank, 2 * pp - 1 - rank)
+        count = {(kind, c): 0 for kind in (F, I, W) for c in (0, 1)}
+        actions: list[Action] = []
+
+        def emit(kind: Kind, chunk: int) -> None:
+            actions.append(Action(kind, stage[chunk], count[(kind, chunk)]))
+            count[(kind, chunk)] += 1
+
+        for _ in range(2 * (pp - rank) - 1):
+            emit(F, 0)
+        for _ in range(rank):
+            emit(F, 1)
+            emit(F, 0)
+        for _ in range(pp - rank):
+            emit(F, 1), emit(I, 1), emit(W, 1)
+        while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < padded:
+            if count[(F, 0)] < padded:
+                emit(F, 0)
+            emit(I, 0), emit(W, 0), emit(F, 1), emit(I, 1), emit(W, 1)
+        for _ in range(rank):
+            emit(I, 0), emit(I, 1)
+        for _ in range(pp - rank):
+            emit(I, 0), emit(W, 0)
+        while count[(W, 1)] < count[(I, 1)]:
+            emit(W, 1)
+        while count[(W, 0)] < count[(I, 0)]:
+            emit(W, 0)
+        ranks.append([a for a in actions if a.microbatch < microbatches])
+    return ranks
+
+
+def zb_h2(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """ZB-H2: up to 2(p-r)-1 micro-batches in flight on rank r, so forwards fill the warm-up bubble and
+    W's fill the tail (Qi et al. Sec. 3.1); the order is found by the greedy list scheduler."""
+    placement = Placement(PlacementKind.LOOP, pp)
+    return greedy_order(placement, microbatches, [2 * (pp - r) - 1 for r in range(pp)], split_backward=True)
+
+
+def bitpipe(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """BitPipe (Wu et al. 2024): two V-shaped replicas in opposite directions on the same ranks, each
+    taking half the micro-batches; full backwards; each chunk's gradients are synced across replicas
+    (GRAD_SYNC) right after its last backward. Order from the greedy list scheduler, at most 2p
+    stage-chunk activations in flight per rank (p whole-rank micro-batches, as in 1F1B's rank 0)."""
+    placement = Placement(PlacementKind.BIDIRECTIONAL, pp, 2)
+    return greedy_order(placement, microbatches, [2 * pp] * pp, split_backward=False, grad_sync=True)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    builder: Callable[[int, int, int], list[list[Action]]]
+    placement: PlacementKind
+    default_chunks: int
+    chunks_fixed: bool  # V placements always have exactly 2 chunks per rank
+    min_microbatches: Callable[[int], int]
+    summary: str
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(gpipe, PlacementKind.LOOP, 1, True, lambda p: 1, "all F then all B"),
+    "1f1b": ScheduleSpec(one_f_one_b, PlacementKind.LOOP, 1, True, lambda p: p, "one forward, one backward"),
+    "interleaved_1f1b": ScheduleSpec(
+        interleaved_1f1b, PlacementKind.LOOP, 2, False, lambda p: p, "v chunks per rank, loop placement"
+    ),
+    "zb_h1": ScheduleSpec(zb_h1, PlacementKind.LOOP, 1, True, lambda p: p, "1F1B memory, W fills the tail"),
+    "zb_h2": ScheduleSpec(zb_h2, PlacementKind.LOOP, 1, True, lambda p: p, "zero bubble, 2p-1 in flight"),
+    "zb_v": ScheduleSpec(zb_v, PlacementKind.V, 2, True, lambda p: p, "zero bubble, V placement, 1F1B memory"),
+    "bitpipe": ScheduleSpec(
+        bitpipe, PlacementKind.BIDIRECTIONAL, 2, True, lambda p: p, "two V replicas in opposite directions"
+    ),
+}
+
+
+def check_requirements(name: str, pp: int, microbatches: int, chunks: int | None) -> int:
+    """Return the chunk count to use, or raise ValueError saying what is wrong and how to fix it."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    spec = SCHEDULES[name]
+    if pp < 2:
+        raise ValueError(f"{name} needs at least 2 pipeline ranks, got pp={pp}")
+    resolved = spec.default_chunks if chunks is None else chunks
+    if spec.chunks_fixed and resolved != spec.default_chunks:
+        raise ValueError(f"{name} always uses {spec.default_chunks} chunk(s) per rank; drop --chunks {chunks}")
+    if resolved < 2 and not spec.chunks_fixed:
+        raise ValueError(f"{name} needs at least 2 chunks per rank, got {resolved}; use 1f1b for 1 chunk")
+    if microbatches < spec.min_microbatches(pp):
+        raise ValueError(
+            f"{name} needs at least {spec.min_microbatches(pp)} micro-batches for pp={pp} "
+            f"(got {microbatches}); raise --microbatches or lower --pp"
+        )
+    if name == "interleaved_1f1b" and microbatches % pp:
+        raise ValueError(f"interleaved_1f1b needs micro-batches divisible by pp={pp}, got {microbatches}")
+    if name == "bitpipe" and microbatches % 2:
+        raise ValueError(f"bitpipe splits the micro-batches between 2 replicas; use an even number, got {microbatches}")
+    return resolved
+
+
+def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None) -> Schedule:
+    """The compute-only schedule `name` for `pp` ranks and `microbatches` micro-batches.
+
+    `chunks` is the number of stages per rank (per replica): v for interleaved_1f1b (default 2);
+    gpipe/1f1b/zb_h1/zb_h2 use 1, zb_v/bitpipe 2, and reject any other value.
+    """
+    resolved = check_requirements(name, pp, microbatches, chunks)
+    spec = SCHEDULES[name]
+    placement = Placement(spec.placement, pp, resolved)
+    ranks = spec.builder(pp, microbatches, resolved)
+    return Schedule(name, placement, microbatches, tuple(tuple(actions) for actions in ranks))

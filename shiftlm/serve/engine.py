@@ -1,0 +1,192 @@
+"""The engine step: schedule, run the model (through any `Runner`), sample, detokenize, finish.
+
+    engine = Engine(runner, SchedulerConfig(num_blocks=64), tokenizer, eos_token_ids={2})
+    engine.add_request("r0", prompt_ids, SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_work():
+        for output in engine.step(): ...
+
+n > 1 samples run as one sequence until the prompt is computed; the first token of every sample is then
+drawn from the same logits and the siblings fork, sharing the prompt's full blocks (copy-free).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shiftlm.serve.metrics import ServingMetrics
+from shiftlm.serve.sampling import make_generator, sample_token
+from shiftlm.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
+from shiftlm.serve.sequence import FinishReason, InvalidRequest, SamplingParams, Sequence
+from shiftlm.serve.text import StreamingText, Tokenizer
+
+
+class Runner(Protocol):
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [plan.num_samples, vocab] for the chunks with `sample=True`, in plan order."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt (plus at least one new token) does not fit the model's context."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sample of a request."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    n: int
+    arrival: float
+    samples: dict[int, Sequence] = field(default_factory=dict)
+    texts: dict[int, StreamingText] = field(default_factory=dict)
+    generators: dict[int, torch.Generator | None] = field(default_factory=dict)
+    last_token_time: dict[int, float] = field(default_factory=dict)
+    first_token_time: float | None = None
+    num_finished: int = 0
+
+
+class Engine:
+    """Synchronous engine; `AsyncEngine` runs it in a thread behind the HTTP server."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        config: SchedulerConfig,
+        tokenizer: Tokenizer,
+        eos_token_ids: set[int],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.metrics = ServingMetrics()
+        self._requests: dict[str, _Request] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
+                "(including at least one generated token); shorten the prompt",
+                "prompt",
+            )
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        now = self.clock()
+        seq = Sequence(request_id, list(prompt_ids), params, arrival_time=now)
+        request = _Request(prompt_len=len(prompt_ids), n=params.n, arrival=now)
+        self._track(request, seq)
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(prompt_ids)
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        for seq in (request.samples.values() if request else ()):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        if request:
+            self.metrics.record_finished(FinishReason.ABORT.value)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        logits = self.runner.execute(plan)
+        sampled = self.scheduler.complete_step(plan)
+        outputs: list[RequestOutput] = []
+        now = self.clock()
+        for row, seq in zip(logits, sampled):
+            request = self._requests[seq.request_id]
+            fork = request.n > 1 and seq.sample_index == 0 and len(request.samples) == 1
+            token = sample_token(row, seq.params, request.generators[seq.sample_index])
+            # Fork before the parent can finish and free the prompt blocks the siblings share.
+            children = [self._fork(request, seq, row, index) for index in range(1, request.n)] if fork else []
+            outputs.append(self._append(request, seq, token, now))
+            outputs += [self._after_token(request, child, now) for child in children]
+        return outputs
+
+    def _fork(self, request: _Request, parent: Sequence, logits: torch.Tensor, index: int) -> Sequence:
+        """Sample `index` of an n > 1 request: its first token comes from the prompt's logits."""
+        generator = make_generator(parent.params, index)
+        child = parent.fork(index, sample_token(logits, parent.params, generator))
+        self._track(request, child, generator)
+        self.scheduler.add_fork(parent, child)
+        return child
+
+    def _track(self, request: _Request, seq: Sequence, generator: torch.Generator | None = None) -> None:
+        request.samples[seq.sample_index] = seq
+        request.texts[seq.sample_index] = StreamingText(self.tokenizer, seq.params.stop)
+        request.generators[seq.sample_index] = generator or make_generator(seq.params, seq.sample_index)
+
+    def _append(self, request: _Request, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.output_ids.append(token)
+        return self._after_token(request, seq, now)
+
+    def _after_token(self, request: _Request, seq: Sequence, now: float) -> RequestOutput:
+        """Account for the token just appended to `seq`; finish the sample if it is done."""
+        token = seq.output_ids[-1]
+        index = seq.sample_index
+        with self.metrics.lock:
+            self.metrics.generation_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.metrics.ttft.observe(now - request.arrival)
+            elif index in request.last_token_time:
+                self.metrics.itl.observe(now - request.last_token_time[index])
+        request.last_token_time[index] = now
+        text = request.texts[index]
+        delta = text.update(seq.output_ids)
+        reason = self._finish_reason(seq, token, text.stopped)
+        if reason is not None:
+            delta += text.flush()
+            self.scheduler.finish(seq, reason)
+            request.num_finished += 1
+            if request.num_finished == request.n:
+                del self._requests[seq.request_id]
+                self.metrics.record_finished(reason.value)
+                with self.metrics.lock:
+                    self.metrics.e2e.observe(now - request.arrival)
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=index,
+            text=delta,
+            token_ids=[token],
+            finish_reason=reason.value if reason else None,
+            prompt_tokens=request.prompt_len,
+            completion_tokens=len(seq.output_ids),
+        )
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> FinishReason | None:
+        if stopped or (token in self.eos_token_ids and not seq.params.ignore_eos):
+            return FinishReason.STOP
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,151 @@
+"""Paged KV-cache bookkeeping: a block allocator with prefix caching, and per-sequence block tables.
+
+The cache is `num_blocks` fixed-size blocks of `block_size` token slots (PagedAttention, Kwon et al.,
+SOSP 2023). A sequence's block table maps its logical block i (tokens [i*B, (i+1)*B)) to a physical
+block; token at position p lives in slot `block_ids[p // B] * B + p % B`. Nothing here touches the
+tensors: the runner only ever sees slot numbers, so blocks are never moved or re-laid out.
+
+Prefix caching (as in vLLM's automatic prefix caching): a *full, computed* block is named by a hash
+chained over every token up to its end, so equal hashes mean equal K/V. Freed blocks keep their hash
+and stay findable until the allocator reuses them (least recently freed first). Sharing is copy-free:
+a block is only ever written while its owner is the only one computing into it, because only full
+blocks are shared.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from shiftlm.serve.sequence import Sequence
+
+
+def block_hash(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Hash of a full block, chained on the previous block's so that equal hash means equal prefix."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockAllocator:
+    """Reference-counted physical blocks; free blocks with a hash double as the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # reuse from the front
+        self._hash_of_block: dict[int, int] = {}
+        self._block_of_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def allocate(self) -> int:
+        block = next(iter(self._free))  # raises StopIteration only if the caller skipped num_free
+        del self._free[block]
+        old_hash = self._hash_of_block.pop(block, None)
+        if old_hash is not None:
+            del self._block_of_hash[old_hash]  # evicted from the prefix cache
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def free(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[block] = None
+            if block not in self._hash_of_block:
+                self._free.move_to_end(block, last=False)  # nothing to keep: reuse it first
+
+    def cached_block(self, hash_value: int) -> int | None:
+        return self._block_of_hash.get(hash_value)
+
+    def register(self, block: int, hash_value: int) -> None:
+        if hash_value not in self._block_of_hash and block not in self._hash_of_block:
+            self._block_of_hash[hash_value] = block
+            self._hash_of_block[block] = hash_value
+
+
+class BlockManager:
+    """Grows, shares and releases the block tables of sequences."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_hits = 0  # tokens whose K/V came from the prefix cache
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its first `num_tokens` tokens have slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_ids))
+
+    def reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Point a fresh sequence at cached blocks of its prefix; always leave >= 1 token to compute."""
+        if not self.enable_prefix_caching or seq.block_ids:
+            return
+        tokens = seq.token_ids
+        parent: int | None = None
+        while (len(seq.block_ids) + 1) * self.block_size < len(tokens):
+            start = len(seq.block_ids) * self.block_size
+            hash_value = block_hash(parent, tokens[start : start + self.block_size])
+            block = self.allocator.cached_block(hash_value)
+            if block is None:
+                break
+            self.allocator.share(block)
+            seq.block_ids.append(block)
+            seq.block_hashes.append(hash_value)
+            parent = hash_value
+        seq.num_hashed_blocks = len(seq.block_ids)
+        seq.num_computed = len(seq.block_ids) * self.block_size
+        self.prefix_hits += seq.num_computed
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` slots for its first `num_tokens` tokens; all or nothing."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > self.allocator.num_free:
+            return False
+        seq.block_ids.extend(self.allocator.allocate() for _ in range(needed))
+        return True
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Offer every newly full and computed block of `seq` to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        tokens = seq.token_ids
+        while (seq.num_hashed_blocks + 1) * self.block_size <= seq.num_computed:
+            i = seq.num_hashed_blocks
+            parent = seq.block_hashes[i - 1] if i else None
+            hash_value = block_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+            self.allocator.register(seq.block_ids[i], hash_value)
+            seq.block_hashes.append(hash_value)
+            seq.num_hashed_blocks += 1
+
+    def share_prompt(self, parent: Sequence, child: Sequence) -> None:
+        """n > 1: the child reuses the parent's full prompt blocks and recomputes only the partial tail."""
+        full_blocks = len(parent.prompt_ids) // self.block_size
+        full_blocks = min(full_blocks, (child.num_tokens - 1) // self.block_size)
+        for block in parent.block_ids[:full_blocks]:
+            self.allocator.share(block)
+        child.block_ids = parent.block_ids[:full_blocks]
+        child.block_hashes = parent.block_hashes[:full_blocks]
+        child.num_hashed_blocks = min(full_blocks, parent.num_hashed_blocks)
+        child.num_computed = full_blocks * self.block_size
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a finished or preempted sequence (cached ones stay findable)."""
+        for block in reversed(seq.block_ids):  # the tail is freed first, so it is evicted first
+            self.allocator.free(block)
+        seq.block_ids = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed = 0

@@ -1,0 +1,87 @@
+"""Serving metrics in the Prometheus text exposition format (version 0.0.4), without a client library.
+
+Latencies follow the usual serving definitions: TTFT = first token time - arrival; ITL = the gap
+between consecutive tokens of one sample; E2E = finish time - arrival. Gauges (running, waiting, KV
+usage) and scheduler counters (mode switches, preemptions) are read at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus expects (`le` buckets, `_sum`, `_count`)."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            cumulative += count
+            label = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{name}_bucket{{le="{label}"}} {cumulative}')
+        lines += [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return lines
+
+
+def _scalar(name: str, kind: str, help_text: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+
+
+class ServingMetrics:
+    """Written by the engine thread, rendered by the HTTP thread; one lock keeps them consistent."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ttft = Histogram()
+        self.itl = Histogram()
+        self.e2e = Histogram()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished_requests: dict[str, int] = {}
+        self.rejected_requests = 0
+
+    def record_finished(self, reason: str) -> None:
+        with self.lock:
+            self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
+
+    def render(self, gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]]) -> str:
+        """Text exposition; `gauges`/`counters` map a metric name to (help, value) read at scrape time."""
+        prefix = "shiftlm_"
+        with self.lock:
+            lines: list[str] = []
+            for name, (help_text, value) in gauges.items():
+                lines += _scalar(prefix + name, "gauge", help_text, value)
+            for name, (help_text, value) in counters.items():
+                lines += _scalar(prefix + name + "_total", "counter", help_text, value)
+            lines += _scalar(prefix + "prompt_tokens_total", "counter", "Prompt tokens received.", self.prompt_tokens)
+            lines += _scalar(
+                prefix + "generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens
+            )
+            lines += _scalar(
+                prefix + "rejected_requests_total", "counter", "Requests refused.", self.rejected_requests
+            )
+            lines += [f"# HELP {prefix}request_success_total Finished requests by finish reason."]
+            lines += [f"# TYPE {prefix}request_success_total counter"]
+            lines += [
+                f'{prefix}request_success_total{{finished_reason="{reason}"}} {count}'
+                for reason, count in sorted(self.finished_requests.items())
+            ]
+            lines += self.ttft.render(prefix + "time_to_first_token_seconds", "Time to first token.")
+            lines += self.itl.render(prefix + "inter_token_latency_seconds", "Time between tokens.")
+            lines += self.e2e.render(prefix + "e2e_request_latency_seconds", "Request latency.")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,216 @@
+"""Continuous batching with chunked prefill, preemption by recompute, and the Shift Parallelism policy.
+
+Every step the scheduler fills a token budget (Orca-style iteration-level scheduling, Yu et al.,
+OSDI 2022; chunked prefill as in Sarathi-Serve, Agrawal et al., OSDI 2024): running sequences first,
+oldest first (each decode costs one token, an unfinished prefill a chunk of what is left), then waiting
+sequences in arrival order. When the cache has no free block for a running sequence, the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed later (vLLM's recompute preemption; its full blocks usually survive in the prefix cache).
+
+The policy picks the parallel mode of the step from the number of scheduled tokens (DESIGN.md, "Shift
+Parallelism"): full TP for small steps (latency), SP x TP for large ones (throughput). This module
+imports no torch: the serving simulator runs this same scheduler with a cost-model runner.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from shiftlm.serve.kv_blocks import BlockManager
+from shiftlm.serve.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class Mode(str, enum.Enum):
+    TP = "tp"  # all P ranks on every token, weights sharded P ways
+    SP_TP = "sp_tp"  # tokens split SP ways, weights TP ways, Ulysses all-to-all around attention
+
+
+@dataclass(frozen=True)
+class ShiftPolicy:
+    """Full TP when a step schedules <= `threshold` tokens, else SP x TP."""
+
+    threshold: float
+
+    def mode_for(self, scheduled_tokens: int) -> Mode:
+        return Mode.TP if scheduled_tokens <= self.threshold else Mode.SP_TP
+
+    @classmethod
+    def named(cls, name: str, threshold: int = 64) -> ShiftPolicy:
+        """`tp` and `sp_tp` pin one mode; `shift` switches at `threshold` scheduled tokens."""
+        thresholds = {"tp": math.inf, "sp_tp": -1, "shift": threshold}
+        if name not in thresholds:
+            raise ValueError(f"unknown mode {name!r}; choose one of {sorted(thresholds)}")
+        return cls(thresholds[name])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_tokens_per_step: int = 256
+    max_model_len: int = 2048
+    policy: ShiftPolicy = ShiftPolicy(64)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_model_len > self.num_blocks * self.block_size:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} does not fit in {self.num_blocks} blocks of "
+                f"{self.block_size} tokens; lower max_model_len or raise num_blocks"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [start, start + len(token_ids)) of one sequence; `sample`: its logits are wanted."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step: what the runner computes, on every rank, in which mode."""
+
+    step: int
+    mode: Mode
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(chunk.sample for chunk in self.chunks)
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    mode_switches: int = 0
+    preemptions: int = 0
+    steps_per_mode: dict[str, int] = field(default_factory=lambda: {mode.value: 0 for mode in Mode})
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block tables."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._by_id: dict[int, Sequence] = {}
+        self._last_mode: Mode | None = None
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds {self.config.max_model_len}")
+        self._by_id[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start sample `child` of parent's request, sharing the parent's full prompt blocks."""
+        self.blocks.share_prompt(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self._by_id[child.seq_id] = child
+        self.running.append(child)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark `seq` finished and give back its blocks (wherever it is queued)."""
+        seq.finish(reason)
+        self.blocks.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._by_id.pop(seq.seq_id, None)
+
+    def schedule(self) -> StepPlan | None:
+        budget = self.config.max_tokens_per_step
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed, budget)
+            while not self.blocks.allocate(seq, seq.num_computed + num_new):
+                self._preempt(self.running[-1])
+                preempted = True
+                if self.running[index:index + 1] != [seq]:
+                    break  # seq preempted itself: nothing newer was left to make room
+            else:
+                chunks.append(self._chunk(seq, num_new))
+                budget -= num_new
+                index += 1
+        # Admitting new work while evicting running work would thrash; wait for the next step.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.reuse_cached_prefix(seq)
+            num_new = min(seq.num_uncomputed, budget)
+            # Keep one free block per running sequence so that decodes do not preempt at once.
+            headroom = len(self.running)
+            if self.blocks.blocks_needed(seq, seq.num_computed + num_new) + headroom > self.blocks.allocator.num_free:
+                self.blocks.release(seq)
+                break
+            self.blocks.allocate(seq, seq.num_computed + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, num_new))
+            budget -= num_new
+        if not chunks:
+            return None
+        return self._plan(tuple(chunks))
+
+    def complete_step(self, plan: StepPlan) -> list[Sequence]:
+        """Record that the plan's K/V are now cached; return the sequences whose logits were sampled."""
+        sampled = []
+        for chunk in plan.chunks:
+            seq = self._by_id[chunk.seq_id]
+            seq.num_computed = chunk.start + len(chunk.token_ids)
+            self.blocks.commit_computed_blocks(seq)
+            if chunk.sample:
+                sampled.append(seq)
+        return sampled
+
+    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start : start + num_new]),
+            start=start,
+            block_ids=tuple(seq.block_ids),
+            sample=start + num_new == seq.num_tokens,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _plan(self, chunks: tuple[ScheduledChunk, ...]) -> StepPlan:
+        num_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+        mode = self.config.policy.mode_for(num_tokens)
+        if self._last_mode is not None and mode is not self._last_mode:
+            self.stats.mode_switches += 1
+        self._last_mode = mode
+        self.stats.steps_per_mode[mode.value] += 1
+        plan = StepPlan(step=self.stats.steps, mode=mode, chunks=chunks)
+        self.stats.steps += 1
+        return plan

@@ -1,0 +1,119 @@
+"""Requests as the scheduler sees them: sampling parameters and one `Sequence` per sample.
+
+A sequence is a list of token ids plus a count of how many of them already have K/V in the paged
+cache (`num_computed`). Prefill, chunked prefill, decode and recompute after preemption are all the
+same thing: compute `tokens[num_computed:]` (or a chunk of them); when the cache has caught up with the
+tokens, the logits of the last position give the next token. This file imports no torch: the serving
+simulator drives the same scheduler with a cost model.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request parameter is out of range; the message says which and what is allowed."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the OpenAI API lets a client choose about sampling (temperature 0 = greedy)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 keeps every token
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 disables it)"),
+            (1 <= self.n <= 16, "n", f"n must be in [1, 16], got {self.n}"),
+            (len(self.stop) <= 4 and all(self.stop), "stop", "stop takes up to 4 non-empty strings"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequest(message, param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the client went away
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_sequence_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of one request; `block_ids` is its block table (logical block i -> physical id)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    sample_index: int = 0  # which of the request's n samples this is
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def fork(self, sample_index: int, first_token: int) -> Sequence:
+        """A sibling sample that starts from this sequence's prompt (blocks are shared by the caller)."""
+        return Sequence(
+            request_id=self.request_id,
+            prompt_ids=self.prompt_ids,
+            params=self.params,
+            arrival_time=self.arrival_time,
+            sample_index=sample_index,
+            output_ids=[first_token],
+        )

@@ -1,0 +1,174 @@
+"""Per-layer compute cost on one GPU: FLOPs and HBM bytes of every kernel, timed by a roofline.
+
+A kernel takes `max(flops / (peak * gemm), bytes / (hbm * memory)) + kernel_overhead`: large GEMMs
+are compute-bound, norms/activations/dropout are memory-bound, and attention without FlashAttention
+is in between (its batched GEMMs have K = head_dim). FLOP counts follow Narayanan et al. 2021,
+Appendix ("24bsh^2 + 4bs^2h" per layer forward for GPT), generalised to GQA and SwiGLU; elementwise
+bytes follow the tensors Korthikanti et al. 2022, Sec. 4.1 enumerates (the 34sbh + 5as^2b terms).
+
+`forward_ops` is the one place a transformer layer's work is described. Training composes it into
+F / I / W costs per micro-batch (`layer_pass_costs`); a serving cost-model runner can call
+`forward_ops` with `query_tokens` new tokens against `kv_tokens` of context (prefill or decode) and
+`kernels_time` to time them, plus `layer_comm_time` for the TP all-reduces / Ulysses all-to-alls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
+from shiftlm.sim.efficiency import Efficiency
+from shiftlm.sim.hardware import Hardware
+from shiftlm.sim.models import ModelSpec
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel: `gemm` kernels run at tensor-core efficiency, the rest at HBM efficiency."""
+
+    name: str
+    flops: float
+    nbytes: float
+    gemm: bool
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one layer is cut on this GPU."""
+
+    tp: int = 1
+    sp: int = 1
+    tp_sequence_parallel: bool = True
+    flash_attention: bool = True
+    dtype_bytes: int = 2
+
+
+def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
+    return Kernel(name, 2 * m * k * n, width * (m * k + k * n + m * n), True)
+
+
+def forward_ops(
+    model: ModelSpec, sequences: float, query_tokens: int, kv_tokens: int, shard: Shard
+) -> list[Kernel]:
+    """Kernels of one layer's forward on one GPU, for `sequences` x `query_tokens` new tokens that
+    attend to `kv_tokens` positions each (training: query_tokens = kv_tokens = seq_len)."""
+    width = shard.dtype_bytes
+    tokens = sequences * query_tokens / shard.sp  # Ulysses splits tokens outside attention
+    h, f, tp = model.hidden, model.ffn, shard.tp
+    qkv = h + 2 * model.kv_dim
+    # norms + the two residual/dropout adds touch 22 bytes per hidden element (Korthikanti 4.1)
+    pointwise_share = tp if shard.tp_sequence_parallel else 1
+    ops = [
+        Kernel("norms+residuals", 0.0, 22 * tokens * h / pointwise_share, False),
+        _gemm("qkv", tokens, h, qkv / tp, width),
+        _gemm("out_proj", tokens, h / tp, h, width),
+        _gemm("mlp_in", tokens, h, f * (2 if model.gated_mlp else 1) / tp, width),
+        Kernel("activation", 0.0, (6 if model.gated_mlp else 4) * tokens * f / tp, False),
+        _gemm("mlp_out", tokens, f / tp, h, width),
+    ]
+    heads = model.heads / (tp * shard.sp)  # after the all-to-all: all tokens, fewer heads
+    q_all, d = sequences * query_tokens * heads, model.head_dim
+    if shard.flash_attention:
+        # causal blocks above the diagonal are skipped (FlashAttention-2, Dao 2023, Sec. 3.1)
+        visible = kv_tokens - query_tokens / 2
+        kv_bytes = 2 * sequences * kv_tokens * heads * d * width
+        ops.append(Kernel("flash_attention", 4 * q_all * visible * d, 2 * q_all * d * width + kv_bytes, True))
+    else:
+        scores = q_all * kv_tokens
+        ops += [
+            Kernel("qk", 2 * scores * d, width * (2 * q_all * d + scores), True),
+            Kernel("softmax+dropout", 0.0, 9 * scores, False),  # read/write scores, probs, mask
+            Kernel("av", 2 * scores * d, width * (scores + 2 * q_all * d), True),
+        ]
+    return ops
+
+
+def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
+    """Roofline time of running `ops` back to back."""
+    peak = hardware.flops(dtype) * efficiency.gemm
+    bandwidth = hardware.hbm_bandwidth * efficiency.memory
+    return sum(max(op.flops / peak, op.nbytes / bandwidth) + efficiency.kernel_overhead for op in ops)
+
+
+def layer_comm_time(
+    model: ModelSpec, tokens: float, shard: Shard, tp_links: tuple[int, int], sp_links: tuple[int, int], links: Links
+) -> float:
+    """Communication of one layer's forward: two TP all-reduces (or the equal-volume all-gather +
+    reduce-scatter pairs of Megatron SP), and Ulysses' all-to-alls of q, k, v and the output.
+    `tp_links` / `sp_links` are (ranks per node, nodes) of the groups."""
+    width, h = shard.dtype_bytes, model.hidden
+    local_tokens = tokens / shard.sp
+    time = 2 * all_reduce_time(local_tokens * h * width, *tp_links, links) if shard.tp > 1 else 0.0
+    if shard.sp > 1:
+        qkv_bytes = local_tokens * (h + 2 * model.kv_dim) / shard.tp * width
+        time += all_to_all_time(qkv_bytes, *sp_links, links)
+        time += all_to_all_time(local_tokens * h / shard.tp * width, *sp_links, links)
+    return time
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds per micro-batch for one layer: forward, input-gradient and weight-gradient passes."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+
+
+def layer_pass_costs(
+    model: ModelSpec,
+    micro_batch: int,
+    seq_len: int,
+    shard: Shard,
+    recompute: str,
+    hardware: Hardware,
+    efficiency: Efficiency,
+    dtype: str,
+    comm_forward: float,
+) -> PassCosts:
+    """F, I and W of one layer. Backward GEMMs cost twice the forward (dgrad + wgrad, split into I
+    and W as in zero-bubble PP, Qi et al. 2024); attention and pointwise backward go to I. Recompute
+    replays the forward before I: all of it (`full`) or the attention core (`selective`,
+    Korthikanti 2022 Sec. 5); FlashAttention already recomputes its scores, so selective is free."""
+    ops = forward_ops(model, micro_batch, seq_len, seq_len, shard)
+    gemms = [op for op in ops if op.gemm and op.name in ("qkv", "out_proj", "mlp_in", "mlp_out")]
+    others = [op for op in ops if op not in gemms]
+    forward = kernels_time(ops, hardware, efficiency, dtype)
+    gemm_time = kernels_time(gemms, hardware, efficiency, dtype)
+    other_time = kernels_time(others, hardware, efficiency, dtype)
+    attention_scale = 2.5 if shard.flash_attention else 2.0  # flash backward recomputes QK^T
+    attention_time = kernels_time([op for op in others if op.gemm], hardware, efficiency, dtype)
+    backward_input = gemm_time + 2 * (other_time - attention_time) + attention_scale * attention_time
+    backward_input += comm_forward  # the conjugate collectives of the forward ones
+    if recompute == "full":
+        backward_input += forward + comm_forward
+    elif recompute == "selective" and not shard.flash_attention:
+        backward_input += kernels_time([op for op in others if op.name in ("qk", "softmax+dropout", "av")],
+                                       hardware, efficiency, dtype)
+    return PassCosts(forward + comm_forward, backward_input, gemm_time)
+
+
+def head_pass_costs(
+    model: ModelSpec, tokens: float, shard: Shard, hardware: Hardware, efficiency: Efficiency, dtype: str
+) -> PassCosts:
+    """The vocabulary-parallel LM head and fp32 cross-entropy on the last stage (per micro-batch)."""
+    local = tokens / shard.sp
+    logits = _gemm("lm_head", local, model.hidden, model.vocab / shard.tp, shard.dtype_bytes)
+    cross_entropy = Kernel("cross_entropy", 0.0, 12 * local * model.vocab / shard.tp, False)
+    forward = kernels_time([logits, cross_entropy], hardware, efficiency, dtype)
+    gemm = kernels_time([logits], hardware, efficiency, dtype)
+    return PassCosts(forward, forward, gemm)
+
+
+def optimizer_time(local_params: float, hardware: Hardware, efficiency: Efficiency) -> float:
+    """Fused mixed-precision Adam: reads fp32 master/m/v and the grad, writes them and the bf16 copy
+    (~30 bytes per parameter); purely memory-bound."""
+    return 30 * local_params / (hardware.hbm_bandwidth * efficiency.memory)
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token without recompute: 3x forward (forward + 2x backward), counting the
+    full s x s attention as the MFU convention of PaLM / Megatron does."""
+    attention = 4 * seq_len * model.hidden
+    dense = 2 * (model.layer_params - 2 * model.hidden)
+    return 3 * (model.layers * (dense + attention) + 2 * model.hidden * model.vocab)

@@ -1,0 +1,30 @@
+"""The simulator's free parameters: how far below datasheet peak real kernels and collectives run.
+
+These are the only numbers `shiftlm simulate validate` may fit. The defaults are first-principles
+values from public measurements, used when nothing is fitted:
+- `gemm`: large fp16 GEMMs reach ~80% of A100 tensor-core peak (cuBLAS, NVIDIA "Matrix
+  Multiplication Background" guide; Megatron-LM 2021 reports 50-52% end to end *including* comm).
+- `memory`: STREAM-like kernels reach ~85% of HBM bandwidth.
+- `intra_comm` / `inter_comm`: NCCL all-reduce bus bandwidth over datasheet link rate, ~0.75 on
+  NVLink (nccl-tests on DGX A100: ~230 of 300 GB/s) and ~0.9 on InfiniBand.
+- `kernel_overhead`: fixed seconds per kernel (launch + tail), ~5 us on a busy GPU stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    gemm: float = 0.80
+    memory: float = 0.85
+    intra_comm: float = 0.75
+    inter_comm: float = 0.90
+    kernel_overhead: float = 5e-6
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+FIRST_PRINCIPLES = Efficiency()

@@ -1,0 +1,189 @@
+"""Hardware catalog: what one accelerator and its links can do, from vendor datasheets.
+
+All rates are dense (no 2:4 sparsity) peak numbers per GPU. Link bandwidths are per GPU and per
+direction, which is what a ring collective's bus bandwidth is bounded by. "this" is not in the
+catalog: `shiftlm calibrate` measures this machine and writes a profile that `load_profile` reads.
+
+Sources (datasheet values; where a datasheet gives a range the SXM/OAM variant is used):
+- A100: NVIDIA A100 Tensor Core GPU datasheet (2021): 312 TFLOP/s fp16/bf16, 156 tf32, 19.5 fp32;
+  40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s bidirectional.
+  DGX A100: 8 GPUs/node, 8x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
+- H100 SXM / PCIe: NVIDIA H100 datasheet (2023): SXM 989 TFLOP/s bf16, 1,979 fp8, 67 fp32, 80 GB
+  HBM3 at 3.35 TB/s, NVLink 4 900 GB/s; PCIe 756 bf16, 1,513 fp8, 51 fp32, 80 GB HBM2e at 2.0 TB/s,
+  PCIe Gen5 128 GB/s bidirectional. DGX H100: 8x 400 Gb/s NDR (50 GB/s per GPU).
+- H200: NVIDIA H200 datasheet (2024): H100 SXM compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+- B200: NVIDIA DGX B200 datasheet (2024): 72 PFLOP/s fp8 training per 8 GPUs with sparsity, i.e.
+  4.5 PFLOP/s dense fp8 and 2.25 bf16 per GPU; 1,440 GB HBM3e per 8 GPUs at 8 TB/s each;
+  NVLink 5 1.8 TB/s; 8x 400 Gb/s ConnectX-7.
+- MI250X: AMD Instinct MI250X datasheet: 383 TFLOP/s fp16/bf16, 47.9 fp32 vector, 128 GB HBM2e at
+  3.2 TB/s, up to 8 Infinity Fabric links (800 GB/s peak aggregate); 4 per node as in Frontier with
+  4x 200 Gb/s Slingshot (25 GB/s per module).
+- MI300X: AMD Instinct MI300X datasheet: 1,307 TFLOP/s bf16, 2,615 fp8, 163 fp32, 192 GB HBM3 at
+  5.3 TB/s, 7 Infinity Fabric links (896 GB/s aggregate bidirectional), 8 per platform.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+TERA, GIGA = 1e12, 1e9
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator type in its usual node. Bandwidths in bytes/s per GPU per direction."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s
+    hbm_bytes: float
+    hbm_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    gpus_per_node: int
+    intra_node_latency: float = 5e-6  # seconds per collective step (NCCL-tests small-message floor)
+    inter_node_latency: float = 10e-6
+    notes: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for `dtype`; a clear error if the GPU has no such tensor cores."""
+        if dtype not in self.peak_flops:
+            supported = ", ".join(sorted(self.peak_flops))
+            raise ValueError(f"{self.name} has no {dtype} peak in the catalog; use one of: {supported}")
+        return self.peak_flops[dtype]
+
+
+def _nvidia(bf16: float, fp8: float | None, fp32: float, **kwargs) -> dict:
+    peaks = {"bf16": bf16 * TERA, "fp16": bf16 * TERA, "fp32": fp32 * TERA, "tf32": bf16 / 2 * TERA}
+    if fp8:
+        peaks["fp8"] = fp8 * TERA
+    return {"peak_flops": peaks, **kwargs}
+
+
+CATALOG: dict[str, Hardware] = {
+    hw.name: hw
+    for hw in [
+        Hardware(
+            "a100-40gb",
+            **_nvidia(312, None, 19.5),
+            hbm_bytes=40 * GIGA,
+            hbm_bandwidth=1555 * GIGA,
+            intra_node_bandwidth=300 * GIGA,
+            inter_node_bandwidth=25 * GIGA,
+            gpus_per_node=8,
+        ),
+        Hardware(
+            "a100-80gb",
+            **_nvidia(312, None, 19.5),
+            hbm_bytes=80 * GIGA,
+            hbm_bandwidth=2039 * GIGA,
+            intra_node_bandwidth=300 * GIGA,
+            inter_node_bandwidth=25 * GIGA,
+            gpus_per_node=8,
+        ),
+        Hardware(
+            "h100-sxm",
+            **_nvidia(989, 1979, 67),
+            hbm_bytes=80 * GIGA,
+            hbm_bandwidth=3350 * GIGA,
+            intra_node_bandwidth=450 * GIGA,
+            inter_node_bandwidth=50 * GIGA,
+            gpus_per_node=8,
+        ),
+        Hardware(
+            "h100-pcie",
+            **_nvidia(756, 1513, 51),
+            hbm_bytes=80 * GIGA,
+            hbm_bandwidth=2000 * GIGA,
+            intra_node_bandwidth=64 * GIGA,
+            inter_node_bandwidth=50 * GIGA,
+            gpus_per_node=8,
+        ),
+        Hardware(
+            "h200",
+            **_nvidia(989, 1979, 67),
+            hbm_bytes=141 * GIGA,
+            hbm_bandwidth=4800 * GIGA,
+            intra_node_bandwidth=450 * GIGA,
+            inter_node_bandwidth=50 * GIGA,
+            gpus_per_node=8,
+        ),
+        Hardware(
+            "b200",
+            **_nvidia(2250, 4500, 80),
+            hbm_bytes=180 * GIGA,
+            hbm_bandwidth=8000 * GIGA,
+            intra_node_bandwidth=900 * GIGA,
+            inter_node_bandwidth=50 * GIGA,
+            gpus_per_node=8,
+        ),
+        Hardware(
+            "mi250x",
+            peak_flops={"bf16": 383 * TERA, "fp16": 383 * TERA, "fp32": 47.9 * TERA},
+            hbm_bytes=128 * GIGA,
+            hbm_bandwidth=3200 * GIGA,
+            intra_node_bandwidth=200 * GIGA,
+            inter_node_bandwidth=25 * GIGA,
+            gpus_per_node=4,
+        ),
+        Hardware(
+            "mi300x",
+            peak_flops={
+                "bf16": 1307 * TERA,
+                "fp16": 1307 * TERA,
+                "fp8": 2615 * TERA,
+                "fp32": 163 * TERA,
+            },
+            hbm_bytes=192 * GIGA,
+            hbm_bandwidth=5300 * GIGA,
+            intra_node_bandwidth=448 * GIGA,
+            inter_node_bandwidth=50 * GIGA,
+            gpus_per_node=8,
+        ),
+    ]
+}
+
+ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "mi300": "mi300x", "mi250": "mi250x"}
+
+DEFAULT_PROFILE = Path(os.environ.get("SHIFTLM_HARDWARE", Path.home() / ".cache/shiftlm/hardware.json"))
+
+
+def save_profile(hardware: Hardware, path: Path) -> None:
+    """Write a profile that `load_profile` reads back (written by `shiftlm calibrate`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(hardware), indent=2) + "\n")
+    tmp.replace(path)  # atomic: never leave half a profile behind
+
+
+def load_profile(path: Path) -> Hardware:
+    """Read a hardware profile JSON (the fields of `Hardware`)."""
+    if not path.exists():
+        raise ValueError(f"no hardware profile at {path}; run `shiftlm calibrate --out {path}` first")
+    try:
+        fields = json.loads(path.read_text())
+        return Hardware(**fields)
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"{path} is not a hardware profile ({err}); re-run `shiftlm calibrate`") from err
+
+
+def get_hardware(name: str, profile: Path | None = None) -> Hardware:
+    """A catalog entry by name (case-insensitive), or "this" from the calibration profile."""
+    key = name.lower()
+    if key == "this" or profile is not None:
+        return load_profile(profile or DEFAULT_PROFILE)
+    key = ALIASES.get(key, key)
+    if key not in CATALOG:
+        known = ", ".join([*CATALOG, "this"])
+        raise ValueError(f"unknown GPU {name!r}; choose one of: {known}")
+    return CATALOG[key]
+
+
+def with_links(hardware: Hardware, intra: float, inter: float, name: str) -> Hardware:
+    """The same GPU on a cluster with different links (e.g. the vTrain testbed)."""
+    return replace(hardware, name=name, intra_node_bandwidth=intra, inter_node_bandwidth=inter)

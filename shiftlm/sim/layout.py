@@ -1,0 +1,79 @@
+"""A training layout (how one step is cut across GPUs) and where each parallel group's ranks sit.
+
+Rank order decides whether a group spans nodes. shiftlm uses `rank = ((dp*PP + pp)*SP + sp)*TP + tp`
+(innermost first: tp, sp, pp, dp); Megatron-LM uses tp, dp, pp (Narayanan et al. 2021, Sec. 3.3), so
+the validation replays measured runs with their own order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHIFTLM_ORDER = ("tp", "sp", "pp", "dp")
+MEGATRON_ORDER = ("tp", "sp", "dp", "pp")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    sp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq_len: int = 2048
+    schedule: str = "1f1b"
+    chunks: int = 1
+    recompute: str = "selective"
+    zero: int = 1
+    tp_sequence_parallel: bool = True  # Megatron SP: norms/dropout sharded over tp (Korthikanti 2022)
+    flash_attention: bool = True  # no s x s score matrix in memory; 2021-22 Megatron had none
+    overlap_grad_sync: bool = True  # DP all-reduce under the last backward; 2021-22 Megatron did not
+    rank_order: tuple[str, ...] = SHIFTLM_ORDER
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp * self.sp * self.tp
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours of one `axis` group."""
+        stride = 1
+        for inner in self.rank_order:
+            if inner == axis:
+                return stride
+            stride *= self.size(inner)
+        raise ValueError(f"unknown axis {axis!r}")
+
+    def check(self) -> None:
+        """Raise ValueError naming what is inconsistent and how to fix it."""
+        for axis in ("dp", "pp", "tp", "sp", "micro_batch", "chunks"):
+            if self.size(axis) < 1:
+                raise ValueError(f"--{axis.replace('_', '-')} must be >= 1")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(
+                f"global batch {self.global_batch} is not a multiple of dp x micro-batch "
+                f"= {self.dp * self.micro_batch}; change --global-batch or --micro-batch"
+            )
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError("--zero must be 0, 1, 2 or 3")
+        if self.seq_len % self.sp:
+            raise ValueError(f"--seq {self.seq_len} must be a multiple of --sp {self.sp}")
+
+
+def group_placement(layout: Layout, axis: str, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks of one `axis` group per node, nodes it spans), assuming ranks fill nodes in order."""
+    size, stride = layout.size(axis), layout.stride(axis)
+    if size == 1:
+        return 1, 1
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return per_node, size // per_node

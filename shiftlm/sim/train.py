@@ -1,0 +1,168 @@
+"""One training step of a layout on a cluster: the real pipeline schedule, timed by the pipeline IR.
+
+step = makespan of `shiftlm.pipeline.simulator.simulate` on the schedule `build_schedule` produces,
+       with per-stage F / I / W costs per micro-batch (layers + TP/SP collectives) and p2p costs
+     + the DP gradient sync left exposed (all of it, or what the last micro-batch's backward of
+       the stage does not hide when `overlap_grad_sync`)
+     + the optimizer step.
+Memory's activation term is one micro-batch's per-chunk activations times the peak number of
+chunk activations the schedule keeps alive on a rank (`SimulationResult.peak_activations`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from shiftlm.sim import costs
+from shiftlm.sim.collectives import Links, all_reduce_time, p2p_time
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
+from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
+from shiftlm.sim.layout import Layout, group_placement
+from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+from shiftlm.sim.models import ModelSpec
+
+
+@lru_cache(maxsize=4096)
+def build(name: str, pp: int, microbatches: int, chunks: int):
+    """The schedule, built once per shape (the planner asks for the same shapes many times)."""
+    from shiftlm.pipeline.schedules import build_schedule
+
+    return build_schedule(name, pp, microbatches, chunks=chunks)
+
+
+@lru_cache(maxsize=4096)
+def peak_in_flight(name: str, pp: int, microbatches: int, chunks: int) -> int:
+    """Most stage-chunk activations any rank holds at once; a property of the schedule's order
+    (under balanced costs), so it is simulated once per shape with unit costs."""
+    from shiftlm.pipeline.simulator import simulate
+
+    return max(simulate(build(name, pp, microbatches, chunks)).peak_activations)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage seconds per micro-batch, and the collective share of them (for the breakdown)."""
+
+    forward: list[float]
+    backward_input: list[float]
+    backward_weight: list[float]
+    comm: list[float]
+    p2p: float
+
+
+def stage_costs(
+    model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str, num_stages: int
+) -> StageCosts:
+    """F / I / W for each of `num_stages` stages (layers split evenly; the embedding on the first
+    stage, LM head and loss on the last)."""
+    links = Links.of(hardware, efficiency)
+    width = DTYPE_BYTES[dtype]
+    shard = costs.Shard(layout.tp, layout.sp, layout.tp_sequence_parallel, layout.flash_attention, width)
+    tokens = layout.micro_batch * layout.seq_len
+    tp_links = group_placement(layout, "tp", hardware.gpus_per_node)
+    sp_links = group_placement(layout, "sp", hardware.gpus_per_node)
+    comm = costs.layer_comm_time(model, tokens, shard, tp_links, sp_links, links)
+    layer = costs.layer_pass_costs(
+        model, layout.micro_batch, layout.seq_len, shard, layout.recompute, hardware, efficiency, dtype, comm
+    )
+    head = costs.head_pass_costs(model, tokens, shard, hardware, efficiency, dtype)
+    layers = model.layers / num_stages
+    comm_per_stage = layers * comm * (3 if layout.recompute == "full" else 2)
+    forward = [layers * layer.forward] * num_stages
+    backward_input = [layers * layer.backward_input] * num_stages
+    backward_weight = [layers * layer.backward_weight] * num_stages
+    forward[-1] += head.forward
+    backward_input[-1] += head.backward_input
+    backward_weight[-1] += head.backward_weight
+    # vocab-parallel embedding: one all-reduce of the embedded tokens in forward (Megatron 2019, Sec. 3)
+    if layout.tp > 1:
+        forward[0] += all_reduce_time(tokens / layout.sp * model.hidden * width, *tp_links, links)
+    activation_bytes = tokens / layout.sp * model.hidden * width / layout.tp  # scatter-gather p2p
+    crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
+    p2p = p2p_time(activation_bytes, crosses, links) if layout.pp > 1 else 0.0
+    return StageCosts(forward, backward_input, backward_weight, [comm_per_stage] * num_stages, p2p)
+
+
+@dataclass
+class StepResult:
+    step_time: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (no recompute) per second per GPU
+    mfu: float
+    bubble_fraction: float
+    memory: MemoryEstimate
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "memory_gib": self.memory.as_dict(),
+            "oom": not self.memory.fits,
+            "breakdown_s": self.breakdown,
+        }
+
+
+def grad_sync_time(model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
+    """DP sync of one rank's gradients. ZeRO-1/2 reduce-scatter grads and all-gather weights, the
+    same volume as an all-reduce; ZeRO-3 moves 1.5x that (Rajbhandari et al. 2020, Sec. 7)."""
+    if layout.dp == 1:
+        return 0.0
+    nbytes = stage_params(model, layout) * DTYPE_BYTES[dtype]
+    placement = group_placement(layout, "dp", hardware.gpus_per_node)
+    time = all_reduce_time(nbytes, *placement, Links.of(hardware, efficiency))
+    return time * (1.5 if layout.zero >= 3 else 1.0)
+
+
+def simulate_step(
+    model: ModelSpec,
+    layout: Layout,
+    hardware: Hardware,
+    efficiency: Efficiency = FIRST_PRINCIPLES,
+    dtype: str = "bf16",
+) -> StepResult:
+    """Simulate one optimizer step of `layout` (see the module docstring for the composition)."""
+    from shiftlm.pipeline.simulator import ActionCosts, simulate
+
+    layout.check()
+    schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    stage = stage_costs(model, layout, hardware, efficiency, dtype, schedule.num_stages)
+    result = simulate(
+        schedule,
+        ActionCosts(stage.forward, stage.backward_input, stage.backward_weight, p2p=stage.p2p),
+    )
+    sync = grad_sync_time(model, layout, hardware, efficiency, dtype)
+    last_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
+    exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
+    local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
+    optimizer = costs.optimizer_time(local_params, hardware, efficiency)
+    step = result.makespan + exposed_sync + optimizer
+
+    tokens = layout.global_batch * layout.seq_len
+    model_flops = costs.model_flops_per_token(model, layout.seq_len) * tokens
+    busiest = max(result.busy)
+    rank_of_busiest = result.busy.index(busiest)
+    stages_on_rank = [s for s in range(schedule.num_stages) if schedule.placement.rank_of(s) == rank_of_busiest]
+    comm = sum(stage.comm[s] for s in stages_on_rank) * layout.microbatches
+    memory = estimate_memory(
+        model, layout, max(result.peak_activations), hardware.hbm_bytes, DTYPE_BYTES[dtype]
+    )
+    return StepResult(
+        step_time=step,
+        tokens_per_s=tokens / step,
+        tflops_per_gpu=model_flops / step / layout.gpus / 1e12,
+        mfu=model_flops / (step * layout.gpus * hardware.flops(dtype)),
+        bubble_fraction=result.bubble_fraction,
+        memory=memory,
+        breakdown={
+            "compute": busiest - comm,
+            "tp_sp_comm": comm,
+            "pipeline_bubble_and_p2p": result.makespan - busiest,
+            "dp_sync_exposed": exposed_sync,
+            "optimizer": optimizer,
+        },
+    )

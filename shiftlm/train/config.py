@@ -1,0 +1,211 @@
+"""The training configuration: typed sections read from TOML, with `--section.key=value` overrides.
+
+The file format is the one `shiftlm plan train` writes ([model], [parallel], [train]) plus the
+sections a run needs beyond the plan ([optim], [data], [checkpoint], [log]). Every section and key
+is checked: a typo gets a "did you mean" and a bad value says which values are allowed, so a run
+fails in its first second rather than after an hour.
+
+    cfg = load_config("plan.toml", ["--train.steps=200", "--parallel.dp=2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPES = ("auto", "fp32", "bf16")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what is wrong and how to fix it."""
+
+
+@dataclass
+class ModelSection:
+    name: str = "tiny"  # a preset name, or a path to an HF config.json / checkpoint dir
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    pp: int = 1
+    sp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.sp * self.tp
+
+
+@dataclass
+class TrainSection:
+    micro_batch: int = 1
+    global_batch: int = 8  # sequences per optimizer step, over all DP ranks and accumulation steps
+    seq_len: int = 128
+    schedule: str = "1f1b"
+    chunks: int = 1  # pipeline stages per rank (interleaved / V schedules)
+    recompute: str = "none"
+    zero: int = 1  # 0: replicated optimizer state, 1: ZeRO-1 sharding over DP
+    steps: int = 100
+    seed: int = 0
+    dtype: str = "auto"  # auto: bf16 autocast where the device supports it, fp32 on CPU
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-3
+    min_lr: float = 3e-4  # the cosine decays from lr to min_lr at the last step
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class DataSection:
+    source: str = "stdlib"  # "stdlib" (embedded corpus) or a file/dir of text, JSONL, parquet, .bin shards
+    text_key: str = "text"  # the field holding the text in JSONL and parquet records
+    tokenizer: str = ""  # an HF tokenizer dir; empty: the byte-level BPE trained on the stdlib corpus
+    vocab_size: int = 2048  # of the embedded tokenizer
+    corpus_mb: float = 4.0  # size of the embedded corpus
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 0  # save every N steps; 0: only at the end
+    keep: int = 2  # checkpoints kept on disk (oldest deleted first)
+    resume: bool = True  # continue from the newest checkpoint in <log.dir>/checkpoints if one exists
+
+
+@dataclass
+class LogSection:
+    dir: str = "runs/train"  # metrics.jsonl, loss.png and checkpoints/ go here
+    progress: str = "auto"  # auto: a progress bar when stderr is a terminal; on; off
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches each DP rank runs per optimizer step."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" Did you mean '{close[0]}'?" if close else f" Known: {', '.join(choices)}."
+
+
+def _coerce(value: Any, kind: type, where: str) -> Any:
+    """Check a TOML value (or parse an override string) against the field's declared type."""
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        try:
+            if kind is bool:
+                if text not in ("true", "false", "1", "0"):
+                    raise ValueError
+                return text in ("true", "1")
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{where} = {value!r} is not a {kind.__name__}; give e.g. {where}=1") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{where} = {value!r} must be a {kind.__name__}")
+    return value
+
+
+def _apply(config: TrainConfig, section: str, key: str, value: Any) -> None:
+    sections = {f.name: f for f in dataclasses.fields(config)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section [{section}].{_did_you_mean(section, list(sections))}")
+    target = getattr(config, section)
+    keys = {f.name: f for f in dataclasses.fields(target)}
+    if key not in keys:
+        raise ConfigError(f"unknown config key '{section}.{key}'.{_did_you_mean(key, list(keys))}")
+    kind = {"int": int, "float": float, "str": str, "bool": bool}[str(keys[key].type)]
+    setattr(target, key, _coerce(value, kind, f"{section}.{key}"))
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, str, str]]:
+    """`["--train.steps=5"]` -> `[("train", "steps", "5")]`."""
+    parsed = []
+    for item in overrides:
+        body = item[2:] if item.startswith("--") else item
+        dotted, sep, value = body.partition("=")
+        section, dot, key = dotted.partition(".")
+        if not sep or not dot or not section or not key:
+            raise ConfigError(f"cannot read override {item!r}; write it as --section.key=value, e.g. --train.steps=50")
+        parsed.append((section, key, value))
+    return parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file (if any), then the overrides; validated."""
+    config = TrainConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass the path of a TOML file")
+        try:
+            document = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+        for section, table in document.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: '{section}' must be a [section] table, not a top-level key")
+            for key, value in table.items():
+                _apply(config, section, key, value)
+    for section, key, value in parse_overrides(overrides or []):
+        _apply(config, section, key, value)
+    validate(config)
+    return config
+
+
+def validate(config: TrainConfig) -> None:
+    """Checks that need no model: positive sizes, known modes, a batch that divides evenly."""
+    for section in (config.parallel, config.train, config.checkpoint):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            minimum = 0 if f.name in ("zero", "every", "seed") else 1
+            if f.type == "int" and value < minimum:
+                raise ConfigError(f"{f.name} = {value} must be >= {minimum}")
+    train, optim = config.train, config.optim
+    if train.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"train.recompute = {train.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    if train.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype = {train.dtype!r}; use one of {', '.join(DTYPES)}")
+    if train.zero not in (0, 1):
+        raise ConfigError(f"train.zero = {train.zero}; shiftlm implements ZeRO stage 0 and 1")
+    per_step = train.micro_batch * config.parallel.dp
+    if train.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch = {train.global_batch} is not a multiple of micro_batch x dp = {per_step}; "
+            f"use e.g. global_batch = {max(1, round(train.global_batch / per_step)) * per_step}"
+        )
+    if optim.lr <= 0 or not 0 <= optim.min_lr <= optim.lr:
+        raise ConfigError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={optim.lr}, min_lr={optim.min_lr}")
+    if not (0 <= optim.beta1 < 1 and 0 <= optim.beta2 < 1):
+        raise ConfigError("optim.beta1 and optim.beta2 must lie in [0, 1)")
+    if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.warmup_steps < 0:
+        raise ConfigError("optim.grad_clip, optim.weight_decay and optim.warmup_steps must be >= 0")
+    if config.log.progress not in ("auto", "on", "off"):
+        raise ConfigError(f"log.progress = {config.log.progress!r}; use auto, on or off")

@@ -1,0 +1,74 @@
+"""This rank's trainable parameters in one flat fp32 buffer, and their gradients in another.
+
+Each parameter's `.data` and `.grad` become views into the two buffers (as DDP's
+`gradient_as_bucket_view`), so a bucket of gradients is a contiguous slice that one collective can
+reduce in place, and a ZeRO-1 shard is a contiguous range that one all-gather can refill. The
+length is padded to a multiple of the sharding group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    """Where one parameter lives in the flat buffers."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+class FlatParameters:
+    def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1):
+        self.parameters = [param for _, param in named_parameters]
+        self.slots: list[FlatSlot] = []
+        offset = 0
+        for name, param in named_parameters:
+            self.slots.append(FlatSlot(name, offset, tuple(param.shape)))
+            offset += param.numel()
+        self.numel = offset
+        padded = -(-max(offset, 1) // pad_to) * pad_to
+        self.params = torch.zeros(padded, dtype=torch.float32)
+        self.grads = torch.zeros(padded, dtype=torch.float32)
+        with torch.no_grad():
+            for slot, param in zip(self.slots, self.parameters):
+                self.params[slot.offset : slot.offset + slot.numel].copy_(param.reshape(-1))
+                param.data = self.view(self.params, slot)
+                param.grad = self.view(self.grads, slot)
+
+    @staticmethod
+    def view(buffer: torch.Tensor, slot: FlatSlot) -> torch.Tensor:
+        return buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def unflatten(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views of a flat buffer laid out like `params` (e.g. an Adam moment)."""
+        return {slot.name: self.view(buffer, slot) for slot in self.slots}
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The inverse of `unflatten`: a new padded flat buffer from per-parameter tensors."""
+        buffer = torch.zeros_like(self.params)
+        for slot in self.slots:
+            self.view(buffer, slot).copy_(tensors[slot.name].reshape(slot.shape))
+        return buffer
+
+    def mask(self, keep) -> torch.Tensor:
+        """A flat 0/1 buffer: 1 on the parameters for which `keep(name, shape)` is true."""
+        mask = torch.zeros_like(self.params)
+        for slot in self.slots:
+            if keep(slot.name, slot.shape):
+                self.view(mask, slot).fill_(1.0)
+        return mask
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        for slot, param in zip(self.slots, self.parameters):
+            if param.grad is None or param.grad.data_ptr() != self.view(self.grads, slot).data_ptr():
+                param.grad = self.view(self.grads, slot)  # something replaced it; point it back

@@ -1,0 +1,83 @@
+"""Data-parallel gradient sync with bucketing and overlap (Li et al. 2020, PyTorch DDP, §3.2).
+
+Gradients are summed (not averaged: the loss is already divided by the global token count) over
+the group of ranks that hold the same parameters. Buckets are contiguous slices of the flat
+gradient buffer, filled in reverse parameter order, which is roughly the order backward produces
+them. A post-accumulate hook counts each parameter's gradient arrivals; when every parameter of a
+bucket has received all of this step's micro-batches, the bucket's all-reduce starts asynchronously
+while backward goes on. `finish()` starts whatever is left (e.g. gradients written outside autograd
+hooks) and waits for all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shiftlm.comm import CommGroup, counters
+from shiftlm.train.flat import FlatParameters
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
+class GradSync:
+    def __init__(self, flat: FlatParameters, group: CommGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.flat, self.group = flat, group
+        self.buckets: list[tuple[int, int]] = []  # [start, end) in the flat buffer
+        self._bucket_of: list[int] = []  # parameter index -> bucket index
+        self._build_buckets(bucket_bytes // 4)
+        self._expected = 0
+        self._arrivals = [0] * len(flat.parameters)
+        self._pending = [0] * len(self.buckets)  # parameters still to arrive, per bucket
+        self._handles: dict[int, dist.Work | None] = {}
+        if group.size > 1:
+            for index, param in enumerate(flat.parameters):
+                param.register_post_accumulate_grad_hook(lambda _, index=index: self._arrived(index))
+
+    def _build_buckets(self, bucket_elements: int) -> None:
+        self._bucket_of = [0] * len(self.flat.slots)
+        end, start = None, None
+        for index in reversed(range(len(self.flat.slots))):
+            slot = self.flat.slots[index]
+            if end is None:
+                end = slot.offset + slot.numel
+            start = slot.offset
+            self._bucket_of[index] = len(self.buckets)
+            if end - start >= bucket_elements or index == 0:
+                self.buckets.append((start, end))
+                end = None
+
+    def begin_step(self, micro_batches: int) -> None:
+        """Arm the hooks: each parameter will receive `micro_batches` gradient contributions."""
+        self._expected = micro_batches
+        self._arrivals = [0] * len(self.flat.parameters)
+        self._pending = [0] * len(self.buckets)
+        for bucket in self._bucket_of:
+            self._pending[bucket] += 1
+        self._handles = {}
+
+    def _arrived(self, index: int) -> None:
+        self._arrivals[index] += 1
+        if self._arrivals[index] == self._expected:
+            bucket = self._bucket_of[index]
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0:
+                self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        start, end = self.buckets[bucket]
+        chunk = self.flat.grads[start:end]
+        counters.record("all_reduce", self.group, chunk.numel() * chunk.element_size())
+        self._handles[bucket] = dist.all_reduce(chunk, group=self.group.pg, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """All gradients are summed over the group when this returns."""
+        if self.group.size == 1:
+            return
+        for bucket in range(len(self.buckets)):  # in bucket order on every rank: same collective order
+            if bucket not in self._handles:
+                self._launch(bucket)
+        for handle in self._handles.values():
+            handle.wait()
+        self._expected = 0

@@ -1,0 +1,65 @@
+"""Test doubles for the model: a runner whose 'K/V cache' stores token ids in the engine's slots."""
+
+from __future__ import annotations
+
+import torch
+
+from shiftlm.serve.scheduler import StepPlan
+
+VOCAB = 32
+EOS = 31
+
+
+def next_token_scores(context: list[int]) -> torch.Tensor:
+    """Logits that depend on every token of the context and its order (a stand-in for a model)."""
+    mix = 0
+    for position, token in enumerate(context):
+        mix = (mix * 31 + (position + 1) * (token + 7)) % 1_000_003
+    generator = torch.Generator().manual_seed(mix)
+    return torch.randn(VOCAB, generator=generator) * 3
+
+
+def reference_greedy(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
+    context, output = list(prompt), []
+    while len(output) < max_tokens:
+        token = int(torch.argmax(next_token_scores(context)))
+        output.append(token)
+        context.append(token)
+        if token == eos:
+            break
+    return output
+
+
+class SlotRunner:
+    """Writes each scheduled token into its cache slot and reads the whole context back through the
+    block table, so a wrong block table, a shared block overwritten or a lost slot changes the output."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.plans: list[StepPlan] = []
+
+    def slot(self, block_ids: tuple[int, ...], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        self.plans.append(plan)
+        for chunk in plan.chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                self.slots[self.slot(chunk.block_ids, chunk.start + offset)] = token
+        rows = []
+        for chunk in plan.chunks:
+            if chunk.sample:
+                end = chunk.start + len(chunk.token_ids)
+                rows.append(next_token_scores([self.slots[self.slot(chunk.block_ids, p)] for p in range(end)]))
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+class LetterTokenizer:
+    """Token t is the letter chr(97 + t) for t < 26, a space for 26..30; EOS decodes to nothing."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) - 97 if c.isalpha() else 26 for c in text.lower()]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t) if t < 26 else ("" if t == EOS else " ") for t in token_ids)

@@ -1,0 +1,134 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shiftlm.serve.engine import Engine, PromptTooLong
+from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from tests.serve.fakes import EOS, LetterTokenizer, SlotRunner, next_token_scores, reference_greedy
+
+
+def _engine(num_blocks=64, block_size=4, budget=32, max_model_len=64, **config) -> Engine:
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_tokens_per_step=budget,
+        max_model_len=max_model_len,
+        policy=ShiftPolicy(8),
+        **config,
+    )
+    return Engine(SlotRunner(num_blocks, block_size), config, LetterTokenizer(), eos_token_ids={EOS})
+
+
+def _run(engine: Engine, max_steps: int = 2000) -> dict[tuple[str, int], list]:
+    results: dict[tuple[str, int], list] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return results
+        for out in engine.step():
+            results.setdefault((out.request_id, out.index), []).append(out)
+    raise AssertionError("the engine did not finish within the step bound")
+
+
+def _tokens(outputs) -> list[int]:
+    return [t for out in outputs for t in out.token_ids]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=20), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 12),
+    num_blocks=st.integers(8, 24),
+    budget=st.integers(1, 24),
+    prefix_caching=st.booleans(),
+)
+def test_every_request_gets_its_exact_greedy_output_under_any_cache_pressure(
+    prompts, max_tokens, num_blocks, budget, prefix_caching
+):
+    engine = _engine(num_blocks, 4, budget, 32, enable_prefix_caching=prefix_caching)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    results = _run(engine)
+    for i, prompt in enumerate(prompts):
+        expected = reference_greedy(prompt, min(max_tokens, 32 - len(prompt)))
+        assert _tokens(results[(f"r{i}", 0)]) == expected
+    assert engine.scheduler.blocks.allocator.num_free == num_blocks  # nothing leaked
+
+
+def test_a_small_cache_forces_preemption_and_still_every_output_is_exact():
+    engine = _engine(num_blocks=10, block_size=4, budget=16, max_model_len=40)
+    prompts = [[i, i + 1, i + 2, 3, 4, 5, 6] for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    results = _run(engine)
+    assert engine.scheduler.stats.preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert _tokens(results[(f"r{i}", 0)]) == reference_greedy(prompt, 20)
+
+
+def test_n_samples_share_the_prompt_blocks_and_each_continues_its_own_first_token():
+    engine = _engine()
+    prompt = list(range(10))  # two full blocks of 4 and a tail of 2
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True))
+    outputs = engine.step()
+    assert sorted(out.index for out in outputs) == [0, 1, 2]
+    samples = engine._requests["r"].samples
+    shared = samples[0].block_ids[:2]
+    assert all(samples[i].block_ids[:2] == shared for i in (1, 2))
+    assert all(engine.scheduler.blocks.allocator.ref_counts[b] == 3 for b in shared)
+    results = {key: _tokens(value) for key, value in _run(engine).items()}
+    first_tokens = {out.index: out.token_ids for out in outputs}
+    assert all(len(first_tokens[i] + results[("r", i)]) == 6 for i in range(3))
+    assert len({tuple(first_tokens[i] + results[("r", i)]) for i in range(3)}) > 1
+
+
+def test_a_seed_makes_sampling_reproducible():
+    def sample_once():
+        engine = _engine()
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))
+        return _tokens(_run(engine)[("r", 0)])
+
+    assert sample_once() == sample_once()
+
+
+def test_a_stop_string_ends_the_sample_and_is_cut_from_the_text():
+    engine = _engine()
+    expected = LetterTokenizer().decode(reference_greedy([5, 6], 12))
+    stop = expected[4:6]
+    engine.add_request("r", [5, 6], SamplingParams(max_tokens=12, temperature=0, stop=(stop,), ignore_eos=True))
+    outputs = _run(engine)[("r", 0)]
+    assert "".join(out.text for out in outputs) == expected[: expected.find(stop)]
+    assert outputs[-1].finish_reason == "stop"
+
+
+def test_eos_finishes_a_sample_unless_ignore_eos():
+    prompt = next(p for p in ([a, b] for a in range(30) for b in range(30)) if EOS in reference_greedy(p, 10))
+    stops = reference_greedy(prompt, 10).index(EOS) + 1
+    for ignore_eos, length in ((False, stops), (True, 10)):
+        engine = _engine()
+        engine.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=ignore_eos))
+        assert len(_tokens(_run(engine)[("r", 0)])) == length
+
+
+def test_a_prompt_that_fills_the_context_is_rejected_and_nothing_is_queued():
+    engine = _engine(max_model_len=16)
+    with pytest.raises(PromptTooLong):
+        engine.add_request("r", list(range(16)), SamplingParams())
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.add_request("r", [1], SamplingParams(temperature=-1))
+    assert not engine.has_work()
+
+
+def test_aborting_a_request_frees_its_blocks():
+    engine = _engine(num_blocks=16)
+    engine.add_request("r", list(range(9)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.abort("r")
+    assert not engine.has_work() and engine.scheduler.blocks.allocator.num_free == 16
+
+
+def test_the_slot_runner_reads_what_it_wrote():
+    assert torch.equal(next_token_scores([1, 2]), next_token_scores([1, 2]))
+    assert not torch.equal(next_token_scores([1, 2]), next_token_scores([2, 1]))
