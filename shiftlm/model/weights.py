@@ -19,7 +19,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shiftlm.comm import all_gather
+from shiftlm.comm import all_gather, all_reduce
 from shiftlm.config import ConfigError
 from shiftlm.model.sharding import ShardSpec, full_shape, shard_spec
 from shiftlm.model.transformer import Transformer
@@ -48,15 +48,14 @@ def take_shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return torch.cat(parts, dim=spec.dim)
 
 
-def place_shard(full: torch.Tensor, shard: torch.Tensor, spec: ShardSpec, accumulate: bool) -> None:
-    """Write (or add) a shard back into its rows of the full tensor; padding rows are dropped."""
+def place_shard(full: torch.Tensor, shard: torch.Tensor, spec: ShardSpec) -> None:
+    """Write a shard back into its rows of the full tensor; padding rows are dropped."""
     if spec.dim is None:
-        full.add_(shard) if accumulate else full.copy_(shard)
+        full.copy_(shard)
         return
     offset = 0
     for a, b in spec.ranges:
-        target, source = full.narrow(spec.dim, a, b - a), shard.narrow(spec.dim, offset, b - a)
-        target.add_(source) if accumulate else target.copy_(source)
+        full.narrow(spec.dim, a, b - a).copy_(shard.narrow(spec.dim, offset, b - a))
         offset += b - a
 
 
@@ -138,10 +137,11 @@ def _read_shard(tensor_slice, spec: ShardSpec, shape: list[int], dtype: torch.dt
 
 @torch.no_grad()
 def gather_full(model: Transformer, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full HF-shaped tensors of this stage's parameters (or gradients, summed over every shard).
+    """Full HF-shaped tensors of this stage's parameters (or gradients).
 
-    Gradients are also summed over the dp_sp group (Ulysses splits tokens), so the result equals the
-    gradient of the single-rank model on the whole batch when the loss is normalised globally.
+    For gradients, call `sync_tp_replicated_grads` first; they are then summed over the dp_sp group
+    (Ulysses splits tokens), so the result equals the gradient of the single-rank model on the whole
+    batch when the loss is normalised globally.
     """
     tp = model.mesh.tp
     out = {}
@@ -155,11 +155,9 @@ def gather_full(model: Transformer, grads: bool = False) -> dict[str, torch.Tens
         shards = all_gather(local.detach().unsqueeze(0), tp, dim=0)
         full = torch.zeros(full_shape(source, model.config), dtype=param.dtype)
         for rank in range(tp.size):
-            place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size), accumulate=grads)
+            place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size))
         out[name] = full
     if grads:
-        from shiftlm.comm import all_reduce
-
         out = {name: all_reduce(t, model.mesh.dp_sp) for name, t in out.items()}
     return out
 

@@ -1,0 +1,105 @@
+"""Run one batch through a layout and through Hugging Face `transformers`, and compare.
+
+`layout_outputs` runs on every rank of a layout (under `shiftlm.launch.LocalWorkers` or torchrun) and
+returns, gathered to whole tensors, the logits, the loss gradient with respect to the input
+embeddings, and optionally every parameter gradient (summed over shards). `reference_outputs`
+computes the same three things with `transformers` in one process. The loss is the sum of per-token
+cross-entropies divided by the global number of targets.
+
+Relative error, as reported everywhere: max |ours - reference| / max |reference|.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shiftlm.comm import gather_replicated
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.mesh import Mesh
+from shiftlm.model.loss import IGNORE_INDEX
+
+
+@dataclass
+class Outputs:
+    logits: torch.Tensor
+    embedding_grad: torch.Tensor
+    param_grads: dict[str, torch.Tensor] | None = None
+
+
+def fixed_batch(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets (the last position has no target)."""
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    targets[:, :-1] = ids[:, 1:]
+    return ids, targets
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, max abs error / max abs reference)."""
+    abs_err = (ours.double() - reference.double()).abs().max().item()
+    scale = reference.double().abs().max().item()
+    return abs_err, abs_err / scale if scale else abs_err
+
+
+def layout_outputs(model_dir: str, tp: int = 1, sp: int = 1, sequence_parallel: bool = False,
+                   batch: int = 2, seq_len: int = 16, param_grads: bool = False) -> Outputs:
+    """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors."""
+    from shiftlm.model import build_model
+    from shiftlm.model.grads import sync_tp_replicated_grads
+    from shiftlm.model.weights import gather_full
+
+    config = ModelConfig.from_hf(model_dir)
+    parallel = ParallelConfig(tp=tp, sp=sp, sequence_parallel=sequence_parallel)
+    parallel.check_sequence(seq_len)
+    mesh = Mesh(parallel)
+    model = build_model(config, mesh, checkpoint=model_dir)
+    ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
+    local = seq_len // sp
+    start = mesh.sp.rank * local
+    ids_local, targets_local = ids[:, start:start + local], targets[:, start:start + local]
+
+    captured = {}
+
+    def keep_embedding(_module, _inputs, output):
+        output.retain_grad()
+        captured["embedding"] = output
+
+    model.model.embed_tokens.register_forward_hook(keep_embedding)
+    logits = model(ids_local)
+    num_targets = int((targets != IGNORE_INDEX).sum())
+    loss = model.loss(logits, targets_local).sum() / num_targets
+    loss.backward()
+
+    with torch.no_grad():
+        whole = gather_replicated(logits, mesh.tp, dim=-1)[..., : config.vocab_size]
+        whole = gather_replicated(whole, mesh.sp, dim=1)
+        grad = captured["embedding"].grad
+        if model.sequence_parallel:
+            grad = gather_replicated(grad, mesh.tp, dim=1)
+        grad = gather_replicated(grad, mesh.sp, dim=1)
+    sync_tp_replicated_grads(model)
+    grads = gather_full(model, grads=True) if param_grads else None
+    return Outputs(whole, grad, grads)
+
+
+def reference_outputs(model_dir: str, batch: int = 2, seq_len: int = 16, param_grads: bool = False) -> Outputs:
+    """The same quantities from `transformers` (fp32, eager attention) on the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    config = ModelConfig.from_hf(model_dir)
+    ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
+    embeddings = hf.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logits = hf(inputs_embeds=embeddings).logits
+    per_token = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    (per_token / int((targets != IGNORE_INDEX).sum())).backward()
+    grads = None
+    if param_grads:
+        grads = {name: p.grad.detach().clone() for name, p in hf.named_parameters() if p.grad is not None}
+        # the input embedding's own gradient flows through `embeddings` here, not the table
+        grads.pop("model.embed_tokens.weight", None)
+    return Outputs(logits.detach(), embeddings.grad.detach(), grads)

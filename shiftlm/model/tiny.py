@@ -1,0 +1,52 @@
+"""Tiny real Hugging Face checkpoints (random weights) for tests, `shiftlm verify` and demos.
+
+Sized so that every layout up to sp*tp = 8 applies: 8 query heads, a vocabulary that no TP degree
+divides (to exercise vocab padding), an FFN width divisible by 8.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_FAMILIES = ("llama", "llama-gqa", "qwen2", "mistral")
+
+
+def make_tiny_checkpoint(path: str | Path, family: str = "llama-gqa", seed: int = 0) -> Path:
+    """Write a tiny `family` checkpoint with `transformers` `save_pretrained` and return its path.
+
+    llama: MHA (8 KV heads); llama-gqa: 2 KV heads with Llama-3 rope scaling; qwen2: 2 KV heads and
+    q/k/v biases, tied embeddings; mistral: 2 KV heads and a sliding window shorter than the test sequence.
+    """
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, max_position_embeddings=256, rms_norm_eps=1e-6)
+    if family == "llama":
+        config = tf.LlamaConfig(num_key_value_heads=8, **common)
+        cls = tf.LlamaForCausalLM
+    elif family == "llama-gqa":
+        config = tf.LlamaConfig(
+            num_key_value_heads=2, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **common,
+        )
+        cls = tf.LlamaForCausalLM
+    elif family == "qwen2":
+        config = tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "mistral":
+        config = tf.MistralConfig(num_key_value_heads=2, sliding_window=6, **common)
+        cls = tf.MistralForCausalLM
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    with torch.no_grad():  # non-trivial norm weights and biases, so a mix-up cannot hide
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
