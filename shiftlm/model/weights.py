@@ -174,7 +174,8 @@ def save_hf_checkpoint(model: Transformer, path: str | Path) -> None:
         staging.mkdir(parents=True)
     if distributed:
         dist.barrier()
-    tensors = gather_full(model)
+    # a tied head's copy on the last stage is not a checkpoint tensor: the embedding is saved by stage 0
+    tensors = {n: t for n, t in gather_full(model).items() if source_name(model, n) == n}
     c = mesh.coords
     file = "model.safetensors" if stages == 1 else f"model-{c.pp + 1:05d}-of-{stages:05d}.safetensors"
     if c.dp == 0 and c.sp == 0 and c.tp == 0:

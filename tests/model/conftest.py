@@ -5,6 +5,7 @@ from shiftlm.model.parity import reference_outputs
 from shiftlm.model.tiny import TINY_FAMILIES, make_tiny_checkpoint
 
 transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,31 @@
+import json
+import subprocess
+import sys
+
+
+def _verify(*args):
+    return subprocess.run([sys.executable, "-m", "shiftlm.cli", "verify", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_verify_reports_every_layout_as_json(tiny_checkpoints):
+    result = _verify("--model", tiny_checkpoints["qwen2"], "--tp", "2", "--sp", "1,2", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] is True
+    assert [(r["tp"], r["sp"]) for r in report["layouts"]] == [(2, 1), (2, 2)]
+    for row in report["layouts"]:
+        assert row["logits_max_rel"] <= 1e-5 and row["embedding_grad_max_rel"] <= 1e-5
+
+
+def test_verify_rejects_an_impossible_layout_with_the_fix(tiny_checkpoints):
+    result = _verify("--model", tiny_checkpoints["llama"], "--tp", "3")
+    assert result.returncode == 2
+    assert "sp*tp = 3 must divide num_attention_heads = 8" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_verify_fails_loudly_on_a_tolerance_it_cannot_meet(tiny_checkpoints):
+    result = _verify("--model", tiny_checkpoints["llama"], "--tp", "2", "--tolerance", "0", "--json")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["passed"] is False
