@@ -98,9 +98,7 @@ class ModelConfig:
                     original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
                 )
             elif kind != "default":
-                raise ConfigError(
-                    f"rope_scaling type {kind!r} is not supported (supported: default, llama3)"
-                )
+                raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3)")
         sliding = raw.get("sliding_window")
         if model_type == "qwen2" and not raw.get("use_sliding_window", False):
             sliding = None
@@ -131,12 +129,18 @@ class ModelConfig:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
-            raise ConfigError(f"no config.json at {file}: point --model at a Hugging Face checkpoint directory")
+            raise ConfigError(
+                f"no config.json at {file}: point --model at a Hugging Face checkpoint directory"
+            )
         return cls.from_hf_dict(json.loads(file.read_text()))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` that `transformers` reads back into the same model."""
-        architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        architectures = {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "mistral": "MistralForCausalLM",
+        }
         raw: dict[str, Any] = {
             "architectures": [architectures[self.model_type]],
             "model_type": self.model_type,

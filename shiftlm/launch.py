@@ -44,9 +44,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     while True:
         message = conn.recv()
         if message is None:

@@ -82,7 +82,11 @@ class Mesh:
         for name, axes in axes_of.items():
             for ranks in group_ranks(config, axes):
                 # new_group must be called by every rank for every group, in the same order
-                pg = dist.new_group(sorted(ranks)) if initialized and world_size > 1 and len(ranks) > 1 else None
+                pg = (
+                    dist.new_group(sorted(ranks))
+                    if initialized and world_size > 1 and len(ranks) > 1
+                    else None
+                )
                 if rank in ranks:
                     self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
         # the data-parallel replicas of a parameter shard: ranks that hold the same weights and see

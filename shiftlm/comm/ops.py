@@ -51,7 +51,9 @@ def reduce_scatter(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Te
     if group.size == 1:
         return tensor
     if tensor.shape[dim] % group.size:
-        raise ValueError(f"reduce_scatter: dim {dim} of {tuple(tensor.shape)} does not split into {group.size}")
+        raise ValueError(
+            f"reduce_scatter: dim {dim} of {tuple(tensor.shape)} does not split into {group.size}"
+        )
     tensor = tensor.contiguous()
     counters.record("reduce_scatter", group, _nbytes(tensor))
     if dist.get_backend(group.pg) == "gloo":

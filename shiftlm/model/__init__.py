@@ -11,9 +11,14 @@ from shiftlm.mesh import Mesh
 from shiftlm.model.transformer import Transformer, stage_layers
 
 
-def build_model(config: ModelConfig, mesh: Mesh | None = None, checkpoint: str | Path | None = None,
-                seed: int = 0, layers: tuple[int, int] | None = None,
-                dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(
+    config: ModelConfig,
+    mesh: Mesh | None = None,
+    checkpoint: str | Path | None = None,
+    seed: int = 0,
+    layers: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Transformer:
     """This rank's part of the model: its pipeline stage (by default from the mesh) and TP shard.
 
     Weights come from a HF checkpoint directory, or from a seeded init that is the same in every layout.

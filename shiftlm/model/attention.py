@@ -22,7 +22,9 @@ from shiftlm.model.sharding import kv_heads_of_block
 HEAD_DIM_AXIS = 2  # activations are [batch, tokens, heads, head_dim]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
     """q: [B, S, Hq, D], k/v: [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
@@ -87,7 +89,11 @@ class Attention(nn.Module):
         kv_per = self.kv_index.numel() // sp
         k, v = k[:, :, self.kv_index], v[:, :, self.kv_index]
         packed = torch.cat(
-            (q.view(batch, tokens, sp, q_per, d), k.view(batch, tokens, sp, kv_per, d), v.view(batch, tokens, sp, kv_per, d)),
+            (
+                q.view(batch, tokens, sp, q_per, d),
+                k.view(batch, tokens, sp, kv_per, d),
+                v.view(batch, tokens, sp, kv_per, d),
+            ),
             dim=3,
         ).flatten(2, 3)
         packed = all_to_all_along(packed, self.sp, scatter_dim=HEAD_DIM_AXIS, gather_dim=1)

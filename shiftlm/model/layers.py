@@ -35,8 +35,14 @@ class RMSNorm(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T with A split by rows (output features) across the group: each rank gets Y's columns."""
 
-    def __init__(self, in_features: int, out_features_local: int, group: CommGroup, bias: bool = False,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features_local: int,
+        group: CommGroup,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features_local, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features_local)) if bias else None
@@ -56,8 +62,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = X A^T with A split by columns (input features): partial outputs are summed over the group."""
 
-    def __init__(self, in_features_local: int, out_features: int, group: CommGroup,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self, in_features_local: int, out_features: int, group: CommGroup, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features_local))
         self.group = group
@@ -73,8 +80,14 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the (padded) vocabulary split across the group; rows this rank lacks read as zero."""
 
-    def __init__(self, vocab_start: int, rows_local: int, hidden: int, group: CommGroup,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        vocab_start: int,
+        rows_local: int,
+        hidden: int,
+        group: CommGroup,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows_local, hidden))
         self.vocab_start = vocab_start

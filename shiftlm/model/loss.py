@@ -15,7 +15,9 @@ from shiftlm.comm import CommGroup, all_reduce
 IGNORE_INDEX = -100
 
 
-def _target_in_shard(targets: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_in_shard(
+    targets: torch.Tensor, vocab_start: int, vocab_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     local = targets - vocab_start
     outside = (local < 0) | (local >= vocab_local)
     return local.masked_fill(outside, 0), outside
@@ -49,8 +51,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: CommGroup,
-                                 vocab_start: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: CommGroup, vocab_start: int
+) -> torch.Tensor:
     """Per-token loss from logits split over the vocabulary; targets == -100 give 0 loss and 0 gradient.
 
     Padded vocabulary columns must already be -inf in `logits`.

@@ -28,7 +28,9 @@ class Outputs:
     param_grads: dict[str, torch.Tensor] | None = None
 
 
-def fixed_batch(vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def fixed_batch(
+    vocab_size: int, batch: int = 2, seq_len: int = 16, seed: int = 1234
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and next-token targets (the last position has no target)."""
     ids = torch.randint(0, vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     targets = torch.full_like(ids, IGNORE_INDEX)
@@ -43,8 +45,15 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, 
     return abs_err, abs_err / scale if scale else abs_err
 
 
-def layout_outputs(model_dir: str, tp: int = 1, sp: int = 1, sequence_parallel: bool = False,
-                   batch: int = 2, seq_len: int = 16, param_grads: bool = False) -> Outputs:
+def layout_outputs(
+    model_dir: str,
+    tp: int = 1,
+    sp: int = 1,
+    sequence_parallel: bool = False,
+    batch: int = 2,
+    seq_len: int = 16,
+    param_grads: bool = False,
+) -> Outputs:
     """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors."""
     from shiftlm.model import build_model
     from shiftlm.model.grads import sync_tp_replicated_grads
@@ -58,7 +67,7 @@ def layout_outputs(model_dir: str, tp: int = 1, sp: int = 1, sequence_parallel: 
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
     local = seq_len // sp
     start = mesh.sp.rank * local
-    ids_local, targets_local = ids[:, start:start + local], targets[:, start:start + local]
+    ids_local, targets_local = ids[:, start : start + local], targets[:, start : start + local]
 
     captured = {}
 
@@ -84,11 +93,15 @@ def layout_outputs(model_dir: str, tp: int = 1, sp: int = 1, sequence_parallel: 
     return Outputs(whole, grad, grads)
 
 
-def reference_outputs(model_dir: str, batch: int = 2, seq_len: int = 16, param_grads: bool = False) -> Outputs:
+def reference_outputs(
+    model_dir: str, batch: int = 2, seq_len: int = 16, param_grads: bool = False
+) -> Outputs:
     """The same quantities from `transformers` (fp32, eager attention) on the same checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     config = ModelConfig.from_hf(model_dir)
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
     embeddings = hf.get_input_embeddings()(ids).detach().requires_grad_(True)

@@ -20,16 +20,29 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama-gqa", seed: int 
     import torch
     import transformers as tf
 
-    common = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=8, max_position_embeddings=256, rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
     if family == "llama":
         config = tf.LlamaConfig(num_key_value_heads=8, **common)
         cls = tf.LlamaForCausalLM
     elif family == "llama-gqa":
         config = tf.LlamaConfig(
-            num_key_value_heads=2, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
             **common,
         )
         cls = tf.LlamaForCausalLM

@@ -19,7 +19,7 @@ from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from shiftlm.model.loss import vocab_parallel_cross_entropy
+from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
 from shiftlm.model.sharding import padded_vocab
 
@@ -63,8 +63,14 @@ class Transformer(nn.Module):
     or, on the last stage, vocab-parallel logits [B, S_local, padded_vocab/TP] (padding columns -inf).
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh | None = None, layers: tuple[int, int] | None = None,
-                 with_embedding: bool | None = None, with_head: bool | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        mesh: Mesh | None = None,
+        layers: tuple[int, int] | None = None,
+        with_embedding: bool | None = None,
+        with_head: bool | None = None,
+    ):
         super().__init__()
         mesh = mesh or Mesh(ParallelConfig())
         mesh.config.check_model(config)
@@ -74,7 +80,9 @@ class Transformer(nn.Module):
             )
         first, last = layers if layers is not None else (0, config.num_layers)
         if not 0 <= first < last <= config.num_layers:
-            raise ConfigError(f"layer range [{first}, {last}) is outside the model's {config.num_layers} layers")
+            raise ConfigError(
+                f"layer range [{first}, {last}) is outside the model's {config.num_layers} layers"
+            )
         self.config, self.mesh = config, mesh
         self.layer_range = (first, last)
         self.with_embedding = first == 0 if with_embedding is None else with_embedding
@@ -143,6 +151,10 @@ class Transformer(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy of vocab-parallel logits (targets -100 are ignored)."""
+        if self.mesh.tp.size == 1:
+            return F.cross_entropy(
+                logits.flatten(0, -2).float(), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+            ).view(targets.shape)
         return vocab_parallel_cross_entropy(logits, targets, self.mesh.tp, self.vocab_start)
 
 

@@ -31,16 +31,22 @@ def _int_list(text: str) -> list[int]:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "verify", help="check TP x SP layouts against Hugging Face transformers",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "verify",
+        help="check TP x SP layouts against Hugging Face transformers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="HF checkpoint directory (default: a tiny built-in llama with GQA)")
     parser.add_argument("--tp", type=_int_list, help="tensor-parallel degrees, e.g. 1,2,4")
     parser.add_argument("--sp", type=_int_list, help="Ulysses sequence-parallel degrees, e.g. 1,2")
-    parser.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence-parallel norm regions")
+    parser.add_argument(
+        "--sequence-parallel", action="store_true", help="Megatron sequence-parallel norm regions"
+    )
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--tolerance", type=float, default=1e-5, help="max relative error (max|diff| / max|ref|)")
+    parser.add_argument(
+        "--tolerance", type=float, default=1e-5, help="max relative error (max|diff| / max|ref|)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(func=run)
 
@@ -83,28 +89,46 @@ def run(args) -> int:
         start = time.perf_counter()
         try:
             with LocalWorkers(tp * sp) as workers:
-                ours = workers.run(layout_outputs, model_dir, tp=tp, sp=sp,
-                                   sequence_parallel=args.sequence_parallel,
-                                   batch=args.batch, seq_len=args.seq_len)[0]
+                ours = workers.run(
+                    layout_outputs,
+                    model_dir,
+                    tp=tp,
+                    sp=sp,
+                    sequence_parallel=args.sequence_parallel,
+                    batch=args.batch,
+                    seq_len=args.seq_len,
+                )[0]
         except WorkerError as err:
             print(f"shiftlm verify: layout tp={tp} sp={sp} failed:\n{err}", file=sys.stderr)
             return 1
         logits_abs, logits_rel = relative_error(ours.logits, reference.logits)
         grad_abs, grad_rel = relative_error(ours.embedding_grad, reference.embedding_grad)
-        rows.append({
-            "tp": tp, "sp": sp, "ranks": tp * sp,
-            "logits_max_abs": logits_abs, "logits_max_rel": logits_rel,
-            "embedding_grad_max_abs": grad_abs, "embedding_grad_max_rel": grad_rel,
-            "ok": max(logits_rel, grad_rel) <= args.tolerance,
-            "seconds": round(time.perf_counter() - start, 2),
-        })
+        rows.append(
+            {
+                "tp": tp,
+                "sp": sp,
+                "ranks": tp * sp,
+                "logits_max_abs": logits_abs,
+                "logits_max_rel": logits_rel,
+                "embedding_grad_max_abs": grad_abs,
+                "embedding_grad_max_rel": grad_rel,
+                "ok": max(logits_rel, grad_rel) <= args.tolerance,
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+        )
         row = rows[-1]
-        print(f"tp={tp} sp={sp}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
-              f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e} | {'ok' if row['ok'] else 'FAIL'} "
-              f"({row['seconds']}s)", file=log, flush=True)
+        print(
+            f"tp={tp} sp={sp}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
+            f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e} | {'ok' if row['ok'] else 'FAIL'} "
+            f"({row['seconds']}s)",
+            file=log,
+            flush=True,
+        )
     passed = all(r["ok"] for r in rows)
     if args.json:
-        print(json.dumps({"model": model_dir, "tolerance": args.tolerance, "passed": passed, "layouts": rows}))
+        print(
+            json.dumps({"model": model_dir, "tolerance": args.tolerance, "passed": passed, "layouts": rows})
+        )
     else:
         print(f"{'all layouts match' if passed else 'MISMATCH'} (tolerance {args.tolerance:g} relative)")
     return 0 if passed else 1

@@ -46,7 +46,9 @@ def expected_forward_bytes(config: ModelConfig, tp: int, sp: int, sequence_paral
     return out
 
 
-@pytest.mark.parametrize("tp,sp,sequence_parallel", [(2, 1, False), (1, 2, False), (2, 2, False), (2, 2, True), (4, 1, True)])
+@pytest.mark.parametrize(
+    "tp,sp,sequence_parallel", [(2, 1, False), (1, 2, False), (2, 2, False), (2, 2, True), (4, 1, True)]
+)
 @pytest.mark.parametrize("family", ["llama", "llama-gqa"])
 def test_forward_bytes_match_the_formulas(ranks, tiny_checkpoints, family, tp, sp, sequence_parallel):
     checkpoint = tiny_checkpoints[family]

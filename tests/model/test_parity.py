@@ -7,8 +7,17 @@ from shiftlm.model.parity import layout_outputs, relative_error
 TOLERANCE = 1e-5
 
 # (tp, sp, megatron sequence parallel): tp in {1,2,4} x sp in {1,2}, tp=1 sp=4, and SP norm regions
-LAYOUTS = [(1, 1, False), (2, 1, False), (4, 1, False), (1, 2, False), (2, 2, False), (4, 2, False),
-           (1, 4, False), (2, 1, True), (2, 2, True)]
+LAYOUTS = [
+    (1, 1, False),
+    (2, 1, False),
+    (4, 1, False),
+    (1, 2, False),
+    (2, 2, False),
+    (4, 2, False),
+    (1, 4, False),
+    (2, 1, True),
+    (2, 2, True),
+]
 FAMILIES = ["llama", "llama-gqa", "qwen2", "mistral"]
 
 
@@ -28,10 +37,19 @@ def _one_rank(ranks, checkpoint):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tp,sp,sequence_parallel", LAYOUTS, ids=lambda v: str(v))
-def test_layout_matches_hf_and_one_rank(ranks, tiny_checkpoints, hf_reference, family, tp, sp, sequence_parallel):
+def test_layout_matches_hf_and_one_rank(
+    ranks, tiny_checkpoints, hf_reference, family, tp, sp, sequence_parallel
+):
     checkpoint = tiny_checkpoints[family]
-    outputs = ranks.run(tp * sp, layout_outputs, checkpoint, tp=tp, sp=sp,
-                        sequence_parallel=sequence_parallel, param_grads=True)
+    outputs = ranks.run(
+        tp * sp,
+        layout_outputs,
+        checkpoint,
+        tp=tp,
+        sp=sp,
+        sequence_parallel=sequence_parallel,
+        param_grads=True,
+    )
     ours = outputs[0]
     reference = hf_reference(family)
     single = _one_rank(ranks, checkpoint)

@@ -4,8 +4,9 @@ import sys
 
 
 def _verify(*args):
-    return subprocess.run([sys.executable, "-m", "shiftlm.cli", "verify", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "shiftlm.cli", "verify", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_verify_reports_every_layout_as_json(tiny_checkpoints):

@@ -61,8 +61,15 @@ def test_transformers_loads_what_we_save(tiny_checkpoints, tmp_path):
 
 
 def _init_full(tp, sp):
-    config = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=96, num_layers=2,
-                         num_heads=8, num_kv_heads=2, head_dim=8)
+    config = ModelConfig(
+        vocab_size=250,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+    )
     model = build_model(config, Mesh(ParallelConfig(tp=tp, sp=sp)), seed=7)
     return gather_full(model)
 
