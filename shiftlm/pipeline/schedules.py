@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from shiftlm.pipeline.actions import Action, Kind, Placement, PlacementKind, Schedule
 from shiftlm.pipeline.greedy import greedy_order
 
-F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W  # noqa: E741 - the papers' names
 
 
-def _one_f_one_b(pp: int, microbatches: int, rank: int, split_backward: bool, deferred_w: int) -> list[Action]:
+def _one_f_one_b(
+    pp: int, microbatches: int, rank: int, split_backward: bool, deferred_w: int
+) -> list[Action]:
     """1F1B on rank `rank` of a loop placement: p-1-r warm-up forwards, then F/B pairs, then the rest.
 
     With `split_backward`, B becomes I and each I is followed by the W of the oldest pending
@@ -49,7 +51,10 @@ def _one_f_one_b(pp: int, microbatches: int, rank: int, split_backward: bool, de
 
 def gpipe(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
     """All forwards, then all backwards (Huang et al. 2019)."""
-    return [[Action(F, r, j) for j in range(microbatches)] + [Action(B, r, j) for j in range(microbatches)] for r in range(pp)]
+    return [
+        [Action(F, r, j) for j in range(microbatches)] + [Action(B, r, j) for j in range(microbatches)]
+        for r in range(pp)
+    ]
 
 
 def one_f_one_b(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
@@ -88,61 +93,61 @@ def interleaved_1f1b(pp: int, microbatches: int, chunks: int) -> list[list[Actio
     return ranks
 
 
+def _zb_v_rank(pp: int, padded: int, rank: int) -> list[Action]:
+    stage = (rank, 2 * pp - 1 - rank)  # chunk 0 goes down the V, chunk 1 comes back up
+    count = {(kind, chunk): 0 for kind in (F, I, W) for chunk in (0, 1)}
+    actions: list[Action] = []
+
+    def emit(kind: Kind, chunk: int) -> None:
+        actions.append(Action(kind, stage[chunk], count[(kind, chunk)]))
+        count[(kind, chunk)] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        emit(F, 0)
+    for _ in range(rank):
+        emit(F, 1), emit(F, 0)
+    for _ in range(pp - rank):
+        emit(F, 1), emit(I, 1), emit(W, 1)
+    while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < padded:
+        if count[(F, 0)] < padded:
+            emit(F, 0)
+        emit(I, 0), emit(W, 0), emit(F, 1), emit(I, 1), emit(W, 1)
+    for _ in range(rank):
+        emit(I, 0), emit(I, 1)
+    for _ in range(pp - rank):
+        emit(I, 0), emit(W, 0)
+    for chunk in (1, 0):
+        while count[(W, chunk)] < count[(I, chunk)]:
+            emit(W, chunk)
+    return actions
+
+
 def zb_v(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
     """ZB-V (Qi et al. 2023, Sec. 6): V placement, chunk 0 = stage r, chunk 1 = stage 2p-1-r.
 
     Phases per rank: 2(p-r)-1 chunk-0 forwards; r pairs (chunk-1 F, chunk-0 F); p-r triples
     (chunk-1 F, I, W); a steady state of (F, I, W) on chunk 0 then chunk 1; a cool-down of I's with W's
-    deferred to the end. Built for max(m, 2p-1) micro-batches, then the padding ones are dropped.
+    deferred to the end. Built for max(m, 2p-1) micro-batches (the phases need that many), then the
+    padding micro-batches are dropped, which keeps every dependency and the order of the rest.
     """
     padded = max(microbatches, 2 * pp - 1)
-    ranks = []
-    for rank in range(pp):
-        stage = (rank, 2 * pp - 1 - rank)
-        count = {(kind, c): 0 for kind in (F, I, W) for c in (0, 1)}
-        actions: list[Action] = []
-
-        def emit(kind: Kind, chunk: int) -> None:
-            actions.append(Action(kind, stage[chunk], count[(kind, chunk)]))
-            count[(kind, chunk)] += 1
-
-        for _ in range(2 * (pp - rank) - 1):
-            emit(F, 0)
-        for _ in range(rank):
-            emit(F, 1)
-            emit(F, 0)
-        for _ in range(pp - rank):
-            emit(F, 1), emit(I, 1), emit(W, 1)
-        while count[(F, 1)] < count[(F, 0)] or count[(F, 0)] < padded:
-            if count[(F, 0)] < padded:
-                emit(F, 0)
-            emit(I, 0), emit(W, 0), emit(F, 1), emit(I, 1), emit(W, 1)
-        for _ in range(rank):
-            emit(I, 0), emit(I, 1)
-        for _ in range(pp - rank):
-            emit(I, 0), emit(W, 0)
-        while count[(W, 1)] < count[(I, 1)]:
-            emit(W, 1)
-        while count[(W, 0)] < count[(I, 0)]:
-            emit(W, 0)
-        ranks.append([a for a in actions if a.microbatch < microbatches])
-    return ranks
+    return [[a for a in _zb_v_rank(pp, padded, rank) if a.microbatch < microbatches] for rank in range(pp)]
 
 
 def zb_h2(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
-    """ZB-H2: up to 2(p-r)-1 micro-batches in flight on rank r, so forwards fill the warm-up bubble and
-    W's fill the tail (Qi et al. Sec. 3.1); the order is found by the greedy list scheduler."""
+    """ZB-H2: up to 2p-1 micro-batches in flight per rank, so forwards fill the warm-up bubble and W's
+    fill the tail (Qi et al. Sec. 3.1); the order is found by the greedy list scheduler."""
     placement = Placement(PlacementKind.LOOP, pp)
-    return greedy_order(placement, microbatches, [2 * (pp - r) - 1 for r in range(pp)], split_backward=True)
+    return greedy_order(placement, microbatches, [2 * pp - 1] * pp, split_backward=True)
 
 
 def bitpipe(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
     """BitPipe (Wu et al. 2024): two V-shaped replicas in opposite directions on the same ranks, each
     taking half the micro-batches; full backwards; each chunk's gradients are synced across replicas
-    (GRAD_SYNC) right after its last backward. Order from the greedy list scheduler, at most 2p
-    stage-chunk activations in flight per rank (p whole-rank micro-batches, as in 1F1B's rank 0)."""
+    (GRAD_SYNC) right after its last backward. Order from the greedy list scheduler with at most 3p
+    stage-chunk activations in flight per rank (2p can starve the deeper chunks and stall)."""
     placement = Placement(PlacementKind.BIDIRECTIONAL, pp, 2)
-    return greedy_order(placement, microbatches, [2 * pp] * pp, split_backward=False, grad_sync=True)
+    return greedy_order(placement, microbatches, [3 * pp] * pp, split_backward=False, grad_sync=True)
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     ),
     "zb_h1": ScheduleSpec(zb_h1, PlacementKind.LOOP, 1, True, lambda p: p, "1F1B memory, W fills the tail"),
     "zb_h2": ScheduleSpec(zb_h2, PlacementKind.LOOP, 1, True, lambda p: p, "zero bubble, 2p-1 in flight"),
-    "zb_v": ScheduleSpec(zb_v, PlacementKind.V, 2, True, lambda p: p, "zero bubble, V placement, 1F1B memory"),
+    "zb_v": ScheduleSpec(
+        zb_v, PlacementKind.V, 2, True, lambda p: p, "zero bubble, V placement, 1F1B memory"
+    ),
     "bitpipe": ScheduleSpec(
         bitpipe, PlacementKind.BIDIRECTIONAL, 2, True, lambda p: p, "two V replicas in opposite directions"
     ),
@@ -179,7 +186,9 @@ def check_requirements(name: str, pp: int, microbatches: int, chunks: int | None
         raise ValueError(f"{name} needs at least 2 pipeline ranks, got pp={pp}")
     resolved = spec.default_chunks if chunks is None else chunks
     if spec.chunks_fixed and resolved != spec.default_chunks:
-        raise ValueError(f"{name} always uses {spec.default_chunks} chunk(s) per rank; drop --chunks {chunks}")
+        raise ValueError(
+            f"{name} always uses {spec.default_chunks} chunk(s) per rank; drop --chunks {chunks}"
+        )
     if resolved < 2 and not spec.chunks_fixed:
         raise ValueError(f"{name} needs at least 2 chunks per rank, got {resolved}; use 1f1b for 1 chunk")
     if microbatches < spec.min_microbatches(pp):
@@ -190,7 +199,9 @@ def check_requirements(name: str, pp: int, microbatches: int, chunks: int | None
     if name == "interleaved_1f1b" and microbatches % pp:
         raise ValueError(f"interleaved_1f1b needs micro-batches divisible by pp={pp}, got {microbatches}")
     if name == "bitpipe" and microbatches % 2:
-        raise ValueError(f"bitpipe splits the micro-batches between 2 replicas; use an even number, got {microbatches}")
+        raise ValueError(
+            f"bitpipe splits the micro-batches between 2 replicas; use an even number, got {microbatches}"
+        )
     return resolved
 
 

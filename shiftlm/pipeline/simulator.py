@@ -34,8 +34,9 @@ class DeadlockError(RuntimeError):
 class ActionCosts:
     """Seconds per stage-chunk and micro-batch; each field a float or a sequence indexed by stage.
 
-    A full backward B costs backward_input + backward_weight. A message costs p2p seconds plus
-    activation_bytes * seconds_per_byte; activation_bytes is the size of one stage's output.
+    A full backward B costs backward_input + backward_weight unless `backward` says otherwise (it can
+    cost less: an executor whose W re-walks the graph pays for part of the backward twice). A message
+    costs p2p seconds plus activation_bytes * seconds_per_byte; activation_bytes is a stage's output size.
     """
 
     forward: Cost = 1.0
@@ -44,6 +45,7 @@ class ActionCosts:
     p2p: Cost = 0.0
     activation_bytes: Cost = 0.0
     seconds_per_byte: float = 0.0
+    backward: Cost | None = None
 
 
 @dataclass
@@ -51,7 +53,7 @@ class SimulationResult:
     makespan: float
     bubble_fraction: float
     peak_activations: list[int]
-    peak_memory: list[float]  # peak_activations / chunks per rank: in whole-rank micro-batch activations
+    peak_memory: list[float]  # peak_activations / chunks: in activations of one 1/p of the model
     timelines: list[list[tuple[float, float, Action]]]
     messages: int
     message_bytes: float
@@ -89,7 +91,11 @@ def dependencies(action: Action, schedule: Schedule) -> list[tuple[Key, bool]]:
             return []
         if local_upstream:
             return [(_key(Kind.F, action, stage - 1), False)]
-        return [(_key(Kind.RECV_F, action), False)] if schedule.lowered else [(_key(Kind.F, action, stage - 1), True)]
+        return (
+            [(_key(Kind.RECV_F, action), False)]
+            if schedule.lowered
+            else [(_key(Kind.F, action, stage - 1), True)]
+        )
     if kind in (Kind.B, Kind.I):
         deps = [(_key(Kind.F, action), False)]
         if stage < last:
@@ -124,7 +130,11 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Simulation
     activation_bytes = _per_stage(costs.activation_bytes, num_stages)
     duration = {
         Kind.F: forward,
-        Kind.B: [i + w for i, w in zip(backward_input, backward_weight)],
+        Kind.B: (
+            [i + w for i, w in zip(backward_input, backward_weight)]
+            if costs.backward is None
+            else _per_stage(costs.backward, num_stages)
+        ),
         Kind.I: backward_input,
         Kind.W: backward_weight,
     }
@@ -154,7 +164,9 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Simulation
                     break
                 # a message is timed by the stage that sends it
                 sender = dep[1]
-                delay = p2p[sender] + activation_bytes[sender] * costs.seconds_per_byte if via_message else 0.0
+                delay = (
+                    p2p[sender] + activation_bytes[sender] * costs.seconds_per_byte if via_message else 0.0
+                )
                 start = max(start, end[dep] + delay)
             if blocked_on is not None:
                 if blocked_on[0] is Kind.B:  # wake on whichever backward kind runs
@@ -196,7 +208,7 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Simulation
 
     makespan = max(rank_time) if num_ranks else 0.0
     total_busy = sum(busy)
-    chunks = schedule.placement.chunks * schedule.placement.replicas
+    chunks = schedule.placement.chunks  # a chunk holds 1/(p*chunks) of one model replica
     return SimulationResult(
         makespan=makespan,
         bubble_fraction=1.0 - total_busy / (num_ranks * makespan) if makespan > 0 else 0.0,

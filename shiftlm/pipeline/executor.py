@@ -1,0 +1,232 @@
+"""The one executor: run any (lowered) schedule on torch.distributed, one rank of the pp group.
+
+    ex = PipelineExecutor(schedule, stages={0: stage0, 7: stage7}, rank=pp_rank, pp_group=group,
+                          pp_ranks=[0, 1, 2, 3], loss_fn=lambda out, target: mse(out, target) / m)
+    loss = ex.step(microbatch_inputs, targets)   # summed loss where a last stage lives, else None
+
+Stages take one tensor and return one tensor. Shapes travel with the data: every forward send is
+preceded by a fixed-size header (dtype code and shape), so stages may change the activation shape;
+a backward send has the shape of the activation it answers, which the receiver already knows.
+
+Communication is `dist.isend` / `dist.irecv` with one tag per message (gloo's batch_isend_irecv
+hangs). Sends never block (waited at the end of the step), forward headers are posted when the step
+starts and gradient receives as soon as the forward they answer has run, so a rank only waits at the
+RECV right before the action that needs it: a schedule that validates cannot deadlock here.
+
+Backward split (Qi et al. 2023, Sec. 2): I = torch.autograd.grad w.r.t. the stage input, keeping the
+graph; W = torch.autograd.grad w.r.t. the parameters later, accumulated into .grad, which frees the
+graph. B does both at once. BitPipe's GRAD_SYNC sums a stage's gradients with the other replica's
+copy (on the mirrored rank, or this rank) as soon as that chunk's backwards are done; both copies
+then hold the full gradient. Only the pp group and pp peer ranks are used, so TP/SP/DP groups around
+the executor compose unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shiftlm.pipeline.actions import Action, Kind, Schedule
+from shiftlm.pipeline.lowering import lower
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+_HEADER_SLOTS = 10  # dtype code, ndim, up to 8 dims
+
+
+class PipelineExecutor:
+    """Runs this rank's actions of `schedule`; `stages` maps stage (or (stage, replica)) to a module."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int | tuple[int, int], torch.nn.Module],
+        rank: int,
+        pp_group: dist.ProcessGroup | None = None,
+        pp_ranks: Sequence[int] | None = None,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+    ):
+        self.schedule = lower(schedule)
+        self.rank = rank
+        self.group = pp_group
+        self.pp_ranks = list(pp_ranks) if pp_ranks is not None else list(range(schedule.pp))
+        self.loss_fn = loss_fn
+        self.modules = {(k, 0) if isinstance(k, int) else tuple(k): m for k, m in stages.items()}
+        expected = set(schedule.placement.stages_of(rank))
+        if set(self.modules) != expected:
+            raise ValueError(
+                f"rank {rank} must hold stages (stage, replica) {sorted(expected)}, got {sorted(self.modules)}"
+            )
+
+    # -- communication ---------------------------------------------------------------------------
+    def _peer(self, stage: int, replica: int) -> int:
+        return self.pp_ranks[self.schedule.placement.rank_of(stage, replica)]
+
+    def _tag(self, kind: int, stage: int, microbatch: int, replica: int) -> int:
+        """A distinct tag per message: (what, stage, micro-batch, replica) -> int."""
+        s = self.schedule
+        return ((kind * 2 + replica) * s.num_stages + stage) * (s.microbatches + 1) + microbatch
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self._sends.append((dist.isend(tensor.contiguous(), dst=peer, group=self.group, tag=tag), tensor))
+
+    def _irecv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int):
+        buffer = torch.empty(tuple(shape), dtype=dtype)
+        return dist.irecv(buffer, src=peer, group=self.group, tag=tag), buffer
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, microbatch_inputs: Sequence[torch.Tensor], targets: Sequence[Any]) -> torch.Tensor | None:
+        """Run one training step; accumulate parameter .grad; return the summed loss of this rank's
+        last stage(s) (None where no last stage lives; BitPipe has one per replica)."""
+        self._sends: list = []
+        self._inputs: dict[tuple, torch.Tensor] = {}
+        self._outputs: dict[tuple, torch.Tensor] = {}
+        self._grads: dict[tuple, torch.Tensor] = {}  # gradient w.r.t. a stage's output
+        self._handoff: dict[tuple, torch.Tensor] = {}  # same-rank stage-to-stage activations
+        self._input_grads: dict[tuple, torch.Tensor] = {}
+        self._recvs: dict[tuple, Any] = {}
+        self._syncs: list = []
+        self._local_synced: set[tuple[int, int]] = set()
+        self._loss: torch.Tensor | None = None
+        self._data, self._targets = microbatch_inputs, targets
+        actions = self.schedule.ranks[self.rank]
+        for action in actions:  # post every forward header now: they are small and fixed-size
+            if action.kind is Kind.RECV_F:
+                peer = self._peer(action.stage - 1, action.replica)
+                tag = self._tag(0, action.stage, action.microbatch, action.replica)
+                self._recvs[("header", action.stage, action.microbatch, action.replica)] = self._irecv(
+                    [_HEADER_SLOTS], torch.int64, peer, tag
+                )
+        for action in actions:
+            getattr(self, f"_run_{action.kind.value.lower()}")(action)
+        for work, _ in self._sends + self._syncs:
+            work.wait()
+        self._finish_grad_sync()
+        return self._loss
+
+    def _key(self, action: Action, stage: int | None = None) -> tuple[int, int, int]:
+        return (action.stage if stage is None else stage, action.microbatch, action.replica)
+
+    def _run_f(self, action: Action) -> None:
+        key, stage, last = self._key(action), action.stage, self.schedule.num_stages - 1
+        if stage == 0:
+            x = self._data[action.microbatch]
+        else:
+            received = self._handoff.pop(key, None)
+            x = received if received is not None else self._recvs.pop(("act", *key))
+            x = x.detach().requires_grad_(True)
+        out = self.modules[(stage, action.replica)](x)
+        if stage == last:
+            out = self.loss_fn(out, self._targets[action.microbatch])
+            self._loss = out.detach() if self._loss is None else self._loss + out.detach()
+        elif self.schedule.placement.rank_of(stage + 1, action.replica) == self.rank:
+            self._handoff[self._key(action, stage + 1)] = out.detach()  # the turn of a V: a local copy
+        else:  # the gradient for this output will come back: post its receive now
+            peer = self._peer(stage + 1, action.replica)
+            tag = self._tag(2, stage, action.microbatch, action.replica)
+            self._recvs[("grad", *key)] = self._irecv(out.shape, out.dtype, peer, tag)
+        self._inputs[key], self._outputs[key] = x, out
+
+    def _run_send_f(self, action: Action) -> None:
+        out = self._outputs[self._key(action)].detach()
+        header = torch.zeros(_HEADER_SLOTS, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
+        header[2 : 2 + out.dim()] = torch.tensor(out.shape)
+        peer = self._peer(action.stage + 1, action.replica)
+        self._isend(header, peer, self._tag(0, action.stage + 1, action.microbatch, action.replica))
+        self._isend(out, peer, self._tag(1, action.stage + 1, action.microbatch, action.replica))
+
+    def _run_recv_f(self, action: Action) -> None:
+        key = self._key(action)
+        work, header = self._recvs.pop(("header", *key))
+        work.wait()
+        dtype, shape = _DTYPES[int(header[0])], header[2 : 2 + int(header[1])].tolist()
+        peer = self._peer(action.stage - 1, action.replica)
+        work, buffer = self._irecv(
+            shape, dtype, peer, self._tag(1, action.stage, action.microbatch, action.replica)
+        )
+        work.wait()
+        self._recvs[("act", *key)] = buffer
+
+    def _run_recv_b(self, action: Action) -> None:
+        key = self._key(action)
+        work, buffer = self._recvs.pop(("grad", *key))
+        work.wait()
+        self._grads[key] = buffer
+
+    def _output_grad(self, action: Action) -> torch.Tensor | None:
+        """The gradient w.r.t. this stage's output: None for the loss, else received or handed over
+        by the next stage on this rank; kept until the W that needs it again."""
+        key = self._key(action)
+        if action.stage == self.schedule.num_stages - 1:
+            return None
+        if key not in self._grads:
+            self._grads[key] = self._input_grads.pop(self._key(action, action.stage + 1))
+        return self._grads[key]
+
+    def _params(self, action: Action) -> list[torch.nn.Parameter]:
+        return [p for p in self.modules[(action.stage, action.replica)].parameters() if p.requires_grad]
+
+    def _run_b(self, action: Action) -> None:
+        key, params = self._key(action), self._params(action)
+        grad_out = self._output_grad(action)
+        x, out = self._inputs.pop(key), self._outputs.pop(key)
+        wrt = params + ([x] if action.stage > 0 else [])
+        grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+        _accumulate(params, grads[: len(params)])
+        self._grads.pop(key, None)
+        if action.stage > 0:
+            self._input_grads[key] = grads[-1]
+
+    def _run_i(self, action: Action) -> None:
+        key = self._key(action)
+        grad_out = self._output_grad(action)
+        if action.stage > 0:  # stage 0's input needs no gradient: its whole backward is the W
+            inputs = [self._inputs[key]]
+            (self._input_grads[key],) = torch.autograd.grad(
+                self._outputs[key], inputs, grad_out, retain_graph=True
+            )
+
+    def _run_w(self, action: Action) -> None:
+        key, params = self._key(action), self._params(action)
+        out, grad_out = self._outputs.pop(key), self._grads.pop(key, None)
+        del self._inputs[key]  # the activations of this micro-batch die with the graph here
+        _accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True))
+
+    def _run_send_b(self, action: Action) -> None:
+        grad = self._input_grads.pop(self._key(action))
+        peer = self._peer(action.stage - 1, action.replica)
+        self._isend(grad, peer, self._tag(2, action.stage - 1, action.microbatch, action.replica))
+
+    def _run_grad_sync(self, action: Action) -> None:
+        """Start summing this chunk's gradients with the other replica's copy (eager, asynchronous)."""
+        other = 1 - action.replica
+        peer = self._peer(action.stage, other)
+        if peer == self.pp_ranks[self.rank]:  # odd pp: the middle rank holds both copies
+            if (action.stage, other) not in self._local_synced:
+                self._local_synced.add((action.stage, action.replica))
+                return
+            twin = self._params(Action(Kind.GRAD_SYNC, action.stage, None, other))
+            for mine, theirs in zip(self._params(action), twin):
+                mine.grad = mine.grad + theirs.grad
+                theirs.grad = mine.grad.clone()
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self._params(action)])
+        work, buffer = self._irecv(flat.shape, flat.dtype, peer, self._tag(3, action.stage, 0, other))
+        self._isend(flat, peer, self._tag(3, action.stage, 0, action.replica))
+        self._syncs.append((work, (action, buffer)))
+
+    def _finish_grad_sync(self) -> None:
+        for _, (action, buffer) in self._syncs:
+            offset = 0
+            for param in self._params(action):
+                param.grad += buffer[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+
+
+def _accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for param, grad in zip(params, grads):
+        if grad is not None:
+            param.grad = grad if param.grad is None else param.grad + grad

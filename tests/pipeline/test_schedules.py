@@ -1,0 +1,143 @@
+"""The simulator reproduces the published bubble and memory formulas with T_F = T_I = T_W = 1."""
+
+from __future__ import annotations
+
+import time
+from fractions import Fraction
+
+import pytest
+
+from shiftlm.pipeline.actions import Kind
+from shiftlm.pipeline.schedules import SCHEDULES, build_schedule
+from shiftlm.pipeline.simulator import ActionCosts, simulate
+
+UNIT = ActionCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
+SIZES = [(2, 2), (2, 5), (3, 6), (4, 8), (4, 12), (8, 16)]
+
+
+def bubble(name: str, pp: int, microbatches: int, chunks: int | None = None) -> float:
+    return simulate(build_schedule(name, pp, microbatches, chunks), UNIT).bubble_fraction
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,microbatches", SIZES)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, pp, microbatches):
+    assert bubble(name, pp, microbatches) == pytest.approx(float(Fraction(pp - 1, microbatches + pp - 1)))
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+@pytest.mark.parametrize("pp,microbatches", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
+def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1(chunks, pp, microbatches):
+    expected = Fraction(pp - 1, chunks * microbatches + pp - 1)
+    assert bubble("interleaved_1f1b", pp, microbatches, chunks) == pytest.approx(float(expected))
+
+
+@pytest.mark.parametrize("pp,microbatches", SIZES)
+def test_zb_h1_bubble_is_p_minus_1_over_3m_plus_p_minus_1(pp, microbatches):
+    assert bubble("zb_h1", pp, microbatches) == pytest.approx(
+        float(Fraction(pp - 1, 3 * microbatches + pp - 1))
+    )
+
+
+def test_zb_h1_bubble_is_a_third_of_1f1b_for_many_microbatches():
+    assert bubble("zb_h1", 4, 400) / bubble("1f1b", 4, 400) == pytest.approx(1 / 3, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["zb_h2", "zb_v"])
+@pytest.mark.parametrize("pp,microbatches", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
+def test_zero_bubble_schedules_never_idle_inside_a_ranks_span(name, pp, microbatches):
+    result = simulate(build_schedule(name, pp, microbatches), UNIT)
+    assert [result.idle_inside_span(rank) for rank in range(pp)] == [0.0] * pp
+
+
+@pytest.mark.parametrize("pp,microbatches", SIZES)
+def test_1f1b_rank_r_holds_p_minus_r_activations(pp, microbatches):
+    result = simulate(build_schedule("1f1b", pp, microbatches), UNIT)
+    assert result.peak_activations == [min(pp - r, microbatches) for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp,microbatches", [(2, 4), (3, 6), (4, 8), (8, 16)])
+def test_zb_v_holds_p_microbatches_of_activations_on_every_rank(pp, microbatches):
+    result = simulate(build_schedule("zb_v", pp, microbatches), UNIT)
+    assert result.peak_memory == [float(pp)] * pp  # 2p half-size chunks = p whole-rank micro-batches
+    assert result.peak_activations == [2 * pp] * pp
+
+
+def test_zb_h2_holds_2p_minus_1_activations():
+    assert simulate(build_schedule("zb_h2", 4, 8), UNIT).peak_activations == [7] * 4
+
+
+def test_bitpipe_beats_1f1b_and_interleaved_for_p4_m8():
+    assert bubble("bitpipe", 4, 8) < bubble("interleaved_1f1b", 4, 8, 2) < bubble("1f1b", 4, 8)
+
+
+def test_bitpipe_syncs_every_chunk_once_right_after_its_last_backward():
+    schedule = build_schedule("bitpipe", 4, 8)
+    for actions in schedule.ranks:
+        syncs = [i for i, a in enumerate(actions) if a.kind is Kind.GRAD_SYNC]
+        assert len(syncs) == 4  # 2 chunks x 2 replicas per rank
+        for index in syncs:
+            sync = actions[index]
+            backwards = [
+                i
+                for i, a in enumerate(actions)
+                if a.kind is Kind.B and (a.stage, a.replica) == (sync.stage, sync.replica)
+            ]
+            assert max(backwards) == index - 1
+
+
+def test_per_stage_costs_slow_down_the_pipeline_by_the_slowest_stage():
+    schedule = build_schedule("1f1b", 4, 8)
+    even = simulate(schedule, UNIT).makespan
+    skewed = simulate(
+        schedule, ActionCosts(forward=[1, 1, 2, 1], backward_input=1, backward_weight=1)
+    ).makespan
+    assert skewed > even
+
+
+def test_messages_count_every_cross_rank_hand_off_and_bytes_add_up():
+    schedule = build_schedule("1f1b", 4, 8)
+    result = simulate(schedule, ActionCosts(activation_bytes=100.0))
+    assert result.messages == 2 * 3 * 8  # 3 boundaries, forward and backward, 8 micro-batches
+    assert result.message_bytes == 100.0 * result.messages
+
+
+def test_zb_v_turn_of_the_v_is_a_local_hand_off_without_messages():
+    result = simulate(build_schedule("zb_v", 4, 8))
+    assert result.messages == 2 * (2 * 4 - 2) * 8  # 8 stages = 7 boundaries, one of them on rank 3
+
+
+def test_p2p_latency_adds_to_the_critical_path():
+    schedule = build_schedule("1f1b", 4, 8)
+    slow = simulate(schedule, ActionCosts(p2p=0.5)).makespan
+    # the first micro-batch crosses 3 links forward and 3 back before rank 0 can run its backward
+    assert slow >= simulate(schedule).makespan + 2 * 3 * 0.5
+
+
+def test_simulating_a_large_layout_stays_linear():
+    # p=64, m=512 is ~200k actions; a quadratic scan would take minutes
+    start = time.perf_counter()
+    simulate(build_schedule("1f1b", 64, 512))
+    assert time.perf_counter() - start < 30  # generous: guards against O(n^2), not a speed claim
+
+
+@pytest.mark.parametrize(
+    "name,pp,microbatches,chunks,message",
+    [
+        ("1f1b", 4, 3, None, "at least 4 micro-batches"),
+        ("gpipe", 4, 8, 2, "always uses 1 chunk"),
+        ("zb_v", 4, 8, 3, "always uses 2 chunk"),
+        ("interleaved_1f1b", 4, 6, 2, "divisible by pp=4"),
+        ("interleaved_1f1b", 4, 8, 1, "at least 2 chunks"),
+        ("bitpipe", 4, 9, None, "even number"),
+        ("pipedream", 4, 8, None, "unknown schedule"),
+        ("1f1b", 1, 8, None, "at least 2 pipeline ranks"),
+    ],
+)
+def test_invalid_combinations_are_rejected_with_a_fix(name, pp, microbatches, chunks, message):
+    with pytest.raises(ValueError, match=message):
+        build_schedule(name, pp, microbatches, chunks)
+
+
+def test_every_schedule_is_registered_with_a_summary():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "bitpipe"}
