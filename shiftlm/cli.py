@@ -19,6 +19,8 @@ COMMANDS = [
     "shiftlm.model.verify",
     "shiftlm.pipeline.cli",
     "shiftlm.sim.cli",
+    "shiftlm.train.cli",
+    "shiftlm.serve.cli",
 ]
 
 

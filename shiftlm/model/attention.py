@@ -75,13 +75,13 @@ class Attention(nn.Module):
         v = self.v_proj(x, entered=True).view(batch, tokens, self.kv_heads_local, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.sp.size > 1:
-            q, k, v = self._scatter_heads(q, k, v)
+            q, k, v = self.scatter_heads(q, k, v)
         out = causal_attention(q, k, v, self.config.sliding_window)
         if self.sp.size > 1:
             out = all_to_all_along(out, self.sp, scatter_dim=1, gather_dim=HEAD_DIM_AXIS)
         return self.o_proj(out.reshape(batch, -1, self.heads_local * d))
 
-    def _scatter_heads(self, q, k, v):
+    def scatter_heads(self, q, k, v):
         """One all-to-all: [B, S/SP, (q, k, v) of my TP block] -> [B, S, (q, k, v) of head block j]."""
         sp = self.sp.size
         batch, tokens, _, d = q.shape

@@ -4,6 +4,9 @@ Each layer is handed its tensor-parallel group. With `sequence_parallel`, activa
 column->row regions are split along the sequence (dim 1) across the TP group: a column-parallel layer
 all-gathers its input (backward: reduce-scatter), a row-parallel layer reduce-scatters its output
 (backward: all-gather) instead of all-reducing it.
+
+The two parallel linears use `deferred.linear`, so zero-bubble pipeline schedules can run their
+weight-gradient GEMMs apart from the input gradient (see shiftlm/model/deferred.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_group, reduce_scatter_along
+from shiftlm.model.deferred import linear
 
 SEQ_DIM = 1
 
@@ -56,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
         return copy_to_group(x, self.group)
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
-        return F.linear(x if entered else self.enter(x), self.weight, self.bias)
+        return linear(x if entered else self.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -71,7 +75,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:
             return reduce_scatter_along(partial, self.group, SEQ_DIM)
         return reduce_from_group(partial, self.group)

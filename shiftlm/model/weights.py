@@ -136,60 +136,92 @@ def _read_shard(tensor_slice, spec: ShardSpec, shape: list[int], dtype: torch.dt
 
 
 @torch.no_grad()
+def gather_to_full(model: Transformer, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full HF-shaped tensors from this rank's shards (keyed by parameter name; collective over TP).
+
+    Works for anything sharded like the parameters: weights, gradients, optimizer moments.
+    """
+    tp = model.mesh.tp
+    out = {}
+    for name, shard in local.items():
+        source = source_name(model, name)
+        shards = all_gather(shard.detach().unsqueeze(0), tp, dim=0)
+        full = torch.zeros(full_shape(source, model.config), dtype=shard.dtype)
+        for rank in range(tp.size):
+            place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size))
+        out[name] = full
+    return out
+
+
 def gather_full(model: Transformer, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full HF-shaped tensors of this stage's parameters (or gradients).
 
     For gradients, call `sync_tp_replicated_grads` first; they are then summed over the dp_sp group
     (Ulysses splits tokens), so the result equals the gradient of the single-rank model on the whole
-    batch when the loss is normalised globally.
+    batch when the loss is normalised globally. A tied head next to its embedding is left out.
     """
-    tp = model.mesh.tp
-    out = {}
+    local = {}
     for name, param in model.named_parameters():
-        source = source_name(model, name)
-        if name == "lm_head.weight" and source != name and model.with_embedding:
+        if name == "lm_head.weight" and source_name(model, name) != name and model.with_embedding:
             continue
-        local = param.grad if grads else param
-        if local is None:
-            local = torch.zeros_like(param)
-        shards = all_gather(local.detach().unsqueeze(0), tp, dim=0)
-        full = torch.zeros(full_shape(source, model.config), dtype=param.dtype)
-        for rank in range(tp.size):
-            place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size))
-        out[name] = full
+        tensor = param.grad if grads else param
+        local[name] = torch.zeros_like(param) if tensor is None else tensor
+    out = gather_to_full(model, local)
     if grads:
         out = {name: all_reduce(t, model.mesh.dp_sp) for name, t in out.items()}
     return out
 
 
-def save_hf_checkpoint(model: Transformer, path: str | Path) -> None:
-    """Write this model (all stages, all ranks call it) as a HF checkpoint directory, atomically."""
-    path = Path(path)
-    mesh = model.mesh
+def write_hf_files(stages: list[Transformer], directory: Path) -> None:
+    """Write this rank's stages into `directory` in HF format (collective; not atomic by itself).
+
+    One safetensors file per pipeline rank, written by its (dp=0, sp=0, tp=0) rank; global rank 0
+    writes `config.json` and, with several files, the index. A rank may hold several stages
+    (interleaved and V schedules).
+    """
+    mesh = stages[0].mesh
     distributed = dist.is_available() and dist.is_initialized() and mesh.world_size > 1
-    stages = mesh.config.pp
+    # a tied head's copy on the last stage is not a checkpoint tensor: the embedding is saved by stage 0
+    tensors = {n: t for stage in stages for n, t in gather_full(stage).items() if source_name(stage, n) == n}
+    c, pp = mesh.coords, mesh.config.pp
+    file = "model.safetensors" if pp == 1 else f"model-{c.pp + 1:05d}-of-{pp:05d}.safetensors"
+    writer = c.dp == 0 and c.sp == 0 and c.tp == 0
+    directory.mkdir(parents=True, exist_ok=True)
+    if writer:
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, directory / file, metadata={"format": "pt"}
+        )
+    names = [(name, file) for name in tensors] if writer else []
+    if distributed:
+        gathered: list = [None] * mesh.world_size
+        dist.all_gather_object(gathered, names)
+        names = [item for part in gathered for item in part]
+    if mesh.rank == 0:
+        (directory / "config.json").write_text(json.dumps(stages[0].config.to_hf_dict(), indent=2))
+        if pp > 1:
+            index = {"metadata": {}, "weight_map": dict(sorted(names))}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def save_hf_checkpoint(model: Transformer | list[Transformer], path: str | Path) -> None:
+    """Write the model (all ranks call it) as a HF checkpoint directory, atomically.
+
+    Everything goes into a staging sibling that replaces `path` only once complete.
+    """
+    stages = model if isinstance(model, list) else [model]
+    mesh = stages[0].mesh
+    distributed = dist.is_available() and dist.is_initialized() and mesh.world_size > 1
+    path = Path(path)
     staging = path.parent / f".{path.name}.tmp"
     if mesh.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     if distributed:
         dist.barrier()
-    # a tied head's copy on the last stage is not a checkpoint tensor: the embedding is saved by stage 0
-    tensors = {n: t for n, t in gather_full(model).items() if source_name(model, n) == n}
-    c = mesh.coords
-    file = "model.safetensors" if stages == 1 else f"model-{c.pp + 1:05d}-of-{stages:05d}.safetensors"
-    if c.dp == 0 and c.sp == 0 and c.tp == 0:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, staging / file, metadata={"format": "pt"})
-    names = [(name, file) for name in tensors] if c.dp == 0 and c.sp == 0 and c.tp == 0 else []
+    write_hf_files(stages, staging)
     if distributed:
-        gathered: list = [None] * mesh.world_size
-        dist.all_gather_object(gathered, names)
-        names = [item for part in gathered for item in part]
+        dist.barrier()
     if mesh.rank == 0:
-        (staging / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
-        if stages > 1:
-            index = {"metadata": {}, "weight_map": dict(sorted(names))}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         _replace_dir(staging, path)
     if distributed:
         dist.barrier()

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
@@ -153,7 +154,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, str, str]]:
         dotted, sep, value = body.partition("=")
         section, dot, key = dotted.partition(".")
         if not sep or not dot or not section or not key:
-            raise ConfigError(f"cannot read override {item!r}; write it as --section.key=value, e.g. --train.steps=50")
+            raise ConfigError(
+                f"cannot read override {item!r}; write it as --section.key=value, e.g. --train.steps=50"
+            )
         parsed.append((section, key, value))
     return parsed
 
@@ -180,6 +183,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def config_from_dict(raw: dict[str, dict[str, Any]]) -> TrainConfig:
+    """The inverse of `TrainConfig.to_dict` (how `--nproc` workers receive their config)."""
+    config = TrainConfig()
+    for section, table in raw.items():
+        for key, value in table.items():
+            _apply(config, section, key, value)
+    validate(config)
+    return config
+
+
 def validate(config: TrainConfig) -> None:
     """Checks that need no model: positive sizes, known modes, a batch that divides evenly."""
     for section in (config.parallel, config.train, config.checkpoint):
@@ -202,7 +215,9 @@ def validate(config: TrainConfig) -> None:
             f"use e.g. global_batch = {max(1, round(train.global_batch / per_step)) * per_step}"
         )
     if optim.lr <= 0 or not 0 <= optim.min_lr <= optim.lr:
-        raise ConfigError(f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={optim.lr}, min_lr={optim.min_lr}")
+        raise ConfigError(
+            f"need 0 <= optim.min_lr <= optim.lr and lr > 0; got lr={optim.lr}, min_lr={optim.min_lr}"
+        )
     if not (0 <= optim.beta1 < 1 and 0 <= optim.beta2 < 1):
         raise ConfigError("optim.beta1 and optim.beta2 must lie in [0, 1)")
     if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.warmup_steps < 0:

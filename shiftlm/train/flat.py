@@ -69,6 +69,15 @@ class FlatParameters:
 
     def zero_grad(self) -> None:
         self.grads.zero_()
+        self.adopt_grads()
+
+    @torch.no_grad()
+    def adopt_grads(self) -> None:
+        """Bring back gradients that code outside autograd's accumulation replaced (`p.grad = g`,
+        as the pipeline executor does): copy them into the flat buffer and point `.grad` at it again."""
         for slot, param in zip(self.slots, self.parameters):
-            if param.grad is None or param.grad.data_ptr() != self.view(self.grads, slot).data_ptr():
-                param.grad = self.view(self.grads, slot)  # something replaced it; point it back
+            view = self.view(self.grads, slot)
+            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                param.grad = view

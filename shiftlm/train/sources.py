@@ -38,7 +38,9 @@ def source_files(source: str) -> list[Path]:
     """The data files under `source` (a file or a dir, searched recursively), in sorted order."""
     path = Path(source)
     if not path.exists():
-        raise DataError(f"data.source {source!r} does not exist; give a file or dir of text/JSONL/parquet/.bin")
+        raise DataError(
+            f"data.source {source!r} does not exist; give a file or dir of text/JSONL/parquet/.bin"
+        )
     candidates = sorted(path.rglob("*")) if path.is_dir() else [path]
     known = TEXT_SUFFIXES | RECORD_SUFFIXES | {SHARD_SUFFIX}
     files = [p for p in candidates if p.is_file() and p.suffix in known]
@@ -66,7 +68,9 @@ def _documents(files: list[Path], text_key: str) -> Iterator[str]:
                 raise DataError("reading parquet needs pyarrow: pip install pyarrow") from None
             table = pq.read_table(file)
             if text_key not in table.column_names:
-                raise DataError(f"{file} has no '{text_key}' column (has {table.column_names}); set data.text_key")
+                raise DataError(
+                    f"{file} has no '{text_key}' column (has {table.column_names}); set data.text_key"
+                )
             yield from table.column(text_key).to_pylist()
 
 
@@ -102,7 +106,9 @@ def _key(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def prepare_shards(source: str, tokenizer_dir: str, text_key: str = "text", corpus_bytes: int = 0) -> list[Path]:
+def prepare_shards(
+    source: str, tokenizer_dir: str, text_key: str = "text", corpus_bytes: int = 0
+) -> list[Path]:
     """The `.bin` shard files for `source`, tokenizing (and caching) text sources first.
 
     Call on one process per machine (then barrier): the others reuse the cache it leaves.

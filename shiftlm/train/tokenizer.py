@@ -75,7 +75,9 @@ def load_tokenizer(path: str | Path):
 
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{file} not found; data.tokenizer must name a dir holding an HF tokenizer.json")
+        raise FileNotFoundError(
+            f"{file} not found; data.tokenizer must name a dir holding an HF tokenizer.json"
+        )
     return Tokenizer.from_file(str(file))
 
 

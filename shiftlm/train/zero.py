@@ -19,7 +19,14 @@ from shiftlm.train.optim import adamw_update
 
 
 class ShardedAdamW:
-    def __init__(self, flat: FlatParameters, group: CommGroup, optim: OptimSection, decay_mask: torch.Tensor, shard: bool):
+    def __init__(
+        self,
+        flat: FlatParameters,
+        group: CommGroup,
+        optim: OptimSection,
+        decay_mask: torch.Tensor,
+        shard: bool,
+    ):
         self.flat, self.group, self.optim = flat, group, optim
         self.sharded = shard and group.size > 1
         size = flat.params.numel() // group.size if self.sharded else flat.params.numel()
@@ -38,7 +45,9 @@ class ShardedAdamW:
         if grad_scale != 1.0:
             grad = grad * grad_scale
         params = self.flat.params[self.start : self.end]
-        adamw_update(params, grad, self.exp_avg, self.exp_avg_sq, self.decay_mask, self.step_count, lr, self.optim)
+        adamw_update(
+            params, grad, self.exp_avg, self.exp_avg_sq, self.decay_mask, self.step_count, lr, self.optim
+        )
         if self.sharded:
             shard = params.clone()  # all_gather may not read from a view of its own output
             counters.record("all_gather", self.group, shard.numel() * shard.element_size())

@@ -1,0 +1,139 @@
+"""What a training run reports: one line per step, a progress bar on a terminal, JSONL, a loss plot.
+
+Model FLOPs per token follow PaLM (Chowdhery et al. 2022, Appendix B), as nanoGPT's `estimate_mfu`:
+6 N for the matmul parameters N (forward 2N, backward 4N; the input embedding is a lookup and does
+not count) plus 12 L d S for attention scores and values over a context of S tokens (L layers,
+d = heads x head_dim). Recomputation is not counted: MFU measures useful work. The peak comes from
+the hardware catalog by device name; where the device is unknown (any CPU) MFU reads "n/a" rather
+than a guessed peak.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shiftlm.config import ModelConfig
+
+# torch.cuda device name fragment -> hardware catalog entry (first match wins: "pcie" before "h100")
+_CATALOG_BY_DEVICE_NAME = [
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100-sxm"),
+    ("h200", "h200"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100", "a100-80gb"),
+    ("b200", "b200"),
+    ("mi300x", "mi300x"),
+    ("mi250x", "mi250x"),
+]
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token: 6 N + 12 L d S (PaLM, Appendix B)."""
+    matmul_params = config.num_params - config.vocab_size * config.hidden_size
+    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    return 6 * matmul_params + attention
+
+
+def device_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of one device of this name from the catalog, or None if it is not known."""
+    from shiftlm.sim.hardware import CATALOG
+
+    lowered = device_name.lower()
+    for fragment, key in _CATALOG_BY_DEVICE_NAME:
+        if fragment in lowered and key in CATALOG:
+            return CATALOG[key].peak_flops.get(dtype)
+    return None
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float | None
+    memory_gb: float
+    step_time_s: float
+    eta_s: float
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def format_step(record: StepRecord, total_steps: int) -> str:
+    mfu = "n/a" if record.mfu is None else f"{100 * record.mfu:.1f}%"
+    return (
+        f"step {record.step:>{len(str(total_steps))}}/{total_steps} | loss {record.loss:.4f} | "
+        f"lr {record.lr:.2e} | grad norm {record.grad_norm:.3f} | {record.tokens_per_s:,.0f} tok/s | "
+        f"{record.tflops_per_device:.3f} TFLOP/s | MFU {mfu} | mem {record.memory_gb:.2f} GB | "
+        f"ETA {_duration(record.eta_s)}"
+    )
+
+
+class RunLog:
+    """Rank 0's reporter: log lines (stdout), a progress bar (stderr, on a terminal), metrics.jsonl."""
+
+    def __init__(self, out_dir: Path, total_steps: int, progress: str = "auto", quiet: bool = False):
+        self.out_dir, self.total_steps, self.quiet = out_dir, total_steps, quiet
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_file = out_dir / "metrics.jsonl"
+        self.records: list[StepRecord] = []
+        self.bar = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+        self._started = time.perf_counter()
+
+    def step(self, record: StepRecord, first_step: int) -> None:
+        self.records.append(record)
+        with open(self.metrics_file, "a") as handle:
+            handle.write(json.dumps(asdict(record)) + "\n")
+        if self.quiet:
+            return
+        if self.bar:
+            sys.stderr.write("\r\033[K")
+        print(format_step(record, self.total_steps), flush=True)
+        if self.bar:
+            done = record.step - first_step + 1
+            width = 30
+            filled = int(width * record.step / self.total_steps)
+            rate = done / max(time.perf_counter() - self._started, 1e-9)
+            sys.stderr.write(
+                f"[{'#' * filled}{'.' * (width - filled)}] {record.step}/{self.total_steps} {rate:.2f} it/s"
+            )
+            sys.stderr.flush()
+
+    def finish(self) -> Path | None:
+        """Write loss.png from every step in metrics.jsonl (including earlier, resumed runs)."""
+        if self.bar:
+            sys.stderr.write("\n")
+        if not self.metrics_file.is_file():
+            return None
+        by_step = {}
+        for line in self.metrics_file.read_text().splitlines():
+            row = json.loads(line)
+            by_step[row["step"]] = row["loss"]  # a resumed run re-logs steps: keep the latest
+        return plot_loss(sorted(by_step.items()), self.out_dir / "loss.png")
+
+
+def plot_loss(points: list[tuple[int, float]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot([s for s, _ in points], [loss for _, loss in points], linewidth=1.2)
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

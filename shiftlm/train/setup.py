@@ -1,0 +1,136 @@
+"""From a `TrainConfig` to the things a run needs: the model config, tokenizer, token shards, layout.
+
+The embedded default is a tiny Llama (`tiny`) sized to train in minutes on two CPU cores with the
+stdlib tokenizer's vocabulary. `[model] name` may also be a path to an HF config.json or checkpoint
+dir (a dir with weights starts from them), or a simulator preset such as `llama3-8b` (shape only).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.train.config import TrainConfig
+from shiftlm.train.pipeline import resolved_chunks
+from shiftlm.train.sources import prepare_shards
+from shiftlm.train.tokenizer import embedded_tokenizer, load_tokenizer
+
+EMBEDDED_MODELS = {
+    # 4 layers x 128 wide: ~1.3M parameters with a 2048-token vocabulary
+    "tiny": dict(
+        hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32
+    ),
+    # the parity tests' model: small enough for 20 steps on 4 ranks in seconds
+    "micro": dict(
+        hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    model: ModelConfig
+    init_checkpoint: Path | None  # HF weights to start from; None: seeded init
+    tokenizer_dir: Path
+    shards: list[Path]
+
+
+def _on_local_leader_first(build) -> None:
+    """Run `build` on one process per machine while the others wait; re-raise its error on every rank."""
+    error = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            build()
+        except Exception as err:  # noqa: BLE001 - passed to every rank below
+            error = err
+    if dist.is_available() and dist.is_initialized():
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
+        raised = next((e for e in errors if e is not None), None)
+        if raised is not None:
+            raise raised[0](raised[1])
+    elif error is not None:
+        raise error
+
+
+def _model_config(name: str, vocab_size: int, eos_token_id: int) -> tuple[ModelConfig, Path | None]:
+    if name in EMBEDDED_MODELS:
+        return ModelConfig(
+            vocab_size=vocab_size,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+            max_position_embeddings=4096,
+            **EMBEDDED_MODELS[name],
+        ), None
+    path = Path(name)
+    if path.exists():
+        config = ModelConfig.from_hf(path)
+        has_weights = path.is_dir() and any(path.glob("model*.safetensors"))
+        return config, (path if has_weights else None)
+    from shiftlm.sim.models import PRESETS
+
+    if name.lower() in PRESETS:
+        spec = PRESETS[name.lower()]
+        return ModelConfig(
+            vocab_size=spec.vocab,
+            hidden_size=spec.hidden,
+            intermediate_size=spec.ffn,
+            num_layers=spec.layers,
+            num_heads=spec.heads,
+            num_kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            tie_word_embeddings=spec.tied_embeddings,
+            model_type="qwen2" if name.lower().startswith("qwen") else "llama",
+        ), None
+    known = ", ".join([*EMBEDDED_MODELS, *PRESETS])
+    raise ConfigError(
+        f"model.name {name!r} is neither a preset ({known}) nor an existing path to an HF config"
+    )
+
+
+def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> ParallelConfig:
+    """The layout as the core's ParallelConfig, after every check that needs the model."""
+    p = config.parallel
+    parallel = ParallelConfig(dp=p.dp, pp=p.pp, sp=p.sp, tp=p.tp)
+    parallel.check_model(model)  # before the world size: a layout that cannot fit the model is the news
+    parallel.check_world_size(world_size)
+    parallel.check_sequence(config.train.seq_len)
+    stages = p.pp * resolved_chunks(config)
+    if stages > model.num_layers:
+        raise ConfigError(
+            f"pp x chunks = {stages} pipeline stages but the model has {model.num_layers} layers: "
+            "lower parallel.pp or train.chunks"
+        )
+    if model.intermediate_size % p.tp:
+        raise ConfigError(f"tp = {p.tp} must divide intermediate_size = {model.intermediate_size}")
+    if model.tie_word_embeddings and p.pp > 1:
+        raise ConfigError("training a model with tied embeddings at pp > 1 is not supported yet; use pp = 1")
+    return parallel
+
+
+def resolve_inputs(config: TrainConfig) -> RunInputs:
+    """Tokenizer, model config and token shards; built on one process per machine, read by all."""
+    data = config.data
+    corpus_bytes = int(data.corpus_mb * 1_000_000)
+
+    def build() -> tuple[Path, list[Path]]:
+        tokenizer_dir = (
+            Path(data.tokenizer) if data.tokenizer else embedded_tokenizer(data.vocab_size, corpus_bytes)
+        )
+        return tokenizer_dir, prepare_shards(data.source, str(tokenizer_dir), data.text_key, corpus_bytes)
+
+    _on_local_leader_first(build)
+    tokenizer_dir, shards = build()  # the others now find everything in the cache
+    tokenizer = load_tokenizer(tokenizer_dir)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    model, init = _model_config(config.model.name, tokenizer.get_vocab_size(), eos if eos is not None else 0)
+    if tokenizer.get_vocab_size() > model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {model.vocab_size}: "
+            "use a matching data.tokenizer"
+        )
+    return RunInputs(model, init, tokenizer_dir, shards)

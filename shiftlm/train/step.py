@@ -1,0 +1,93 @@
+"""Forward and backward of one optimizer step's micro-batches on this rank.
+
+The loss of a micro-batch is the *sum* of its per-token cross-entropies divided by the number of
+target tokens in the whole global batch (`normalised_loss`), on every path: without a pipeline the
+micro-batches run back to back, with one the executor calls the same function on the last stage.
+Summing these over micro-batches and over the data group gives the global mean loss, and summing
+their gradients gives the gradient of the global mean, so no later division is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shiftlm.config import ModelConfig
+from shiftlm.mesh import Mesh
+from shiftlm.model import Transformer, build_model, stage_layers
+from shiftlm.train.config import TrainConfig
+
+
+def build_stages(
+    model: ModelConfig, mesh: Mesh, config: TrainConfig, checkpoint: Path | None
+) -> list[Transformer]:
+    """This rank's pipeline stages: one, or `chunks` of them for interleaved / V schedules."""
+    pp = mesh.config.pp
+    if pp == 1:
+        return [build_model(model, mesh, checkpoint, seed=config.train.seed)]
+    from shiftlm.train.pipeline import resolved_chunks, stage_indices
+
+    total = pp * resolved_chunks(config)
+    return [
+        build_model(
+            model, mesh, checkpoint, seed=config.train.seed, layers=stage_layers(model.num_layers, total, s)
+        )
+        for s in stage_indices(config, mesh)
+    ]
+
+
+def normalised_loss(
+    stage: Transformer, logits: torch.Tensor, targets: torch.Tensor, target_tokens: int
+) -> torch.Tensor:
+    """Sum of per-token losses over the global target-token count: the global mean's share."""
+    return stage.loss(logits, targets).sum() / target_tokens
+
+
+def sequence_slice(array: np.ndarray, mesh: Mesh) -> torch.Tensor:
+    """This rank's contiguous Ulysses slice of a [batch, seq] array."""
+    sp = mesh.sp
+    width = array.shape[1] // sp.size
+    return torch.from_numpy(np.ascontiguousarray(array[:, sp.rank * width : (sp.rank + 1) * width]))
+
+
+def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
+    """bf16 autocast where asked, or on `auto` where the GPU supports it; None means plain fp32."""
+    dtype = config.train.dtype
+    if dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+        return torch.bfloat16
+    return None
+
+
+class StepRunner:
+    def __init__(self, stages: list[Transformer], mesh: Mesh, config: TrainConfig):
+        self.stages, self.mesh, self.config = stages, mesh, config
+        self.autocast_dtype = autocast_dtype(config)
+        self.pipeline = None
+        if mesh.config.pp > 1:
+            from shiftlm.train.pipeline import make_executor
+
+            self.pipeline = make_executor(stages, mesh, config, normalised_loss)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device, dtype=self.autocast_dtype)
+
+    def run(self, micro_batches: list[tuple[np.ndarray, np.ndarray]], target_tokens: int) -> torch.Tensor:
+        """Forward + backward of every micro-batch; returns this rank's share of the global loss."""
+        inputs = [sequence_slice(x, self.mesh) for x, _ in micro_batches]
+        targets = [sequence_slice(y, self.mesh) for _, y in micro_batches]
+        with self._autocast():
+            if self.pipeline is not None:
+                return self.pipeline(inputs, targets, target_tokens)
+            total = torch.zeros(())
+            stage = self.stages[0]
+            for x, y in zip(inputs, targets):
+                loss = normalised_loss(stage, stage(x), y, target_tokens)
+                loss.backward()
+                total += loss.detach().float()
+        return total

@@ -1,0 +1,218 @@
+"""The training loop on any DP x PP x SP x TP layout.
+
+    cfg = load_config("plan.toml", ["--train.steps=50"])
+    result = train(cfg)        # on every rank, torch.distributed initialised (or a world of one)
+
+One optimizer step: read this DP rank's micro-batches, count the target tokens of the *global*
+batch, run forward/backward (`StepRunner`, directly or through the pipeline executor) with every
+micro-batch's loss divided by that count, so the loss is normalised exactly once whatever the layout
+or accumulation; sum gradients over the data group (bucketed, overlapped), clip by the global norm,
+AdamW with ZeRO-1, log. Checkpoints are layout-free and resume bit-exactly into the same layout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shiftlm.comm import all_reduce
+from shiftlm.mesh import Mesh
+from shiftlm.model.grads import sync_tp_replicated_grads
+from shiftlm.model.sharding import shard_spec
+from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_files
+from shiftlm.train.checkpoint import (
+    commit,
+    latest_checkpoint,
+    load_rng,
+    read_trainer_state,
+    save_rng,
+    staging_dir,
+)
+from shiftlm.train.config import TrainConfig
+from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset
+from shiftlm.train.flat import FlatParameters
+from shiftlm.train.grad_sync import GradSync
+from shiftlm.train.metrics import RunLog, StepRecord, device_peak_flops, flops_per_token
+from shiftlm.train.optim import clip_coefficient, learning_rate
+from shiftlm.train.setup import check_layout, resolve_inputs
+from shiftlm.train.state import load_moments, save_moments
+from shiftlm.train.step import StepRunner, build_stages
+from shiftlm.train.tokenizer import copy_tokenizer
+from shiftlm.train.zero import ShardedAdamW, global_grad_norm
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
+    last_step: int = 0
+    checkpoint: Path | None = None
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, quiet: bool = False):
+        self.config = config
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.inputs = resolve_inputs(config)
+        parallel = check_layout(config, self.inputs.model, world)
+        self.mesh = Mesh(parallel)
+        self.stages = build_stages(self.inputs.model, self.mesh, config, self.inputs.init_checkpoint)
+        named = [(name, p) for stage in self.stages for name, p in stage.named_parameters()]
+        data_group = self.mesh.dp_sp  # ranks holding the same weights: DP replicas and Ulysses peers
+        self.flat = FlatParameters(named, pad_to=data_group.size)
+        self.grad_sync = GradSync(self.flat, data_group)
+        decay = self.flat.mask(lambda name, shape: len(shape) >= 2)  # no decay on norms and biases
+        self.optimizer = ShardedAdamW(
+            self.flat, data_group, config.optim, decay, shard=config.train.zero == 1
+        )
+        self.norm_mask = self._norm_mask()
+        dataset = TokenDataset(self.inputs.shards, config.train.seq_len)
+        plan = BatchPlan(config.train.global_batch, config.train.micro_batch, config.parallel.dp)
+        self.reader = BatchReader(dataset, plan, self.mesh.coords.dp, config.train.seed)
+        self.runner = StepRunner(self.stages, self.mesh, config)
+        self.checkpoints = Path(config.log.dir) / "checkpoints"
+        self.start_step = 0
+        self.log = (
+            RunLog(Path(config.log.dir), config.train.steps, config.log.progress, quiet)
+            if self.mesh.rank == 0
+            else None
+        )
+        self.flops_per_token = flops_per_token(self.inputs.model, config.train.seq_len)
+
+    def _norm_mask(self) -> torch.Tensor:
+        """Count each element of the whole model once: TP-replicated tensors only on tp rank 0."""
+        tp, stage = self.mesh.tp, self.stages[0]
+
+        def counted_here(name: str, shape: tuple[int, ...]) -> bool:
+            source = source_name(stage, name)
+            mine = shard_spec(source, stage.config, tp.rank, tp.size)
+            holders = [r for r in range(tp.size) if shard_spec(source, stage.config, r, tp.size) == mine]
+            return tp.rank == holders[0]  # replicated (norms, shared KV heads): the first holder only
+
+        return self.flat.mask(counted_here)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save(self, step: int) -> Path | None:
+        """Write a checkpoint after `step` steps (collective); returns its path on rank 0."""
+        staging = staging_dir(self.checkpoints, step)
+        if self.mesh.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        _barrier()
+        write_hf_files(self.stages, staging / "model")
+        save_moments(self.stages, self.optimizer.full_state(), staging)
+        save_rng(staging, self.mesh.rank)
+        _barrier()
+        final = None
+        if self.mesh.rank == 0:
+            copy_tokenizer(self.inputs.tokenizer_dir, staging / "model")
+            state = {
+                "step": step,
+                "samples": step * self.config.train.global_batch,
+                "optimizer_step": self.optimizer.step_count,
+                "layout": self.config.to_dict()["parallel"],
+                "config": self.config.to_dict(),
+            }
+            final = commit(staging, state, self.config.checkpoint.keep)
+        _barrier()
+        return final
+
+    def maybe_resume(self) -> None:
+        latest = latest_checkpoint(self.checkpoints) if self.config.checkpoint.resume else None
+        if latest is None:
+            return
+        state = read_trainer_state(latest)
+        for stage in self.stages:
+            load_hf_checkpoint(stage, latest / "model")
+        self.optimizer.load_full_state(load_moments(self.stages, latest), state["optimizer_step"])
+        if state["layout"] == self.config.to_dict()["parallel"]:
+            load_rng(latest, self.mesh.rank)
+        self.start_step = state["step"]
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self, stop_after: int | None = None) -> TrainResult:
+        result = TrainResult(last_step=self.start_step)
+        cfg = self.config.train
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        peak = device_peak_flops(device_name, "bf16" if self.runner.autocast_dtype else "fp32")
+        started = time.perf_counter()
+        for step in range(self.start_step, cfg.steps):
+            tick = time.perf_counter()
+            self.flat.zero_grad()
+            micro_batches = self.reader.step(step)
+            target_tokens = self._global_target_tokens(micro_batches)
+            self.grad_sync.begin_step(len(micro_batches))
+            loss = self.runner.run(micro_batches, target_tokens)
+            self.flat.adopt_grads()
+            self.grad_sync.finish()
+            for (
+                stage
+            ) in self.stages:  # KV rows replicated over TP: sum their parts (after the DP sum: both are sums)
+                sync_tp_replicated_grads(stage)
+            grad_norm = global_grad_norm(self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp])
+            lr = learning_rate(step, cfg.steps, self.config.optim)
+            self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))
+            # the loss lives on the last stage, split over the data group: sum it to every rank
+            loss = all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
+            result.losses[step + 1] = loss
+            result.last_step = step + 1
+            elapsed = time.perf_counter() - tick
+            if self.log is not None:
+                tokens_per_s = cfg.global_batch * cfg.seq_len / elapsed
+                achieved = self.flops_per_token * tokens_per_s / self.mesh.world_size
+                done = step + 1 - self.start_step
+                self.log.step(
+                    StepRecord(
+                        step=step + 1,
+                        loss=loss,
+                        lr=lr,
+                        grad_norm=grad_norm,
+                        tokens_per_s=tokens_per_s,
+                        tflops_per_device=achieved / 1e12,
+                        mfu=achieved / peak if peak else None,
+                        memory_gb=_memory_gb(),
+                        step_time_s=elapsed,
+                        eta_s=(time.perf_counter() - started) / done * (cfg.steps - step - 1),
+                    ),
+                    self.start_step + 1,
+                )
+            every = self.config.checkpoint.every
+            if (every and (step + 1) % every == 0) or step + 1 == cfg.steps:
+                result.checkpoint = self.save(step + 1)
+            if stop_after is not None and step + 1 >= stop_after:
+                break
+        if self.log is not None:
+            self.log.finish()
+        return result
+
+    def _global_target_tokens(self, micro_batches) -> int:
+        """Target tokens (not -100) in the whole global batch: this DP rank's, summed over DP."""
+        local = sum(int((targets != -100).sum()) for _, targets in micro_batches)
+        return int(all_reduce(torch.tensor([local], dtype=torch.float64), self.mesh.dp).item())
+
+
+def _memory_gb() -> float:
+    """Peak memory of this process: allocated on the GPU, or resident set size on the CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+def train(config: TrainConfig, stop_after: int | None = None, quiet: bool = False) -> TrainResult:
+    """Train per `config` on this process's rank (resuming from the newest checkpoint if asked)."""
+    trainer = Trainer(config, quiet=quiet)
+    trainer.maybe_resume()
+    return trainer.run(stop_after)
