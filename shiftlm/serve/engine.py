@@ -1,6 +1,6 @@
 """The engine step: schedule, run the model (through any `Runner`), sample, detokenize, finish.
 
-    engine = Engine(runner, SchedulerConfig(num_blocks=64), tokenizer, eos_token_ids={2})
+    engine = Engine(runner, SchedulerConfig(num_blocks=64), tokenizer, eos_token_ids={2}, vocab_size=32000)
     engine.add_request("r0", prompt_ids, SamplingParams(max_tokens=8, temperature=0))
     while engine.has_work():
         for output in engine.step(): ...
@@ -69,12 +69,14 @@ class Engine:
         config: SchedulerConfig,
         tokenizer: Tokenizer,
         eos_token_ids: set[int],
+        vocab_size: int,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
         self.scheduler = Scheduler(config)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.clock = clock
         self.metrics = ServingMetrics()
         self._requests: dict[str, _Request] = {}
@@ -83,16 +85,22 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest (or PromptTooLong) for a request this engine cannot run; no side effects."""
         params.validate()
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
+        if not all(0 <= token < self.vocab_size for token in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise PromptTooLong(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
                 "(including at least one generated token); shorten the prompt",
                 "prompt",
             )
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(prompt_ids, params)
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         now = self.clock()
@@ -106,7 +114,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
-        for seq in (request.samples.values() if request else ()):
+        for seq in request.samples.values() if request else ():
             if not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.ABORT)
         if request:

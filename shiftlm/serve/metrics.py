@@ -68,7 +68,9 @@ class ServingMetrics:
                 lines += _scalar(prefix + name, "gauge", help_text, value)
             for name, (help_text, value) in counters.items():
                 lines += _scalar(prefix + name + "_total", "counter", help_text, value)
-            lines += _scalar(prefix + "prompt_tokens_total", "counter", "Prompt tokens received.", self.prompt_tokens)
+            lines += _scalar(
+                prefix + "prompt_tokens_total", "counter", "Prompt tokens received.", self.prompt_tokens
+            )
             lines += _scalar(
                 prefix + "generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens
             )

@@ -23,7 +23,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p; the top token always stays
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+        logits = logits.masked_fill(
+            torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf")
+        )
     return logits
 
 

@@ -149,7 +149,7 @@ class Scheduler:
             while not self.blocks.allocate(seq, seq.num_computed + num_new):
                 self._preempt(self.running[-1])
                 preempted = True
-                if self.running[index:index + 1] != [seq]:
+                if self.running[index : index + 1] != [seq]:
                     break  # seq preempted itself: nothing newer was left to make room
             else:
                 chunks.append(self._chunk(seq, num_new))
@@ -162,7 +162,10 @@ class Scheduler:
             num_new = min(seq.num_uncomputed, budget)
             # Keep one free block per running sequence so that decodes do not preempt at once.
             headroom = len(self.running)
-            if self.blocks.blocks_needed(seq, seq.num_computed + num_new) + headroom > self.blocks.allocator.num_free:
+            if (
+                self.blocks.blocks_needed(seq, seq.num_computed + num_new) + headroom
+                > self.blocks.allocator.num_free
+            ):
                 self.blocks.release(seq)
                 break
             self.blocks.allocate(seq, seq.num_computed + num_new)

@@ -51,7 +51,9 @@ class SlotRunner:
         for chunk in plan.chunks:
             if chunk.sample:
                 end = chunk.start + len(chunk.token_ids)
-                rows.append(next_token_scores([self.slots[self.slot(chunk.block_ids, p)] for p in range(end)]))
+                rows.append(
+                    next_token_scores([self.slots[self.slot(chunk.block_ids, p)] for p in range(end)])
+                )
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 
 

@@ -1,0 +1,95 @@
+"""`shiftlm serve` (OpenAI-compatible server) and `shiftlm bench serve` (trace replay).
+
+    shiftlm serve --model DIR --tp 2 --sp 1 --shift-threshold 64 --port 8000
+    shiftlm bench serve --trace ../shared/data/traces/azure_llm_2023_code.csv --url http://127.0.0.1:8000 \\
+        --max-requests 100 --rate 2 --max-input 256 --max-output 32 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shiftlm.config import ConfigError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from shiftlm.serve.server import ServeOptions, run_server
+
+    if args.tp < 1 or args.sp < 1:
+        return _fail("--tp and --sp must be >= 1")
+    try:
+        return run_server(ServeOptions.from_args(args))
+    except ConfigError as err:
+        return _fail(str(err))
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from shiftlm.serve.replay import run_bench
+
+    try:
+        return run_bench(args)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """The engine options, shared by `serve` and `bench serve --model` (which starts its own server)."""
+    parser.add_argument(
+        "--model", required=model_required, help="Hugging Face checkpoint directory (with tokenizer)"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
+    parser.add_argument(
+        "--mode",
+        default="shift",
+        choices=("tp", "sp_tp", "shift"),
+        help="pin full TP or SP x TP, or shift per step (default)",
+    )
+    parser.add_argument(
+        "--shift-threshold",
+        type=int,
+        default=64,
+        help="full TP when a step schedules at most this many tokens, else SP x TP",
+    )
+    parser.add_argument("--num-blocks", type=int, default=256, help="KV-cache blocks per rank")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    parser.add_argument("--max-tokens-per-step", type=int, default=256, help="token budget of one step")
+    parser.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible server with Shift Parallelism")
+    add_serve_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", default=None, help="name in /v1/models (default: the directory name)")
+    serve.set_defaults(func=_serve)
+
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    replay = bench_commands.add_parser("serve", help="replay a request trace against a server")
+    replay.add_argument(
+        "--trace", required=True, help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or JSONL"
+    )
+    replay.add_argument("--url", default="http://127.0.0.1:8000", help="server to replay against")
+    add_serve_arguments(replay, model_required=False)  # with --model: start a local server instead
+    replay.add_argument("--model-name", default=None, help="model name to send (default: the server's first)")
+    replay.add_argument("--start", type=int, default=0, help="first trace row to replay")
+    replay.add_argument("--max-requests", type=int, default=100, help="replay at most this many requests")
+    replay.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival gaps by this")
+    replay.add_argument("--rate", type=float, default=None, help="rescale arrivals to this many requests/s")
+    replay.add_argument("--max-input", type=int, default=512, help="clip prompt lengths to this")
+    replay.add_argument("--max-output", type=int, default=64, help="clip output lengths to this")
+    replay.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (goodput)")
+    replay.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds (goodput)")
+    replay.add_argument("--timeout", type=float, default=300.0, help="give up on the whole replay after this")
+    replay.add_argument("--out", default=None, help="directory for results.json and PNG plots")
+    replay.add_argument("--json", action="store_true", help="print one JSON object")
+    replay.set_defaults(func=_bench_serve)

@@ -1,0 +1,48 @@
+"""Tokenizers for serving: the checkpoint's own (Hugging Face format), or a character tokenizer that
+tests and benchmarks write next to tiny random checkpoints (which ship none)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from shiftlm.config import ConfigError
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer (`AutoTokenizer`); a clear error if the directory has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(
+            f"no usable tokenizer in {model_dir} ({type(err).__name__}); add tokenizer files "
+            "(tokenizer.json / tokenizer_config.json) or write one with shiftlm.serve.tokenizer.write_char_tokenizer"
+        ) from None
+
+
+def write_char_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_id: int = 2) -> None:
+    """Save a one-character-per-token tokenizer with a chat template; ids past the alphabet decode as
+    `<t{id}>` so that any token a random model emits is printable."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {0: "<unk>", 1: "<s>", eos_token_id: "</s>"}
+    alphabet = iter(string.ascii_letters + string.digits + " .,!?:;'\"-()\n<>|/")
+    vocab = {}
+    for token_id in range(vocab_size):
+        vocab[specials.get(token_id) or next(alphabet, f"<t{token_id}>")] = token_id
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(model_dir))
