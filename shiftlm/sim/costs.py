@@ -91,7 +91,12 @@ def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, 
 
 
 def layer_comm_time(
-    model: ModelSpec, tokens: float, shard: Shard, tp_links: tuple[int, int], sp_links: tuple[int, int], links: Links
+    model: ModelSpec,
+    tokens: float,
+    shard: Shard,
+    tp_links: tuple[int, int],
+    sp_links: tuple[int, int],
+    links: Links,
 ) -> float:
     """Communication of one layer's forward: two TP all-reduces (or the equal-volume all-gather +
     reduce-scatter pairs of Megatron SP), and Ulysses' all-to-alls of q, k, v and the output.
@@ -143,8 +148,9 @@ def layer_pass_costs(
     if recompute == "full":
         backward_input += forward + comm_forward
     elif recompute == "selective" and not shard.flash_attention:
-        backward_input += kernels_time([op for op in others if op.name in ("qk", "softmax+dropout", "av")],
-                                       hardware, efficiency, dtype)
+        backward_input += kernels_time(
+            [op for op in others if op.name in ("qk", "softmax+dropout", "av")], hardware, efficiency, dtype
+        )
     return PassCosts(forward + comm_forward, backward_input, gemm_time)
 
 

@@ -107,7 +107,9 @@ class StepResult:
         }
 
 
-def grad_sync_time(model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
+def grad_sync_time(
+    model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
+) -> float:
     """DP sync of one rank's gradients. ZeRO-1/2 reduce-scatter grads and all-gather weights, the
     same volume as an all-reduce; ZeRO-3 moves 1.5x that (Rajbhandari et al. 2020, Sec. 7)."""
     if layout.dp == 1:
@@ -129,39 +131,43 @@ def simulate_step(
     from shiftlm.pipeline.simulator import ActionCosts, simulate
 
     layout.check()
-    schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-    stage = stage_costs(model, layout, hardware, efficiency, dtype, schedule.num_stages)
-    result = simulate(
-        schedule,
-        ActionCosts(stage.forward, stage.backward_input, stage.backward_weight, p2p=stage.p2p),
-    )
+    if layout.pp == 1:  # no pipeline: micro-batches run back to back (gradient accumulation)
+        stage = stage_costs(model, layout, hardware, efficiency, dtype, num_stages=1)
+        busy = layout.microbatches * (stage.forward[0] + stage.backward_input[0] + stage.backward_weight[0])
+        makespan, busiest, bubble, peak, busiest_stages = busy, busy, 0.0, 1, [0]
+    else:
+        schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+        stage = stage_costs(model, layout, hardware, efficiency, dtype, schedule.num_stages)
+        result = simulate(
+            schedule,
+            ActionCosts(stage.forward, stage.backward_input, stage.backward_weight, p2p=stage.p2p),
+        )
+        makespan, bubble, peak = result.makespan, result.bubble_fraction, max(result.peak_activations)
+        busiest = max(result.busy)
+        rank = result.busy.index(busiest)
+        busiest_stages = [s for s in range(schedule.num_stages) if schedule.placement.rank_of(s) == rank]
     sync = grad_sync_time(model, layout, hardware, efficiency, dtype)
     last_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
     exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
     local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
     optimizer = costs.optimizer_time(local_params, hardware, efficiency)
-    step = result.makespan + exposed_sync + optimizer
+    step = makespan + exposed_sync + optimizer
 
     tokens = layout.global_batch * layout.seq_len
     model_flops = costs.model_flops_per_token(model, layout.seq_len) * tokens
-    busiest = max(result.busy)
-    rank_of_busiest = result.busy.index(busiest)
-    stages_on_rank = [s for s in range(schedule.num_stages) if schedule.placement.rank_of(s) == rank_of_busiest]
-    comm = sum(stage.comm[s] for s in stages_on_rank) * layout.microbatches
-    memory = estimate_memory(
-        model, layout, max(result.peak_activations), hardware.hbm_bytes, DTYPE_BYTES[dtype]
-    )
+    comm = sum(stage.comm[s] for s in busiest_stages) * layout.microbatches
+    memory = estimate_memory(model, layout, peak, hardware.hbm_bytes, DTYPE_BYTES[dtype])
     return StepResult(
         step_time=step,
         tokens_per_s=tokens / step,
         tflops_per_gpu=model_flops / step / layout.gpus / 1e12,
         mfu=model_flops / (step * layout.gpus * hardware.flops(dtype)),
-        bubble_fraction=result.bubble_fraction,
+        bubble_fraction=bubble,
         memory=memory,
         breakdown={
             "compute": busiest - comm,
             "tp_sp_comm": comm,
-            "pipeline_bubble_and_p2p": result.makespan - busiest,
+            "pipeline_bubble_and_p2p": makespan - busiest,
             "dp_sync_exposed": exposed_sync,
             "optimizer": optimizer,
         },

@@ -1,0 +1,273 @@
+"""`shiftlm simulate train|validate`, `shiftlm plan train` and `shiftlm calibrate`.
+
+    shiftlm simulate train --model llama3-70b --gpu h100 --gpus 64 --tp 8 --pp 4 --seq 8192 \\
+        --micro-batch 1 --global-batch 256 --schedule zb_v
+    shiftlm simulate train --hidden 12288 --layers 96 --heads 96 --gpu a100 --gpus 64 --tp 8 --pp 8
+    shiftlm simulate validate [--data ../shared/data/measured] [--refit] [--json]
+    shiftlm plan train --model llama3-8b --gpu h100 --gpus 64 --seq 8192 --global-batch 512 --out train.toml
+    shiftlm calibrate --out ~/.cache/shiftlm/hardware.json
+
+`SIMULATE_COMMANDS` and `PLAN_COMMANDS` map sub-subcommand names to functions that add their parser;
+the serving simulator adds `serve` to both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, MEASURED, Efficiency
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model (a preset, an HF config.json, or GPT-style dims)")
+    group.add_argument("--model", help="preset name (e.g. llama3-8b) or path to config.json")
+    for name in ("hidden", "layers", "heads", "kv-heads", "ffn"):
+        group.add_argument(f"--{name}", type=int)
+    group.add_argument("--vocab", type=int, default=51200)
+
+
+def _add_hardware_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu", default="h100", help="catalog name (a100, h100-sxm, h200, b200, mi300x, ...) or 'this'"
+    )
+    parser.add_argument("--hardware", type=Path, help="hardware profile JSON (from `shiftlm calibrate`)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    parser.add_argument("--first-principles", action="store_true", help="use unfitted efficiencies")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _model(args: argparse.Namespace):
+    from shiftlm.sim.models import gpt_style, resolve_model
+
+    if args.model:
+        return resolve_model(args.model)
+    if not (args.hidden and args.layers and args.heads):
+        raise ValueError("give --model PRESET|config.json, or --hidden, --layers and --heads")
+    return gpt_style(args.hidden, args.layers, args.heads, args.vocab, args.kv_heads, args.ffn)
+
+
+def _hardware(args: argparse.Namespace):
+    from shiftlm.sim.hardware import get_hardware
+
+    return get_hardware(args.gpu, args.hardware)
+
+
+def _efficiency(args: argparse.Namespace, hardware) -> Efficiency:
+    if hardware.name == "this":
+        return MEASURED
+    return FIRST_PRINCIPLES if args.first_principles else FITTED
+
+
+def _simulate_train(args: argparse.Namespace) -> int:
+    from shiftlm.sim.layout import Layout
+    from shiftlm.sim.train import simulate_step
+
+    model, hardware = _model(args), _hardware(args)
+    cut = args.tp * args.pp * args.sp
+    dp = args.dp or args.gpus // cut
+    if dp * cut != args.gpus:
+        raise ValueError(
+            f"--gpus {args.gpus} != dp {dp} x pp {args.pp} x sp {args.sp} x tp {args.tp}; fix --dp or --gpus"
+        )
+    schedule = args.schedule if args.pp > 1 else "none"
+    chunks = args.chunks or (2 if schedule in ("zb_v", "bitpipe", "interleaved_1f1b") else 1)
+    layout = Layout(
+        dp,
+        args.pp,
+        args.tp,
+        args.sp,
+        args.micro_batch,
+        args.global_batch or dp * args.micro_batch * max(args.pp, 1),
+        args.seq,
+        schedule,
+        chunks,
+        args.recompute,
+        args.zero,
+    )
+    result = simulate_step(model, layout, hardware, _efficiency(args, hardware), args.dtype)
+    report = {
+        "model": model.name,
+        "gpu": hardware.name,
+        "layout": layout.__dict__ | {"rank_order": list(layout.rank_order)},
+    }
+    report |= result.as_dict()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(
+        f"{model.name} on {args.gpus} x {hardware.name}: dp={dp} pp={args.pp} sp={args.sp} tp={args.tp} "
+        f"micro-batch={args.micro_batch} x {layout.microbatches} schedule={schedule} recompute={args.recompute}"
+    )
+    print(
+        f"step {result.step_time:.3f} s  {result.tokens_per_s:,.0f} tokens/s  {result.tflops_per_gpu:.0f} TFLOP/s/GPU  "
+        f"MFU {100 * result.mfu:.1f}%  bubble {100 * result.bubble_fraction:.1f}%"
+    )
+    print("time: " + ", ".join(f"{k} {v:.3f} s" for k, v in result.breakdown.items()))
+    mem = result.memory.as_dict()
+    verdict = "fits" if mem["fits"] else "OUT OF MEMORY"
+    print(
+        f"memory per GPU: {mem['total']} GiB of {mem['capacity']} ({verdict}): weights {mem['weights']}, "
+        f"grads {mem['gradients']}, optimizer {mem['optimizer']}, activations {mem['activations']}"
+    )
+    return 0
+
+
+def _register_simulate_train(subparsers) -> None:
+    parser = subparsers.add_parser("train", help="predict one training step of a layout on a cluster")
+    _add_model_args(parser)
+    _add_hardware_args(parser)
+    parser.add_argument("--seq", type=int, default=2048)
+    for name, default in (
+        ("tp", 1),
+        ("pp", 1),
+        ("sp", 1),
+        ("dp", 0),
+        ("micro-batch", 1),
+        ("global-batch", 0),
+        ("chunks", 0),
+    ):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
+    parser.add_argument("--zero", type=int, default=1)
+    parser.set_defaults(func=_guarded(_simulate_train))
+
+
+def _register_simulate_validate(subparsers) -> None:
+    from shiftlm.sim.validate_cli import run_validate
+
+    parser = subparsers.add_parser(
+        "validate", help="replay the measured tables, report error per row and table"
+    )
+    parser.add_argument(
+        "--data", type=Path, help="directory holding measured/*.csv (default ../shared/data/measured)"
+    )
+    parser.add_argument(
+        "--refit", action="store_true", help="refit the free parameters on the fit split (minutes)"
+    )
+    parser.add_argument(
+        "--no-single-node", action="store_true", help="skip the 1,440 vTrain single-node rows"
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=_guarded(run_validate))
+
+
+def _plan_train(args: argparse.Namespace) -> int:
+    from shiftlm.sim.planner import plan_training, train_config_toml
+
+    model, hardware = _model(args), _hardware(args)
+    efficiency = _efficiency(args, hardware)
+    plan = plan_training(
+        model, hardware, args.gpus, args.seq, args.global_batch, args.top, efficiency, args.dtype
+    )
+    if not plan.ranked:
+        raise ValueError(
+            f"no layout of {model.name} fits {args.gpus} x {hardware.name}; add GPUs or shorten --seq"
+        )
+    best = plan.ranked[0].layout
+    args.out.write_text(train_config_toml(args.model or model.name, best))
+    rows = [
+        {
+            "layout": {
+                k: getattr(r.layout, k)
+                for k in ("dp", "pp", "sp", "tp", "micro_batch", "schedule", "recompute", "zero")
+            },
+            "why": r.why(),
+        }
+        | r.result.as_dict()
+        for r in plan.ranked
+    ]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "enumerated": plan.enumerated,
+                    "fit": plan.fit_lower_bound,
+                    "simulated": plan.simulated,
+                    "config": str(args.out),
+                    "top": rows,
+                }
+            )
+        )
+        return 0
+    print(
+        f"{plan.enumerated} layouts, {plan.fit_lower_bound} pass the memory bound, {plan.simulated} simulated"
+    )
+    for rank, r in enumerate(plan.ranked, 1):
+        lay = r.layout
+        print(
+            f"{rank}. dp={lay.dp} pp={lay.pp} sp={lay.sp} tp={lay.tp} mb={lay.micro_batch} {lay.schedule} "
+            f"recompute={lay.recompute} zero={lay.zero}: {r.result.step_time:.2f} s/step, "
+            f"MFU {100 * r.result.mfu:.1f}% ({r.why()})"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _register_plan_train(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="rank the layouts that fit, write a train config for the best"
+    )
+    _add_model_args(parser)
+    _add_hardware_args(parser)
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("train.toml"))
+    parser.set_defaults(func=_guarded(_plan_train))
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from shiftlm.sim.calibrate import calibrate
+    from shiftlm.sim.hardware import DEFAULT_PROFILE, save_profile
+
+    out = args.out or DEFAULT_PROFILE
+    hardware = calibrate(log=(lambda _: None) if args.json else print)
+    save_profile(hardware, out)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({"profile": str(out)} | asdict(hardware)))
+    else:
+        print(f"wrote {out}; use it with --gpu this (or --hardware {out})")
+    return 0
+
+
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Bad input becomes one line on stderr and exit code 2, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+SIMULATE_COMMANDS: dict[str, Callable] = {
+    "train": _register_simulate_train,
+    "validate": _register_simulate_validate,
+}
+PLAN_COMMANDS: dict[str, Callable] = {"train": _register_plan_train}
+
+
+def register(subparsers) -> None:
+    simulate = subparsers.add_parser("simulate", help="predict training (and serving) on a cluster")
+    simulate_sub = simulate.add_subparsers(dest="simulate_command", metavar="WHAT", required=True)
+    for add in SIMULATE_COMMANDS.values():
+        add(simulate_sub)
+    plan = subparsers.add_parser("plan", help="find the best layout")
+    plan_sub = plan.add_subparsers(dest="plan_command", metavar="WHAT", required=True)
+    for add in PLAN_COMMANDS.values():
+        add(plan_sub)
+    calibrate = subparsers.add_parser("calibrate", help="measure this machine into a hardware profile")
+    calibrate.add_argument("--out", type=Path, help="profile path (default ~/.cache/shiftlm/hardware.json)")
+    calibrate.add_argument("--json", action="store_true")
+    calibrate.set_defaults(func=_guarded(_calibrate))

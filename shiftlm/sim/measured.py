@@ -1,0 +1,145 @@
+"""The measured training runs in ../shared/data/measured/, turned into (model, layout, cluster) cases.
+
+Each table is replayed with the software of its paper: Megatron-LM 2021-22 ran fp16, rank order
+tp-dp-pp, no FlashAttention, no DP overlap, no ZeRO; Megatron Table 1 and vTrain used full
+activation recompute; Korthikanti Table 5 gives full recompute vs SP + selective recompute.
+What each table reports is compared as reported: Megatron Table 1 gives TFLOP/s per GPU counted
+with recompute (F = 96Bslh^2(1 + s/6h + V/16lh), Narayanan et al. 2021, Sec. 5.1), the others
+give iteration time.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from shiftlm.sim.hardware import CATALOG, GIGA, Hardware, with_links
+from shiftlm.sim.layout import MEGATRON_ORDER, Layout
+from shiftlm.sim.models import ModelSpec, gpt_style
+
+A100 = CATALOG["a100-80gb"]
+# vTrain's testbed (data README): 150 GB/s intra-node, 800 Gb/s = 100 GB/s inter-node per 8 GPUs
+VTRAIN_A100 = with_links(A100, intra=150 * GIGA, inter=100 * GIGA / 8, name="a100-80gb-vtrain")
+
+TABLES = {
+    "megatron_2021_table1": "megatron_2021_table1_a100.csv",
+    "korthikanti_2022_table5": "korthikanti_2022_table5_a100.csv",
+    "vtrain_multi_node": "vtrain_a100_multi_node.csv",
+    "vtrain_single_node": "vtrain_a100_single_node.csv",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    table: str
+    label: str
+    model: ModelSpec
+    layout: Layout
+    hardware: Hardware
+    measured: float
+    metric: str  # "tflops_per_gpu" or "iteration_s"
+
+    def predicted(self, step_time: float) -> float:
+        """The table's metric from a simulated step time."""
+        if self.metric == "iteration_s":
+            return step_time
+        m, layout = self.model, self.layout
+        h, s, v, layers = m.hidden, layout.seq_len, m.vocab, m.layers
+        flops = 96 * layout.global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+        return flops / (step_time * layout.gpus) / 1e12
+
+
+def _megatron_layout(row: dict, recompute: str, chunks: int, tp_sp: bool = False) -> Layout:
+    return Layout(
+        dp=int(row["dp"]),
+        pp=int(row["pp"]),
+        tp=int(row["tp"]),
+        micro_batch=int(row["micro_batch"]),
+        global_batch=int(row["global_batch"]),
+        seq_len=int(row["seq"]),
+        schedule="interleaved_1f1b" if chunks > 1 else "1f1b",
+        chunks=chunks,
+        recompute=recompute,
+        zero=0,
+        tp_sequence_parallel=tp_sp,
+        flash_attention=False,
+        overlap_grad_sync=False,
+        rank_order=MEGATRON_ORDER,
+    )
+
+
+def _gpt(row: dict) -> ModelSpec:
+    return gpt_style(int(row["hidden"]), int(row["layers"]), int(row["heads"]), int(row["vocab"]))
+
+
+def _megatron_table1(row: dict) -> Case:
+    layers, pp = int(row["layers"]), int(row["pp"])
+    per_virtual = row["layers_per_virtual_stage"]
+    chunks = layers // (pp * int(per_virtual)) if per_virtual else 1
+    layout = _megatron_layout(row, "full", chunks)
+    label = f"{row['params_b']}B tp{row['tp']} pp{pp} dp{row['dp']} v{chunks}"
+    return Case(
+        "megatron_2021_table1", label, _gpt(row), layout, A100, float(row["tflops_per_gpu"]), "tflops_per_gpu"
+    )
+
+
+def _korthikanti_table5(row: dict) -> Case:
+    selective = row["setting"].startswith("seq_parallel")
+    layout = _megatron_layout(
+        row, "selective" if selective else "full", int(row["interleave"]), tp_sp=selective
+    )
+    label = f"{row['model']} {'sp+selective' if selective else 'full'}"
+    return Case(
+        "korthikanti_2022_table5", label, _gpt(row), layout, A100, float(row["iteration_s"]), "iteration_s"
+    )
+
+
+def _vtrain(table: str, hardware: Hardware):
+    def case(row: dict) -> Case:
+        model = gpt_style(int(row["hidden size"]), int(row["# layers"]), int(row["attention heads"]))
+        layout = _megatron_layout(
+            {
+                "dp": row["data parallelism"],
+                "pp": row["pipeline parallelism"],
+                "tp": row["tensor parallelism"],
+                "micro_batch": row["micro batch"],
+                "global_batch": row["global batch"],
+                "seq": row["sequence length"],
+            },
+            "full",
+            1,
+        )
+        label = f"h{model.hidden} L{model.layers} tp{layout.tp} pp{layout.pp} dp{layout.dp} mb{layout.micro_batch}"
+        return Case(
+            table, label, model, layout, hardware, float(row["iteration time (ms)"]) / 1e3, "iteration_s"
+        )
+
+    return case
+
+
+PARSERS = {
+    "megatron_2021_table1": _megatron_table1,
+    "korthikanti_2022_table5": _korthikanti_table5,
+    "vtrain_multi_node": _vtrain("vtrain_multi_node", VTRAIN_A100),
+    "vtrain_single_node": _vtrain("vtrain_single_node", VTRAIN_A100),
+}
+
+
+def default_data_dir() -> Path:
+    """`<repo>/../shared/data/measured`, found from this file's location."""
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "measured"
+
+
+def load_cases(data_dir: Path, tables: list[str] | None = None) -> dict[str, list[Case]]:
+    """Every row of every measured table (or of `tables`), as cases."""
+    if not data_dir.is_dir():
+        raise ValueError(f"measured data directory {data_dir} not found; pass --data DIR")
+    cases = {}
+    for table in tables or list(TABLES):
+        path = data_dir / TABLES[table]
+        if not path.exists():
+            raise ValueError(f"{path} is missing; --data must hold the measured/*.csv tables")
+        with path.open() as handle:
+            cases[table] = [PARSERS[table](row) for row in csv.DictReader(handle)]
+    return cases

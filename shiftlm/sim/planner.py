@@ -1,0 +1,167 @@
+"""Find the fastest training layout that fits: enumerate, bound, simulate only what can still win.
+
+Every layout (dp, pp, sp, tp, micro-batch, schedule, recompute, ZeRO) is enumerated and given a
+lower bound on its step time (the busiest rank's compute with no bubble, plus DP sync and optimizer)
+and on its memory (one micro-batch in flight). Candidates are then simulated in order of their
+bound, with the real schedule; the search stops once the next bound is slower than the k-th best
+simulated layout, so the result is exactly the top k a full search would find.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shiftlm.sim import costs
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
+from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
+from shiftlm.sim.layout import Layout
+from shiftlm.sim.memory import estimate_memory, stage_params
+from shiftlm.sim.models import ModelSpec
+from shiftlm.sim.train import StepResult, grad_sync_time, simulate_step, stage_costs
+
+# Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
+# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); ZeRO-2 moves what ZeRO-1
+# moves with less memory; with FlashAttention selective recompute is free and saves what "none" would.
+SCHEDULE_CHUNKS = {"zb_h1": 1, "zb_v": 2}
+MICRO_BATCHES = (1, 2, 4, 8)
+ZERO_STAGES = (2, 3)
+PLANNED_RECOMPUTE = ("selective", "full")
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def enumerate_layouts(
+    model: ModelSpec, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int
+) -> Iterator[Layout]:
+    """Every layout whose shape is valid: TP inside a node dividing the KV heads (or a multiple of
+    them), SP dividing the remaining heads, PP dividing the layers, micro-batches >= PP."""
+    for tp in _powers_of_two(min(gpus_per_node, model.heads)):
+        if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+            continue
+        for sp in _powers_of_two(model.heads // tp):
+            if model.heads % (tp * sp) or seq_len % sp or gpus % (tp * sp):
+                continue
+            for pp in range(1, model.layers + 1):
+                if model.layers % pp or gpus % (tp * sp * pp):
+                    continue
+                dp = gpus // (tp * sp * pp)
+                for micro_batch in MICRO_BATCHES:
+                    if global_batch % (dp * micro_batch):
+                        continue
+                    microbatches = global_batch // (dp * micro_batch)
+                    for schedule, chunks in _schedules(model, pp, microbatches):
+                        for recompute in PLANNED_RECOMPUTE:
+                            for zero in ZERO_STAGES if dp > 1 else (0,):
+                                yield Layout(
+                                    dp,
+                                    pp,
+                                    tp,
+                                    sp,
+                                    micro_batch,
+                                    global_batch,
+                                    seq_len,
+                                    schedule,
+                                    chunks,
+                                    recompute,
+                                    zero,
+                                )
+
+
+def _schedules(model: ModelSpec, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "none", 1
+        return
+    if microbatches < pp:
+        return
+    for name, chunks in SCHEDULE_CHUNKS.items():
+        if model.layers % (pp * chunks) == 0:
+            yield name, chunks
+
+
+@dataclass
+class Ranked:
+    layout: Layout
+    result: StepResult
+
+    def why(self) -> str:
+        """The terms that decide this layout's rank, as shares of its step time."""
+        parts = self.result.breakdown
+        step = self.result.step_time
+        shares = ", ".join(f"{name} {100 * value / step:.0f}%" for name, value in parts.items() if value > 0)
+        memory = self.result.memory
+        return f"{shares}; {memory.total / 2**30:.0f} of {memory.capacity / 2**30:.0f} GiB"
+
+
+@dataclass
+class Plan:
+    ranked: list[Ranked]
+    enumerated: int
+    fit_lower_bound: int
+    simulated: int
+
+
+def plan_training(
+    model: ModelSpec,
+    hardware: Hardware,
+    gpus: int,
+    seq_len: int,
+    global_batch: int,
+    top_k: int = 5,
+    efficiency: Efficiency = FIRST_PRINCIPLES,
+    dtype: str = "bf16",
+) -> Plan:
+    """The `top_k` fastest layouts that fit in memory, best first."""
+    width = DTYPE_BYTES[dtype]
+    bounds: list[tuple[float, Layout]] = []
+    stage_memo: dict[tuple, tuple[float, float]] = {}
+    enumerated = 0
+    for layout in enumerate_layouts(model, gpus, hardware.gpus_per_node, seq_len, global_batch):
+        enumerated += 1
+        if not estimate_memory(model, layout, 1, hardware.hbm_bytes, width).fits:
+            continue
+        key = (layout.tp, layout.sp, layout.pp, layout.chunks, layout.micro_batch, layout.recompute)
+        if key not in stage_memo:
+            stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
+            cheapest = min(
+                f + i + w for f, i, w in zip(stage.forward, stage.backward_input, stage.backward_weight)
+            )
+            longest_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
+            stage_memo[key] = (cheapest * layout.chunks, longest_backward)
+        rank_compute, longest_backward = stage_memo[key]
+        local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
+        bound = (
+            layout.microbatches * rank_compute
+            + max(0.0, grad_sync_time(model, layout, hardware, efficiency, dtype) - longest_backward)
+            + costs.optimizer_time(local_params, hardware, efficiency)
+        )
+        bounds.append((bound, layout))
+    bounds.sort(key=lambda item: item[0])
+
+    ranked: list[Ranked] = []
+    simulated = 0
+    for bound, layout in bounds:
+        if len(ranked) >= top_k and bound >= ranked[-1].result.step_time:
+            break
+        result = simulate_step(model, layout, hardware, efficiency, dtype)
+        simulated += 1
+        if not result.memory.fits:
+            continue
+        ranked.append(Ranked(layout, result))
+        ranked.sort(key=lambda r: r.result.step_time)
+        del ranked[top_k:]
+    return Plan(ranked, enumerated, len(bounds), simulated)
+
+
+def train_config_toml(model_name: str, layout: Layout) -> str:
+    """The `shiftlm train` config for `layout` (schema agreed with the trainer)."""
+    schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    return (
+        f'[model]\nname = "{model_name}"\n\n'
+        f"[parallel]\ndp = {layout.dp}\npp = {layout.pp}\nsp = {layout.sp}\ntp = {layout.tp}\n\n"
+        f"[train]\nmicro_batch = {layout.micro_batch}\nglobal_batch = {layout.global_batch}\n"
+        f'seq_len = {layout.seq_len}\nschedule = "{schedule}"\nchunks = {layout.chunks}\n'
+        f'recompute = "{layout.recompute}"\nzero = {layout.zero}\n'
+    )

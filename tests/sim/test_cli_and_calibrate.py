@@ -1,0 +1,63 @@
+"""CLI contract (one JSON object, exit 2 on bad input) and the calibration fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shiftlm.cli import main
+from shiftlm.sim.calibrate import fit_alpha_beta, time_all_reduce
+
+
+def test_simulate_train_json_is_one_object(capsys):
+    code = main(
+        [
+            "simulate",
+            "train",
+            "--model",
+            "llama3-8b",
+            "--gpu",
+            "h100",
+            "--gpus",
+            "8",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--global-batch",
+            "8",
+            "--seq",
+            "4096",
+            "--json",
+        ]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["layout"]["dp"] == 2 and report["step_time_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "train", "--model", "no-such-model", "--gpus", "8"],
+        ["simulate", "train", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"],
+        ["simulate", "train", "--model", "llama3-8b", "--gpus", "8", "--gpu", "tpu-v9"],
+        ["simulate", "validate", "--data", "/nonexistent"],
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    sizes = [2**k for k in range(10, 24)]
+    times = [2 * 20e-6 + n / 3e9 for n in sizes]
+    latency, bandwidth = fit_alpha_beta(sizes, times)
+    assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(3e9, rel=1e-6)
+
+
+def test_all_reduce_timing_runs_on_two_gloo_ranks(ranks):
+    per_rank = ranks.run(2, time_all_reduce, [4096, 65536], 2)
+    assert len(per_rank) == 2 and all(len(times) == 2 and min(times) > 0 for times in per_rank)

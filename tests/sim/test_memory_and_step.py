@@ -1,0 +1,74 @@
+"""Memory verdicts on the measured layouts and on oversized ones; the step composes the pipeline sim."""
+
+from __future__ import annotations
+
+import pytest
+
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES
+from shiftlm.sim.hardware import CATALOG
+from shiftlm.sim.layout import Layout
+from shiftlm.sim.measured import default_data_dir, load_cases
+from shiftlm.sim.memory import estimate_memory
+from shiftlm.sim.models import PRESETS, gpt_style
+from shiftlm.sim.train import peak_in_flight, simulate_step
+
+A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
+needs_data = pytest.mark.skipif(not default_data_dir().is_dir(), reason="../shared/data/measured not present")
+
+
+@needs_data
+@pytest.mark.parametrize("table", ["megatron_2021_table1", "korthikanti_2022_table5", "vtrain_multi_node"])
+def test_every_measured_layout_fits_in_80_gb(table):
+    for case in load_cases(default_data_dir(), [table])[table]:
+        layout = case.layout
+        in_flight = (
+            1
+            if layout.pp == 1
+            else peak_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+        )
+        memory = estimate_memory(case.model, layout, in_flight, case.hardware.hbm_bytes)
+        assert memory.fits, f"{case.label}: {memory.as_dict()}"
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("gpt3-175b", Layout(dp=1, pp=1, tp=1, micro_batch=1, global_batch=1)),
+        ("llama3-405b", Layout(dp=1, pp=1, tp=8, micro_batch=1, global_batch=1)),
+        ("llama3-70b", Layout(dp=1, pp=1, tp=2, micro_batch=1, global_batch=1, seq_len=8192)),
+    ],
+)
+def test_oversized_layouts_do_not_fit(model, layout):
+    assert not estimate_memory(PRESETS[model], layout, 1, A100.hbm_bytes).fits
+
+
+def test_1f1b_keeps_pp_micro_batches_in_flight_on_the_first_rank():
+    assert peak_in_flight("1f1b", 4, 16, 1) == 4
+
+
+def test_more_micro_batches_shrink_the_bubble():
+    model = gpt_style(4096, 32, 32, vocab=1024)  # small vocab: stages balanced, bubble is pure 1F1B
+    few = Layout(dp=1, pp=4, tp=2, micro_batch=1, global_batch=4, seq_len=4096)
+    many = Layout(dp=1, pp=4, tp=2, micro_batch=1, global_batch=64, seq_len=4096)
+    bubble_few = simulate_step(model, few, H100, FIRST_PRINCIPLES).bubble_fraction
+    bubble_many = simulate_step(model, many, H100, FIRST_PRINCIPLES).bubble_fraction
+    assert bubble_many < bubble_few / 4
+
+
+def test_zero_bubble_schedule_beats_1f1b_at_equal_memory():
+    model = PRESETS["llama3-8b"]
+    base = dict(dp=1, pp=4, tp=2, micro_batch=1, global_batch=8, seq_len=4096)
+    one_f_one_b = simulate_step(model, Layout(**base, schedule="1f1b"), H100, FIRST_PRINCIPLES)
+    zb_h1 = simulate_step(model, Layout(**base, schedule="zb_h1"), H100, FIRST_PRINCIPLES)
+    assert zb_h1.step_time < one_f_one_b.step_time
+    assert zb_h1.memory.activations == pytest.approx(one_f_one_b.memory.activations)
+
+
+def test_step_breakdown_adds_up_to_the_step_time():
+    model = PRESETS["qwen2.5-7b"]
+    layout = Layout(
+        dp=2, pp=2, tp=2, sp=2, micro_batch=1, global_batch=16, seq_len=8192, schedule="zb_v", chunks=2
+    )
+    result = simulate_step(model, layout, H100, FIRST_PRINCIPLES)
+    assert sum(result.breakdown.values()) == pytest.approx(result.step_time)
+    assert 0 < result.mfu < 1
