@@ -251,11 +251,24 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
+def _register_simulate_serve(subparsers) -> None:
+    from shiftlm.sim.serve_cli import register_simulate_serve
+
+    register_simulate_serve(subparsers)
+
+
+def _register_plan_serve(subparsers) -> None:
+    from shiftlm.sim.serve_cli import register_plan_serve
+
+    register_plan_serve(subparsers)
+
+
 SIMULATE_COMMANDS: dict[str, Callable] = {
     "train": _register_simulate_train,
     "validate": _register_simulate_validate,
+    "serve": _register_simulate_serve,
 }
-PLAN_COMMANDS: dict[str, Callable] = {"train": _register_plan_train}
+PLAN_COMMANDS: dict[str, Callable] = {"train": _register_plan_train, "serve": _register_plan_serve}
 
 
 def register(subparsers) -> None:

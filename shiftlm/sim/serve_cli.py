@@ -1,0 +1,138 @@
+"""`shiftlm simulate serve` and `shiftlm plan serve`.
+
+    shiftlm simulate serve --model llama-3.3-70b --gpu h100 --gpus 8 --dtype fp8 \\
+        --trace ../shared/data/traces/azure_llm_2023_code.csv --mode shift --shift-threshold 256 \\
+        --rate-scale 2 --max-requests 2000 --slo-ttft-ms 2000 --slo-tpot-ms 100
+    shiftlm plan serve --model llama-3.3-70b --gpu h100 --gpus 8 --dtype fp8 --trace ... --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from shiftlm.sim.cli import _add_hardware_args, _add_model_args, _efficiency, _guarded, _hardware, _model
+from shiftlm.sim.serve_plan import DEFAULT_THRESHOLDS, MODES, layout_for, plan_serving, smallest_fitting_tp
+from shiftlm.sim.serve_sim import ROUTINGS, EngineLimits, ServeRun, Slo, simulate_serving
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    _add_model_args(parser)
+    _add_hardware_args(parser)
+    parser.set_defaults(dtype="fp8")
+    parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+    parser.add_argument("--trace", type=Path, required=True, help="Azure CSV or JSONL trace")
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    parser.add_argument("--start", type=int, default=0, help="first trace row")
+    parser.add_argument("--max-requests", type=int, default=1000)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-tokens-per-step", type=int, default=8192)
+
+
+def _inputs(args: argparse.Namespace):
+    from shiftlm.serve.trace import load_trace, scale_trace
+    from shiftlm.sim.serve_runner import ServeHardware
+
+    hardware = _hardware(args)
+    setup = ServeHardware(_model(args), hardware, _efficiency(args, hardware), args.dtype, args.kv_dtype)
+    if args.rate_scale <= 0 or args.max_requests < 1:
+        raise ValueError("--rate-scale must be > 0 and --max-requests >= 1")
+    try:
+        trace = load_trace(args.trace)
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from err
+    requests = scale_trace(trace, args.start, args.max_requests, time_scale=1 / args.rate_scale)
+    limits = EngineLimits(max_num_seqs=args.max_num_seqs, max_tokens_per_step=args.max_tokens_per_step)
+    slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+    return setup, requests, limits, slo
+
+
+def _line(run: ServeRun) -> str:
+    s = run.summary()
+    return (
+        f"{s['layout']}: TTFT mean {s['ttft_ms']['mean']:.0f} ms (p99 {s['ttft_ms']['p99']:.0f}), "
+        f"TPOT mean {s['tpot_ms'].get('mean', 0):.1f} ms (p99 {s['tpot_ms'].get('p99', 0):.1f}), "
+        f"E2E mean {s['e2e_ms']['mean']:.0f} ms; {s['total_tokens_per_s']:,.0f} tok/s "
+        f"({s['output_tokens_per_s']:,.0f} output), {s['requests_per_s']:.2f} req/s, "
+        f"goodput {s['goodput_requests_per_s']:.2f} req/s ({100 * s['slo_attainment']:.0f}% in SLO), "
+        f"{s['mode_switches']} mode switches"
+    )
+
+
+def _simulate_serve(args: argparse.Namespace) -> int:
+    setup, requests, limits, slo = _inputs(args)
+    tp = args.tp or (
+        1 if args.mode == "tp" else smallest_fitting_tp(setup, args.mode, args.gpus, requests, limits)
+    )
+    layout = layout_for(args.mode, args.gpus, tp, args.shift_threshold)
+    run = simulate_serving(setup, layout, requests, limits, slo, args.routing)
+    summary = {"model": setup.model.name, "gpu": setup.hardware.name, "gpus": args.gpus} | run.summary()
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(
+        f"{setup.model.name} ({args.dtype}) on {args.gpus} x {setup.hardware.name}, {len(requests)} requests"
+    )
+    print(_line(run))
+    print(
+        f"steps {run.steps} ({run.steps_per_mode}), preemptions {run.preemptions}, "
+        f"KV blocks per replica {run.kv_blocks_per_replica}"
+    )
+    return 0
+
+
+def register_simulate_serve(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="replay a trace on a serving layout (real scheduler, cost model)"
+    )
+    _add_serve_args(parser)
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument(
+        "--tp", type=int, default=0, help="TP inside each replica / SP group (default: least that fits)"
+    )
+    parser.add_argument(
+        "--shift-threshold", type=float, default=256, help="TP for steps with <= this many tokens"
+    )
+    parser.add_argument("--routing", choices=ROUTINGS, default="least_loaded", help="DP request routing")
+    parser.set_defaults(func=_guarded(_simulate_serve))
+
+
+def _plan_serve(args: argparse.Namespace) -> int:
+    setup, requests, limits, slo = _inputs(args)
+    thresholds = tuple(args.thresholds) if args.thresholds else DEFAULT_THRESHOLDS
+    plan = plan_serving(setup, args.gpus, requests, limits, slo, thresholds)
+    if not plan.ranked:
+        raise ValueError(
+            f"no layout of {setup.model.name} fits {args.gpus} x {setup.hardware.name}; add GPUs"
+        )
+    best = plan.ranked[0]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "best": {"layout": best.layout.name, "threshold": best.layout.threshold}
+                    | {"tp": best.layout.tp, "sp": best.layout.sp, "replicas": best.layout.replicas},
+                    "ranked": [run.summary() for run in plan.ranked],
+                    "dropped": plan.dropped,
+                }
+            )
+        )
+        return 0
+    print(f"{len(plan.ranked)} layouts simulated on {len(requests)} requests; {len(plan.dropped)} do not fit")
+    for rank, run in enumerate(plan.ranked[: args.top], 1):
+        print(f"{rank}. {_line(run)}")
+    print(f"suggested: {best.layout.name}")
+    return 0
+
+
+def register_plan_serve(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="suggest the serving layout and shift threshold for a trace")
+    _add_serve_args(parser)
+    parser.add_argument(
+        "--thresholds", type=int, nargs="+", help=f"shift thresholds to try {DEFAULT_THRESHOLDS}"
+    )
+    parser.add_argument("--top", type=int, default=5)
+    parser.set_defaults(func=_guarded(_plan_serve))

@@ -1,0 +1,166 @@
+"""A cost-model runner for the serving scheduler: how long one `StepPlan` takes on a layout, and how
+many KV blocks the layout's GPUs hold.
+
+A serving layout is `replicas` independent engines (data parallelism) of `sp x tp` GPUs each. Every
+step of an engine runs in the mode its `StepPlan` names (Shift Parallelism, Hidayetoglu et al. 2025,
+Sec. 3; docs/serving.md "The two modes, one cache"):
+
+- SP x TP: the step's N tokens are padded to a multiple of SP (so a decode-only step of 3 sequences
+  costs like 8 on SP=8), each rank runs the dense layers on N/SP tokens with weights cut TP ways,
+  with TP all-reduces inside and Ulysses all-to-alls of q, k, v and the output around attention.
+- TP: all P = SP x TP ranks run every token with weights cut P ways (views of the SP x TP shards)
+  and all-reduce over P.
+
+In both modes a rank owns heads/P query heads and (GQA) max(1, kv_heads/P) KV heads of every token,
+so the cache per GPU and the attention work per rank are mode-invariant: a shift moves no K/V.
+
+Dense kernels come from `costs.forward_ops` (the one description of a layer) in the weight dtype;
+attention is timed here because serving attention is paged and varlen over chunks with different
+contexts, and decode attention is bound by reading K/V, which under GQA is kv_heads (not heads) per
+token. Activations and communication are bf16, as in FP8 (W8A8) serving with a bf16 KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shiftlm.serve.scheduler import Mode, StepPlan
+from shiftlm.sim.collectives import Links
+from shiftlm.sim.costs import Kernel, Shard, forward_ops, head_pass_costs, kernels_time, layer_comm_time
+from shiftlm.sim.efficiency import Efficiency
+from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
+from shiftlm.sim.memory import RUNTIME_RESERVE_BYTES
+from shiftlm.sim.models import ModelSpec
+
+ACTIVATION_DTYPE = "bf16"
+
+
+@dataclass(frozen=True)
+class ServeLayout:
+    """`replicas` engines of `sp x tp` GPUs; a step with <= `threshold` tokens runs in full TP over
+    the sp x tp GPUs, a larger one in SP x TP (threshold inf: always TP; -1: always SP x TP)."""
+
+    replicas: int
+    tp: int
+    sp: int = 1
+    threshold: float = math.inf
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.sp
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.gpus_per_replica
+
+    @property
+    def name(self) -> str:
+        dp = f"dp{self.replicas} x " if self.replicas > 1 else ""
+        if self.sp == 1:
+            return f"{dp}tp{self.tp}"
+        if self.threshold == math.inf:
+            return f"{dp}tp{self.gpus_per_replica} (weights as sp{self.sp} x tp{self.tp})"
+        kind = "sp_tp" if self.threshold < 0 else f"shift@{self.threshold:g}"
+        return f"{dp}{kind} sp{self.sp} x tp{self.tp}"
+
+
+@dataclass(frozen=True)
+class ServeHardware:
+    model: ModelSpec
+    hardware: Hardware
+    efficiency: Efficiency
+    dtype: str = "fp8"  # weights and GEMMs
+    kv_dtype: str = "bf16"
+
+
+def _group_links(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of a group of `size` ranks `stride` apart (tp innermost, then sp)."""
+    per_node = max(1, min(size, gpus_per_node // stride))
+    return per_node, math.ceil(size / per_node)
+
+
+class StepCostModel:
+    """Seconds for one engine step of a plan on one replica of `layout`."""
+
+    def __init__(self, setup: ServeHardware, layout: ServeLayout):
+        self.setup = setup
+        self.layout = layout
+        self.links = Links.of(setup.hardware, setup.efficiency)
+        ranks = layout.gpus_per_replica
+        model = setup.model
+        self.heads_per_rank = model.heads / ranks
+        self.kv_heads_per_rank = max(1.0, model.kv_heads / ranks)
+        self._dense_cache: dict[tuple[Mode, int, int], float] = {}  # steps repeat the same sizes
+
+    def step_time(self, plan: StepPlan) -> float:
+        contexts = tuple((chunk.start, len(chunk.token_ids)) for chunk in plan.chunks)
+        key = (plan.mode, plan.num_tokens, plan.num_samples)
+        if key not in self._dense_cache:
+            self._dense_cache[key] = self._dense_time(*key)
+        return self._dense_cache[key] + self._attention_time(contexts)
+
+    def _shard(self, mode: Mode, dtype_bytes: int) -> Shard:
+        if mode is Mode.TP:
+            return Shard(self.layout.gpus_per_replica, 1, False, True, dtype_bytes)
+        return Shard(self.layout.tp, self.layout.sp, False, True, dtype_bytes)
+
+    def _dense_time(self, mode: Mode, tokens: int, samples: int) -> float:
+        """Everything but attention, times layers, plus the LM head on the sampled rows."""
+        setup, layout = self.setup, self.layout
+        sp = layout.sp if mode is Mode.SP_TP else 1
+        padded = math.ceil(tokens / sp) * sp  # Ulysses splits the tokens evenly over SP ranks
+        shard = self._shard(mode, DTYPE_BYTES[setup.dtype])
+        dense = [
+            op for op in forward_ops(setup.model, 1, padded, padded, shard) if op.name != "flash_attention"
+        ]
+        layer = kernels_time(dense, setup.hardware, setup.efficiency, setup.dtype)
+        comm_shard = self._shard(mode, DTYPE_BYTES[ACTIVATION_DTYPE])
+        gpn = setup.hardware.gpus_per_node
+        tp_links = _group_links(comm_shard.tp, 1, gpn)
+        sp_links = _group_links(comm_shard.sp, comm_shard.tp, gpn)
+        layer += layer_comm_time(setup.model, padded, comm_shard, tp_links, sp_links, self.links)
+        head_rows = math.ceil(samples / sp) * sp
+        head = head_pass_costs(setup.model, head_rows, shard, setup.hardware, setup.efficiency, setup.dtype)
+        return setup.model.layers * layer + head.forward
+
+    def _attention_time(self, contexts: tuple[tuple[int, int], ...]) -> float:
+        """One varlen paged-attention kernel per layer over every chunk (start, new tokens): causal
+        FLOPs of the new queries against start + new keys; reads K/V of the whole context."""
+        setup, d = self.setup, self.setup.model.head_dim
+        act, kv = DTYPE_BYTES[ACTIVATION_DTYPE], DTYPE_BYTES[setup.kv_dtype]
+        flops = nbytes = 0.0
+        for start, new in contexts:
+            queries = new * self.heads_per_rank
+            flops += 4 * queries * (start + new / 2) * d
+            nbytes += 2 * queries * d * act + 2 * (start + new) * self.kv_heads_per_rank * d * kv
+        kernel = Kernel("paged_attention", flops, nbytes, True)
+        return setup.model.layers * kernels_time([kernel], setup.hardware, setup.efficiency, ACTIVATION_DTYPE)
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """Per-GPU memory split of one replica and the number of KV blocks it leaves."""
+
+    weights_bytes: float
+    workspace_bytes: float
+    kv_bytes_per_token: float
+    num_blocks: int
+
+
+def kv_capacity(
+    setup: ServeHardware, layout: ServeLayout, block_size: int, max_tokens_per_step: int
+) -> KvCapacity:
+    """Weights (cut `tp` ways: the full-TP mode uses views of them, Sec. 3.3 of the paper), a
+    runtime reserve, one step's bf16 working set (residual stream, gate/up output, fp32 logits of
+    the sampled rows) and the rest for K/V: 2 x layers x kv_heads_per_rank x head_dim per token."""
+    model, hardware = setup.model, setup.hardware
+    weights = model.params * DTYPE_BYTES[setup.dtype] / layout.tp
+    act = DTYPE_BYTES[ACTIVATION_DTYPE]
+    gate_up = (2 if model.gated_mlp else 1) * model.ffn / layout.tp
+    workspace = max_tokens_per_step * (3 * model.hidden + gate_up) * act + 4 * 256 * model.vocab / layout.tp
+    kv_heads = max(1.0, model.kv_heads / layout.gpus_per_replica)
+    per_token = 2 * model.layers * kv_heads * model.head_dim * DTYPE_BYTES[setup.kv_dtype]
+    free = hardware.hbm_bytes - weights - RUNTIME_RESERVE_BYTES - workspace
+    blocks = max(0, int(free // (per_token * block_size)))
+    return KvCapacity(weights, workspace, per_token, blocks)
