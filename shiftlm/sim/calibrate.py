@@ -4,13 +4,15 @@ What is measured (about 30 s on 2 cores):
 - GEMM throughput of `torch.matmul` in fp32 over a few square and skinny shapes; the best rate is the
   profile's peak, so the profile is used with `efficiency.MEASURED` (all factors 1).
 - Memory bandwidth from a large tensor copy (read + write).
-- gloo all-reduce time by message size on 2 local ranks (`LocalWorkers`), fitted to the alpha-beta
-  model `t = 2 alpha + bytes / bandwidth` that `collectives.all_reduce_time` uses for 2 ranks.
+- gloo all-reduce time by message size on 2 local ranks (`LocalWorkers`; the median of repeats, robust
+  to a preempted run), fitted to the alpha-beta model `t = 2 alpha + bytes / bandwidth` that
+  `collectives.all_reduce_time` uses for 2 ranks, on relative error so small messages set alpha.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -31,15 +33,18 @@ def _best_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_gemm(log: Callable[[str], None]) -> float:
-    """Best fp32 matmul FLOP/s over GEMM_SHAPES."""
+    """Best fp32 matmul FLOP/s over GEMM_SHAPES on one thread: a rank of `shiftlm.launch` runs one
+    thread, so one core is one simulated device."""
     import torch
 
-    best = 0.0
+    best, threads = 0.0, torch.get_num_threads()
+    torch.set_num_threads(1)
     for m, k, n in GEMM_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         rate = 2 * m * k * n / _best_time(lambda a=a, b=b: torch.matmul(a, b), repeats=5)
         log(f"calibrate: gemm {m}x{k}x{n} fp32: {rate / 1e9:.1f} GFLOP/s")
         best = max(best, rate)
+    torch.set_num_threads(threads)
     return best
 
 
@@ -55,8 +60,8 @@ def measure_memory_bandwidth(log: Callable[[str], None]) -> float:
     return bandwidth
 
 
-def time_all_reduce(sizes: list[int], repeats: int = 5) -> list[float]:
-    """Runs on every rank of a LocalWorkers pool: best all-reduce time per message size."""
+def time_all_reduce(sizes: list[int], repeats: int = 7) -> list[float]:
+    """Runs on every rank of a LocalWorkers pool: median all-reduce time per message size."""
     import torch
     import torch.distributed as dist
 
@@ -64,18 +69,31 @@ def time_all_reduce(sizes: list[int], repeats: int = 5) -> list[float]:
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4)
         dist.barrier()
-        times.append(_best_time(lambda tensor=tensor: dist.all_reduce(tensor), repeats))
+        dist.all_reduce(tensor)  # warm up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
     return times
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
-    """Least squares of t = a + bytes * b; returns (per-step latency a/2, bandwidth 1/b)."""
-    count = len(sizes)
-    mean_x, mean_y = sum(sizes) / count, sum(times) / count
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times)) / sum(
-        (x - mean_x) ** 2 for x in sizes
-    )
-    intercept = max(mean_y - slope * mean_x, 0.0)
+    """Fit t = a + bytes * b minimising squared *relative* error, so the 1 KiB point weighs as much
+    as the 16 MiB one (plain least squares lets the largest message decide and drives a to 0 on a
+    loaded machine). Weighted normal equations with weights 1/t^2; returns (per-step latency a/2 of
+    the 2-rank all-reduce, bandwidth 1/b). A negative intercept is clipped and b refitted through 0."""
+    weights = [1 / t**2 for t in times]
+    sw = sum(weights)
+    sx = sum(w * x for w, x in zip(weights, sizes))
+    sy = sum(w * y for w, y in zip(weights, times))
+    sxx = sum(w * x * x for w, x in zip(weights, sizes))
+    sxy = sum(w * x * y for w, x, y in zip(weights, sizes, times))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:
+        intercept, slope = 0.0, sxy / sxx
     return intercept / 2, 1 / slope
 
 

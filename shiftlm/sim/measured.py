@@ -51,14 +51,18 @@ class Case:
 
 
 def _megatron_layout(row: dict, recompute: str, chunks: int, tp_sp: bool = False) -> Layout:
+    pp, microbatches = int(row["pp"]), int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"]))
+    # Megatron's 1F1B caps its warm-up at the micro-batch count: with fewer micro-batches than stages it
+    # runs every forward, then every backward, which is GPipe's order (shiftlm's 1f1b refuses m < pp)
+    one_f_one_b = "1f1b" if microbatches >= pp else "gpipe"
     return Layout(
         dp=int(row["dp"]),
-        pp=int(row["pp"]),
+        pp=pp,
         tp=int(row["tp"]),
         micro_batch=int(row["micro_batch"]),
         global_batch=int(row["global_batch"]),
         seq_len=int(row["seq"]),
-        schedule="interleaved_1f1b" if chunks > 1 else "1f1b",
+        schedule="interleaved_1f1b" if chunks > 1 else one_f_one_b,
         chunks=chunks,
         recompute=recompute,
         zero=0,

@@ -1,10 +1,11 @@
 """Find the fastest training layout that fits: enumerate, bound, simulate only what can still win.
 
 Every layout (dp, pp, sp, tp, micro-batch, schedule, recompute, ZeRO) is enumerated and given a
-lower bound on its step time (the busiest rank's compute with no bubble, plus DP sync and optimizer)
-and on its memory (one micro-batch in flight). Candidates are then simulated in order of their
-bound, with the real schedule; the search stops once the next bound is slower than the k-th best
-simulated layout, so the result is exactly the top k a full search would find.
+lower bound on its memory (one micro-batch in flight) and on its step time (`step_time_bound`: no
+rank finishes before the forward chain reaches its first stage and it has done all its own work).
+Candidates are then simulated in order of their bound, with the real schedule; the search stops once
+the next bound is no faster than the k-th best simulated layout, so the result is exactly the top k
+a full search would find. Simulations are memoised on normalised costs (`train.pipeline_timing`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shiftlm.sim import costs
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.layout import Layout
-from shiftlm.sim.memory import estimate_memory, stage_params
+from shiftlm.sim.memory import estimate_memory
 from shiftlm.sim.models import ModelSpec
-from shiftlm.sim.train import StepResult, grad_sync_time, simulate_step, stage_costs
+from shiftlm.sim.train import StageCosts, StepResult, simulate_step, stage_costs, step_overheads
 
 # Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
 # zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); ZeRO-2 moves what ZeRO-1
@@ -81,6 +81,33 @@ def _schedules(model: ModelSpec, pp: int, microbatches: int) -> Iterator[tuple[s
             yield name, chunks
 
 
+def step_time_bound(layout: Layout, stage: StageCosts) -> float:
+    """A makespan no schedule can beat: every rank r runs all of its stage-chunks' F + I + W for every
+    micro-batch, and cannot start before micro-batch 0's forward has crossed the stages (and the
+    rank-to-rank messages) in front of its earliest stage. Admissible for any action order."""
+    from shiftlm.pipeline.actions import Placement
+    from shiftlm.pipeline.schedules import SCHEDULES
+
+    work = [f + i + w for f, i, w in zip(stage.forward, stage.backward_input, stage.backward_weight)]
+    if layout.pp == 1:
+        return layout.microbatches * work[0]
+    placement = Placement(SCHEDULES[layout.schedule].placement, layout.pp, layout.chunks)
+    bound = 0.0
+    for rank in range(layout.pp):
+        held = placement.stages_of(rank)
+        busy = layout.microbatches * sum(work[s] for s, _ in held)
+        head = min(_forward_chain(placement, stage, s, replica) for s, replica in held)
+        bound = max(bound, head + busy)
+    return bound
+
+
+def _forward_chain(placement, stage: StageCosts, target: int, replica: int) -> float:
+    """Earliest start of any forward of stage `target`: the forwards of the stages before it plus
+    one message per rank boundary crossed."""
+    hops = sum(placement.rank_of(s, replica) != placement.rank_of(s + 1, replica) for s in range(target))
+    return sum(stage.forward[:target]) + hops * stage.p2p
+
+
 @dataclass
 class Ranked:
     layout: Layout
@@ -116,28 +143,21 @@ def plan_training(
     """The `top_k` fastest layouts that fit in memory, best first."""
     width = DTYPE_BYTES[dtype]
     bounds: list[tuple[float, Layout]] = []
-    stage_memo: dict[tuple, tuple[float, float]] = {}
+    stage_memo: dict[tuple, StageCosts] = {}
     enumerated = 0
     for layout in enumerate_layouts(model, gpus, hardware.gpus_per_node, seq_len, global_batch):
         enumerated += 1
         if not estimate_memory(model, layout, 1, hardware.hbm_bytes, width).fits:
             continue
+        # stage costs depend on the shape of one model replica's work only, not on dp or ZeRO
         key = (layout.tp, layout.sp, layout.pp, layout.chunks, layout.micro_batch, layout.recompute)
         if key not in stage_memo:
-            stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
-            cheapest = min(
-                f + i + w for f, i, w in zip(stage.forward, stage.backward_input, stage.backward_weight)
+            stage_memo[key] = stage_costs(
+                model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks
             )
-            longest_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
-            stage_memo[key] = (cheapest * layout.chunks, longest_backward)
-        rank_compute, longest_backward = stage_memo[key]
-        local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
-        bound = (
-            layout.microbatches * rank_compute
-            + max(0.0, grad_sync_time(model, layout, hardware, efficiency, dtype) - longest_backward)
-            + costs.optimizer_time(local_params, hardware, efficiency)
-        )
-        bounds.append((bound, layout))
+        stage = stage_memo[key]
+        exposed_sync, optimizer = step_overheads(model, layout, hardware, efficiency, dtype, stage)
+        bounds.append((step_time_bound(layout, stage) + exposed_sync + optimizer, layout))
     bounds.sort(key=lambda item: item[0])
 
     ranked: list[Ranked] = []

@@ -11,7 +11,7 @@ chunk activations the schedule keeps alive on a rank (`SimulationResult.peak_act
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from shiftlm.sim import costs
@@ -25,10 +25,11 @@ from shiftlm.sim.models import ModelSpec
 
 @lru_cache(maxsize=4096)
 def build(name: str, pp: int, microbatches: int, chunks: int):
-    """The schedule, built once per shape (the planner asks for the same shapes many times)."""
+    """The lowered schedule, built once per shape (the planner asks for the same shapes many times)."""
+    from shiftlm.pipeline.lowering import lower
     from shiftlm.pipeline.schedules import build_schedule
 
-    return build_schedule(name, pp, microbatches, chunks=chunks)
+    return lower(build_schedule(name, pp, microbatches, chunks=chunks))
 
 
 @lru_cache(maxsize=4096)
@@ -84,6 +85,73 @@ def stage_costs(
     return StageCosts(forward, backward_input, backward_weight, [comm_per_stage] * num_stages, p2p)
 
 
+@dataclass(frozen=True)
+class PipelineTiming:
+    makespan: float
+    bubble_fraction: float
+    peak_activations: int
+    busy: tuple[float, ...]  # compute seconds per rank
+    busiest_stages: tuple[int, ...]  # the stages the busiest rank holds
+
+
+# Ratios are rounded to this many significant digits before memoising: costs within a relative
+# 1e-12 of each other give makespans within 1e-12 (the makespan is monotone and homogeneous).
+_RATIO_DIGITS = 12
+
+
+def pipeline_timing(layout: Layout, stage: StageCosts) -> PipelineTiming:
+    """Simulate `layout`'s schedule under `stage` costs. A makespan scales linearly when F, I, W and
+    p2p scale together, so the costs are normalised by the largest forward and each (schedule,
+    costs ratio) is simulated once; the planner's ZeRO variants and re-ranked layouts hit the memo."""
+    if layout.pp == 1:  # no pipeline: micro-batches run back to back (gradient accumulation)
+        busy = layout.microbatches * (stage.forward[0] + stage.backward_input[0] + stage.backward_weight[0])
+        return PipelineTiming(busy, 0.0, 1, (busy,), (0,))
+    scale = max(stage.forward)
+
+    def ratios(values: list[float]) -> tuple[float, ...]:
+        return tuple(float(f"{v / scale:.{_RATIO_DIGITS}g}") for v in values)
+
+    unit = _unit_pipeline_timing(
+        layout.schedule,
+        layout.pp,
+        layout.microbatches,
+        layout.chunks,
+        ratios(stage.forward),
+        ratios(stage.backward_input),
+        ratios(stage.backward_weight),
+        ratios([stage.p2p])[0],
+    )
+    return replace(unit, makespan=unit.makespan * scale, busy=tuple(b * scale for b in unit.busy))
+
+
+@lru_cache(maxsize=8192)
+def _unit_pipeline_timing(
+    name: str,
+    pp: int,
+    microbatches: int,
+    chunks: int,
+    forward: tuple[float, ...],
+    backward_input: tuple[float, ...],
+    backward_weight: tuple[float, ...],
+    p2p: float,
+) -> PipelineTiming:
+    from shiftlm.pipeline.simulator import ActionCosts, simulate
+
+    schedule = build(name, pp, microbatches, chunks)
+    result = simulate(
+        schedule, ActionCosts(list(forward), list(backward_input), list(backward_weight), p2p=p2p)
+    )
+    busiest = max(result.busy)
+    rank = result.busy.index(busiest)
+    return PipelineTiming(
+        result.makespan,
+        result.bubble_fraction,
+        max(result.peak_activations),
+        tuple(result.busy),
+        tuple(s for s in range(schedule.num_stages) if schedule.placement.rank_of(s) == rank),
+    )
+
+
 @dataclass
 class StepResult:
     step_time: float
@@ -120,6 +188,22 @@ def grad_sync_time(
     return time * (1.5 if layout.zero >= 3 else 1.0)
 
 
+def step_overheads(
+    model: ModelSpec,
+    layout: Layout,
+    hardware: Hardware,
+    efficiency: Efficiency,
+    dtype: str,
+    stage: StageCosts,
+) -> tuple[float, float]:
+    """(DP sync left exposed after the pipeline, optimizer step): what a step adds to the makespan."""
+    sync = grad_sync_time(model, layout, hardware, efficiency, dtype)
+    last_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
+    exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
+    local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
+    return exposed_sync, costs.optimizer_time(local_params, hardware, efficiency)
+
+
 def simulate_step(
     model: ModelSpec,
     layout: Layout,
@@ -128,29 +212,12 @@ def simulate_step(
     dtype: str = "bf16",
 ) -> StepResult:
     """Simulate one optimizer step of `layout` (see the module docstring for the composition)."""
-    from shiftlm.pipeline.simulator import ActionCosts, simulate
-
     layout.check()
-    if layout.pp == 1:  # no pipeline: micro-batches run back to back (gradient accumulation)
-        stage = stage_costs(model, layout, hardware, efficiency, dtype, num_stages=1)
-        busy = layout.microbatches * (stage.forward[0] + stage.backward_input[0] + stage.backward_weight[0])
-        makespan, busiest, bubble, peak, busiest_stages = busy, busy, 0.0, 1, [0]
-    else:
-        schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
-        stage = stage_costs(model, layout, hardware, efficiency, dtype, schedule.num_stages)
-        result = simulate(
-            schedule,
-            ActionCosts(stage.forward, stage.backward_input, stage.backward_weight, p2p=stage.p2p),
-        )
-        makespan, bubble, peak = result.makespan, result.bubble_fraction, max(result.peak_activations)
-        busiest = max(result.busy)
-        rank = result.busy.index(busiest)
-        busiest_stages = [s for s in range(schedule.num_stages) if schedule.placement.rank_of(s) == rank]
-    sync = grad_sync_time(model, layout, hardware, efficiency, dtype)
-    last_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
-    exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
-    local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
-    optimizer = costs.optimizer_time(local_params, hardware, efficiency)
+    stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
+    timing = pipeline_timing(layout, stage)
+    makespan, bubble, peak = timing.makespan, timing.bubble_fraction, timing.peak_activations
+    busiest, busiest_stages = max(timing.busy), timing.busiest_stages
+    exposed_sync, optimizer = step_overheads(model, layout, hardware, efficiency, dtype, stage)
     step = makespan + exposed_sync + optimizer
 
     tokens = layout.global_batch * layout.seq_len

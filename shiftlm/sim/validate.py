@@ -9,7 +9,7 @@ even rows are the full-recompute runs, so its held-out rows are exactly the SP +
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from shiftlm.sim.efficiency import Efficiency
@@ -17,7 +17,6 @@ from shiftlm.sim.measured import Case
 from shiftlm.sim.train import simulate_step
 
 FIT_STRIDE = {"megatron_2021_table1": 2, "korthikanti_2022_table5": 2, "vtrain_multi_node": 4}
-FIT_BOUNDS = {"gemm": (0.4, 1.0), "intra_comm": (0.3, 1.0), "inter_comm": (0.3, 1.0)}
 
 
 def is_fit_row(table: str, index: int) -> bool:
@@ -39,11 +38,28 @@ class RowResult:
         return self.predicted / self.measured - 1
 
 
-def replay(table: str, cases: Sequence[Case], efficiency: Efficiency) -> list[RowResult]:
+def on_cluster(
+    efficiency: Efficiency, hardware_name: str, cluster_intra_comm: Mapping[str, float]
+) -> Efficiency:
+    """`efficiency` with the intra-node link factor of `hardware_name`'s cluster, where one is fitted."""
+    if hardware_name in cluster_intra_comm:
+        return replace(efficiency, intra_comm=cluster_intra_comm[hardware_name])
+    return efficiency
+
+
+def replay(
+    table: str, cases: Sequence[Case], efficiency: Efficiency, cluster_intra_comm: Mapping[str, float] = {}
+) -> list[RowResult]:
     """Simulate every case of `table` (Megatron-era kernels ran fp16)."""
     rows = []
     for index, case in enumerate(cases):
-        step = simulate_step(case.model, case.layout, case.hardware, efficiency, dtype="fp16")
+        step = simulate_step(
+            case.model,
+            case.layout,
+            case.hardware,
+            on_cluster(efficiency, case.hardware.name, cluster_intra_comm),
+            dtype="fp16",
+        )
         rows.append(
             RowResult(
                 case.label,
@@ -71,50 +87,3 @@ def table_summary(rows: Sequence[RowResult]) -> dict[str, float]:
         "rows": len(rows),
         "held_out_rows": len(held_out),
     }
-
-
-def _golden_section(objective: Callable[[float], float], low: float, high: float, steps: int) -> float:
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = low, high
-    c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = objective(c), objective(d)
-    for _ in range(steps):
-        if fc < fd:
-            b, d, fd = d, c, fc
-            c = b - ratio * (b - a)
-            fc = objective(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + ratio * (b - a)
-            fd = objective(d)
-    return (a + b) / 2
-
-
-def fit(
-    cases: dict[str, Sequence[Case]],
-    start: Efficiency,
-    parameters: Sequence[str] = tuple(FIT_BOUNDS),
-    sweeps: int = 2,
-    steps: int = 10,
-) -> Efficiency:
-    """Coordinate descent (golden section per parameter) on the mean over tables of the fit-split
-    MAPE. Only `parameters` move; everything else stays at `start`."""
-    fit_cases = {
-        table: [case for index, case in enumerate(rows) if is_fit_row(table, index)]
-        for table, rows in cases.items()
-    }
-    fit_cases = {table: rows for table, rows in fit_cases.items() if rows}
-
-    def objective(efficiency: Efficiency) -> float:
-        errors = [mape(replay(table, rows, efficiency)) for table, rows in fit_cases.items()]
-        return sum(errors) / len(errors)
-
-    current = start
-    for _ in range(sweeps):
-        for name in parameters:
-            low, high = FIT_BOUNDS[name]
-            best = _golden_section(
-                lambda value, n=name, base=current: objective(replace(base, **{n: value})), low, high, steps
-            )
-            current = replace(current, **{name: round(best, 3)})
-    return current

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FIT_PARAMETERS, FITTED, FITTED_CLUSTER_INTRA_COMM
 from shiftlm.sim.measured import default_data_dir, load_cases
-from shiftlm.sim.validate import fit, replay, table_summary
+from shiftlm.sim.validate import replay, table_summary
 
 TARGET_PCT = {"megatron_2021_table1": 10.0, "korthikanti_2022_table5": 5.0, "vtrain_multi_node": 10.0}
 
@@ -20,18 +20,30 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.no_single_node:
         tables = ["megatron_2021_table1", "korthikanti_2022_table5", "vtrain_multi_node"]
     cases = load_cases(data_dir, tables)
-    fitted = FITTED
+    fitted, clusters = FITTED, FITTED_CLUSTER_INTRA_COMM
+    report: dict = {"tables": {}}
     if args.refit:
+        from shiftlm.sim.fit import fit
+
         fit_tables = {t: rows for t, rows in cases.items() if t != "vtrain_single_node"}
-        fitted = fit(fit_tables, FIRST_PRINCIPLES)
-    report = {
-        "parameters": {"first_principles": FIRST_PRINCIPLES.as_dict(), "fitted": fitted.as_dict()},
-        "tables": {},
+        result = fit(fit_tables, FIRST_PRINCIPLES, FIT_PARAMETERS)
+        fitted, clusters = result.efficiency, result.cluster_intra_comm
+        report["fit"] = {
+            "objective_fit_split_mape_pct": result.objective_pct,
+            "evaluations": result.evaluations,
+            "simulations": result.simulations,
+        }
+    report["parameters"] = {
+        "first_principles": FIRST_PRINCIPLES.as_dict(),
+        "fitted": fitted.as_dict() | {f"intra_comm@{name}": value for name, value in clusters.items()},
     }
     for table, rows in cases.items():
         entry = {}
-        for name, efficiency in (("first_principles", FIRST_PRINCIPLES), ("fitted", fitted)):
-            results = replay(table, rows, efficiency)
+        for name, efficiency, cluster in (
+            ("first_principles", FIRST_PRINCIPLES, {}),
+            ("fitted", fitted, clusters),
+        ):
+            results = replay(table, rows, efficiency, cluster)
             entry[name] = table_summary(results)
             entry[name]["rows_detail"] = [
                 {
@@ -60,9 +72,12 @@ def _print(report: dict) -> None:
     print(
         "parameters (first principles -> fitted): "
         + ", ".join(
-            f"{k} {params['first_principles'][k]:g} -> {params['fitted'][k]:g}" for k in params["fitted"]
+            f"{k} {params['first_principles'].get(k.split('@')[0], 1.0):g} -> {v:g}"
+            for k, v in params["fitted"].items()
         )
     )
+    if "fit" in report:
+        print(f"fit: {report['fit']}")
     for table, entry in report["tables"].items():
         print(f"\n== {table} ({entry['metric']}; * = fit row)")
         unfitted, fitted = entry["first_principles"], entry["fitted"]

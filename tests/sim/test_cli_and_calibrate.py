@@ -58,6 +58,15 @@ def test_alpha_beta_fit_recovers_latency_and_bandwidth():
     assert latency == pytest.approx(20e-6, rel=1e-6) and bandwidth == pytest.approx(3e9, rel=1e-6)
 
 
+def test_alpha_beta_latency_survives_a_slow_largest_message():
+    # a loaded machine: the 16 MiB point runs 1.5x slow; plain least squares lets it set the line
+    sizes = [2**k for k in range(10, 25, 2)]
+    times = [2 * 20e-6 + n / 3e9 for n in sizes]
+    times[-1] *= 1.5
+    latency, _ = fit_alpha_beta(sizes, times)
+    assert latency == pytest.approx(20e-6, rel=0.1)
+
+
 def test_all_reduce_timing_runs_on_two_gloo_ranks(ranks):
     per_rank = ranks.run(2, time_all_reduce, [4096, 65536], 2)
     assert len(per_rank) == 2 and all(len(times) == 2 and min(times) > 0 for times in per_rank)

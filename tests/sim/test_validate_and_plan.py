@@ -6,14 +6,20 @@ from dataclasses import replace
 
 import pytest
 import tomllib
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED
+from shiftlm.pipeline.simulator import ActionCosts, simulate
+from shiftlm.sim.critical_path import critical_path
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, FITTED_CLUSTER_INTRA_COMM
+from shiftlm.sim.fit import fit
 from shiftlm.sim.hardware import CATALOG
+from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.models import PRESETS
-from shiftlm.sim.planner import enumerate_layouts, plan_training, train_config_toml
-from shiftlm.sim.train import simulate_step
-from shiftlm.sim.validate import fit, mape, replay
+from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
+from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
+from shiftlm.sim.validate import mape, replay
 
 needs_data = pytest.mark.skipif(not default_data_dir().is_dir(), reason="../shared/data/measured not present")
 
@@ -23,24 +29,20 @@ needs_data = pytest.mark.skipif(not default_data_dir().is_dir(), reason="../shar
     "table, target",
     [
         ("korthikanti_2022_table5", 5.0),
-        pytest.param(
-            "vtrain_multi_node",
-            10.0,
-            marks=pytest.mark.xfail(
-                reason="12.5% MAPE: TP-heavy rows too slow at the README's 150 GB/s NVLink"
-            ),
-        ),
+        ("vtrain_multi_node", 10.0),
     ],
 )
-def test_fitted_model_meets_the_mape_target(table, target):
-    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED)
-    assert mape(rows) <= target
+def test_fitted_model_meets_the_mape_target_on_held_out_rows(table, target):
+    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER_INTRA_COMM)
+    assert mape([row for row in rows if not row.fit_row]) <= target
 
 
 @needs_data
 def test_every_megatron_table1_row_is_within_10_percent():
     table = "megatron_2021_table1"
-    for row in replay(table, load_cases(default_data_dir(), [table])[table], FITTED):
+    for row in replay(
+        table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER_INTRA_COMM
+    ):
         assert abs(row.error) <= 0.10, row
 
 
@@ -56,8 +58,9 @@ def test_fit_recovers_a_known_gemm_efficiency_from_synthetic_measurements():
         replace(case, measured=row.predicted)
         for case, row in zip(small, replay("vtrain_multi_node", small, truth))
     ]
-    fitted = fit({"vtrain_multi_node": synthetic}, FIRST_PRINCIPLES, parameters=("gemm",), sweeps=1, steps=14)
-    assert fitted.gemm == pytest.approx(0.6, abs=0.01)
+    result = fit({"vtrain_multi_node": synthetic}, FIRST_PRINCIPLES, parameters=("gemm",), sweeps=1, steps=14)
+    assert result.efficiency.gemm == pytest.approx(0.6, abs=0.01)
+    assert result.objective_pct < 0.5
 
 
 def test_planner_top_layout_is_the_fastest_that_fits_among_all_candidates():
@@ -70,6 +73,56 @@ def test_planner_top_layout_is_the_fastest_that_fits_among_all_candidates():
     best = min(r.step_time for r in exhaustive if r.memory.fits)
     assert plan.ranked[0].result.step_time == pytest.approx(best)
     assert plan.simulated < len(exhaustive)
+
+
+LLAMA_8B, H100 = PRESETS["llama3-8b"], CATALOG["h100-sxm"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    schedule=st.sampled_from(["1f1b", "zb_h1", "zb_v", "interleaved_1f1b"]),
+    pp=st.sampled_from([2, 4]),
+    rounds=st.integers(1, 4),
+    micro_batch=st.sampled_from([1, 2]),
+    recompute=st.sampled_from(["selective", "full"]),
+)
+def test_step_time_bound_never_exceeds_the_simulated_makespan(schedule, pp, rounds, micro_batch, recompute):
+    chunks = 1 if schedule in ("1f1b", "zb_h1") else 2
+    microbatches = pp * rounds  # interleaved 1F1B needs a multiple of pp
+    layout = Layout(1, pp, 2, 1, micro_batch, microbatches * micro_batch, 2048, schedule, chunks, recompute)
+    stage = stage_costs(LLAMA_8B, layout, H100, FIRST_PRINCIPLES, "bf16", pp * chunks)
+    assert step_time_bound(layout, stage) <= pipeline_timing(layout, stage).makespan * (1 + 1e-12)
+
+
+def test_memoised_pipeline_timing_scales_with_the_costs():
+    layout = Layout(1, 4, 1, 1, 1, 8, 2048, "zb_v", 2)
+    stage = stage_costs(LLAMA_8B, layout, H100, FIRST_PRINCIPLES, "bf16", 8)
+    doubled = replace(
+        stage,
+        forward=[2 * c for c in stage.forward],
+        backward_input=[2 * c for c in stage.backward_input],
+        backward_weight=[2 * c for c in stage.backward_weight],
+        p2p=2 * stage.p2p,
+    )
+    assert pipeline_timing(layout, doubled).makespan == pytest.approx(
+        2 * pipeline_timing(layout, stage).makespan
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    schedule=st.sampled_from(["1f1b", "zb_h1", "zb_v", "gpipe"]),
+    costs=st.lists(st.floats(0.1, 3.0), min_size=4, max_size=4),
+)
+def test_critical_path_length_equals_the_makespan(schedule, costs):
+    chunks = 2 if schedule == "zb_v" else 1
+    plan = build(schedule, 3, 5, chunks)
+    forward, backward_input, backward_weight = (
+        [c * (1 + s / 7) for s in range(3 * chunks)] for c in costs[:3]
+    )
+    result = simulate(plan, ActionCosts(forward, backward_input, backward_weight, p2p=costs[3]))
+    path = critical_path(plan, result, costs[3])
+    assert path.length(forward, backward_input, backward_weight, costs[3]) == pytest.approx(result.makespan)
 
 
 def test_plan_writes_a_train_config_with_the_agreed_schema():

@@ -1,0 +1,166 @@
+"""Fit the simulator's free parameters on the fit split of the measured tables.
+
+Golden-section coordinate descent on the mean over tables of the fit-split MAPE. Each objective
+evaluation re-times every fit row without simulating its pipeline: a row keeps the critical paths
+(`critical_path.py`) of the points it was simulated at, and its makespan is the longest of them under
+the new stage costs (exact while the critical path is among them; a lower bound otherwise). Rows are
+re-simulated at the end of every sweep to collect the paths of the new point, and the returned
+objective is recomputed with full simulations, so the numbers reported are never the shortcut's.
+
+Parameters are `Efficiency` field names, or `intra_comm@<hardware name>` for one cluster's own
+NVLink factor (a named, fitted parameter like the others; see docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from shiftlm.sim.critical_path import PathCounts, critical_path
+from shiftlm.sim.efficiency import Efficiency
+from shiftlm.sim.measured import Case
+from shiftlm.sim.train import build, pipeline_timing, stage_costs, step_overheads
+from shiftlm.sim.validate import is_fit_row, mape, on_cluster, replay
+
+BOUNDS = {"gemm": (0.4, 1.0), "intra_comm": (0.3, 1.0), "inter_comm": (0.3, 1.0)}
+CLUSTER_BOUNDS = (0.3, 2.0)  # a cluster's achieved NVLink rate may exceed what its README states
+DTYPE = "fp16"  # Megatron-era runs; as in `validate.replay`
+
+
+@dataclass(frozen=True)
+class FitResult:
+    efficiency: Efficiency
+    cluster_intra_comm: dict[str, float]
+    objective_pct: float  # mean fit-split MAPE over tables, from full simulations
+    evaluations: int  # objective evaluations on critical paths
+    simulations: int  # pipeline simulations run to collect paths
+
+
+def _split(point: Mapping[str, float], start: Efficiency) -> tuple[Efficiency, dict[str, float]]:
+    shared = {name: value for name, value in point.items() if "@" not in name}
+    clusters = {name.split("@", 1)[1]: value for name, value in point.items() if "@" in name}
+    return replace(start, **shared), clusters
+
+
+class _Row:
+    """One fit row, re-timed from its collected critical paths."""
+
+    def __init__(self, case: Case) -> None:
+        self.case = case
+        self.paths: list[PathCounts] = []
+
+    def _stage(self, efficiency: Efficiency):
+        case = self.case
+        num_stages = case.layout.pp * case.layout.chunks
+        return stage_costs(case.model, case.layout, case.hardware, efficiency, DTYPE, num_stages)
+
+    def collect(self, efficiency: Efficiency) -> None:
+        """Simulate at `efficiency` and keep the critical path (pp = 1 needs none)."""
+        from shiftlm.pipeline.simulator import ActionCosts, simulate
+
+        layout = self.case.layout
+        if layout.pp == 1:
+            return
+        stage = self._stage(efficiency)
+        schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+        costs = ActionCosts(stage.forward, stage.backward_input, stage.backward_weight, p2p=stage.p2p)
+        path = critical_path(schedule, simulate(schedule, costs), stage.p2p)
+        if path not in self.paths:
+            self.paths.append(path)
+
+    def predicted(self, efficiency: Efficiency) -> float:
+        case, stage = self.case, self._stage(efficiency)
+        if case.layout.pp == 1:
+            makespan = pipeline_timing(case.layout, stage).makespan
+        else:
+            lengths = (
+                p.length(stage.forward, stage.backward_input, stage.backward_weight, stage.p2p)
+                for p in self.paths
+            )
+            makespan = max(lengths)
+        exposed_sync, optimizer = step_overheads(
+            case.model, case.layout, case.hardware, efficiency, DTYPE, stage
+        )
+        return case.predicted(makespan + exposed_sync + optimizer)
+
+
+def _golden_section(objective: Callable[[float], float], low: float, high: float, steps: int) -> float:
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = low, high
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = objective(c), objective(d)
+    for _ in range(steps):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = objective(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = objective(d)
+    return (a + b) / 2
+
+
+def fit(
+    cases: Mapping[str, Sequence[Case]],
+    start: Efficiency,
+    parameters: Sequence[str] = tuple(BOUNDS),
+    sweeps: int = 3,
+    steps: int = 16,
+) -> FitResult:
+    """Coordinate descent over `parameters` on the fit rows of `cases`; everything else stays at
+    `start`. Golden section narrows each bound by 0.618^steps (16 steps: < 0.1% of the range)."""
+    rows = {
+        table: [_Row(case) for index, case in enumerate(table_cases) if is_fit_row(table, index)]
+        for table, table_cases in cases.items()
+    }
+    rows = {table: table_rows for table, table_rows in rows.items() if table_rows}
+    point = {name: _start_value(name, start) for name in parameters}
+    evaluations = simulations = 0
+
+    def objective(candidate: Mapping[str, float]) -> float:
+        nonlocal evaluations
+        evaluations += 1
+        shared, clusters = _split(candidate, start)
+        errors = []
+        for table_rows in rows.values():
+            errors.append(
+                100
+                * sum(
+                    abs(
+                        row.predicted(on_cluster(shared, row.case.hardware.name, clusters))
+                        / row.case.measured
+                        - 1
+                    )
+                    for row in table_rows
+                )
+                / len(table_rows)
+            )
+        return sum(errors) / len(errors)
+
+    def collect_paths() -> None:
+        nonlocal simulations
+        shared, clusters = _split(point, start)
+        for table_rows in rows.values():
+            for row in table_rows:
+                row.collect(on_cluster(shared, row.case.hardware.name, clusters))
+                simulations += row.case.layout.pp > 1
+
+    collect_paths()
+    for _ in range(sweeps):
+        for name in parameters:
+            low, high = BOUNDS.get(name, CLUSTER_BOUNDS)
+            best = _golden_section(lambda value, n=name: objective({**point, n: value}), low, high, steps)
+            point[name] = round(best, 3)
+        collect_paths()
+    efficiency, clusters = _split(point, start)
+    exact = [
+        mape(replay(table, [row.case for row in table_rows], efficiency, clusters))
+        for table, table_rows in rows.items()
+    ]
+    return FitResult(efficiency, clusters, sum(exact) / len(exact), evaluations, simulations)
+
+
+def _start_value(name: str, start: Efficiency) -> float:
+    return getattr(start, name.split("@", 1)[0])
