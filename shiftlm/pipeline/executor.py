@@ -13,22 +13,27 @@ hangs). Sends never block (waited at the end of the step), forward headers are p
 starts and gradient receives as soon as the forward they answer has run, so a rank only waits at the
 RECV right before the action that needs it: a schedule that validates cannot deadlock here.
 
-Backward split (Qi et al. 2023, Sec. 2): I = torch.autograd.grad w.r.t. the stage input, keeping the
-graph; W = torch.autograd.grad w.r.t. the parameters later, accumulated into .grad, which frees the
-graph. B does both at once. BitPipe's GRAD_SYNC sums a stage's gradients with the other replica's
-copy (on the mirrored rank, or this rank) as soon as that chunk's backwards are done; both copies
-then hold the full gradient. Only the pp group and pp peer ranks are used, so TP/SP/DP groups around
-the executor compose unchanged.
+Backward split (Qi et al. 2023, Sec. 2): I walks the stage's graph once, with weight gradients
+deferred (`shiftlm.model.deferred`): it computes the gradient w.r.t. the stage input and the
+gradients of parameters that no deferrable linear owns (norms, embeddings), queues every deferrable
+linear's dA = dY^T X GEMM, and frees the graph; W runs that queue into .grad. B does both at once.
+A stage without deferrable linears gets all its gradients in I, and its W does nothing.
+BitPipe's GRAD_SYNC sums a stage's gradients with the other replica's copy (on the mirrored rank,
+or this rank) as soon as that chunk's backwards are done; both copies then hold the full gradient.
+Only the pp group and pp peer ranks are used, so TP/SP/DP groups around the executor compose
+unchanged (tested with the Transformer at pp 2 x tp 2 and pp 2 x sp 2).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shiftlm.model.deferred import WeightGradStore, accumulate_grad
 from shiftlm.pipeline.actions import Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
 
@@ -81,6 +86,7 @@ class PipelineExecutor:
         """Run one training step; accumulate parameter .grad; return the summed loss of this rank's
         last stage(s) (None where no last stage lives; BitPipe has one per replica)."""
         self._sends: list = []
+        self._weight_grads = WeightGradStore()  # the I pass's queued weight GEMMs, by (stage, mb, replica)
         self._inputs: dict[tuple, torch.Tensor] = {}
         self._outputs: dict[tuple, torch.Tensor] = {}
         self._grads: dict[tuple, torch.Tensor] = {}  # gradient w.r.t. a stage's output
@@ -158,42 +164,41 @@ class PipelineExecutor:
 
     def _output_grad(self, action: Action) -> torch.Tensor | None:
         """The gradient w.r.t. this stage's output: None for the loss, else received or handed over
-        by the next stage on this rank; kept until the W that needs it again."""
+        by the next stage on this rank."""
         key = self._key(action)
         if action.stage == self.schedule.num_stages - 1:
             return None
-        if key not in self._grads:
-            self._grads[key] = self._input_grads.pop(self._key(action, action.stage + 1))
-        return self._grads[key]
+        received = self._grads.pop(key, None)
+        return (
+            received if received is not None else self._input_grads.pop(self._key(action, action.stage + 1))
+        )
 
     def _params(self, action: Action) -> list[torch.nn.Parameter]:
         return [p for p in self.modules[(action.stage, action.replica)].parameters() if p.requires_grad]
 
-    def _run_b(self, action: Action) -> None:
+    def _backward(self, action: Action, defer_weight_grads: bool) -> None:
+        """One pass over the stage's graph (then freed): the input gradient, and the parameter
+        gradients, except those of deferrable linears when deferring, which wait for the W."""
         key, params = self._key(action), self._params(action)
         grad_out = self._output_grad(action)
         x, out = self._inputs.pop(key), self._outputs.pop(key)
+        # every parameter is asked for, deferred or not: autograd prunes nodes leading to none
         wrt = params + ([x] if action.stage > 0 else [])
-        grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
-        _accumulate(params, grads[: len(params)])
-        self._grads.pop(key, None)
+        with self._weight_grads.deferring(key) if defer_weight_grads else nullcontext():
+            grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+        for param, grad in zip(params, grads):
+            accumulate_grad(param, grad)
         if action.stage > 0:
             self._input_grads[key] = grads[-1]
 
+    def _run_b(self, action: Action) -> None:
+        self._backward(action, defer_weight_grads=False)
+
     def _run_i(self, action: Action) -> None:
-        key = self._key(action)
-        grad_out = self._output_grad(action)
-        if action.stage > 0:  # stage 0's input needs no gradient: its whole backward is the W
-            inputs = [self._inputs[key]]
-            (self._input_grads[key],) = torch.autograd.grad(
-                self._outputs[key], inputs, grad_out, retain_graph=True
-            )
+        self._backward(action, defer_weight_grads=True)
 
     def _run_w(self, action: Action) -> None:
-        key, params = self._key(action), self._params(action)
-        out, grad_out = self._outputs.pop(key), self._grads.pop(key, None)
-        del self._inputs[key]  # the activations of this micro-batch die with the graph here
-        _accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True))
+        self._weight_grads.flush(self._key(action))
 
     def _run_send_b(self, action: Action) -> None:
         grad = self._input_grads.pop(self._key(action))
@@ -224,9 +229,3 @@ class PipelineExecutor:
             for param in self._params(action):
                 param.grad += buffer[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
-
-
-def _accumulate(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-    for param, grad in zip(params, grads):
-        if grad is not None:
-            param.grad = grad if param.grad is None else param.grad + grad

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from shiftlm.model import deferred
 from shiftlm.pipeline.executor import PipelineExecutor
 from shiftlm.pipeline.schedules import SCHEDULES, build_schedule
 
@@ -14,12 +15,14 @@ MICROBATCH_ROWS = 3
 
 
 def _full_model(num_stages: int) -> list[torch.nn.Module]:
-    """One seeded model split into stages whose widths differ, so activation shapes change."""
+    """One seeded model split into stages whose widths differ, so activation shapes change.
+
+    The first linear of a stage defers its weight gradient to W, the second gets it in I."""
     torch.manual_seed(0)
     widths = [5 + stage % 3 for stage in range(num_stages + 1)]
     return [
         torch.nn.Sequential(
-            torch.nn.Linear(widths[s], widths[s + 1]),
+            deferred.Linear(widths[s], widths[s + 1]),
             torch.nn.Tanh(),
             torch.nn.Linear(widths[s + 1], widths[s + 1]),
         )
