@@ -18,6 +18,7 @@ from shiftlm.comm import CommGroup, copy_to_group, gather_along
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention
+from shiftlm.model.deferred import linear
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
@@ -144,7 +145,7 @@ class Transformer(nn.Module):
             hidden = gather_along(hidden, self.mesh.tp, dim=1)
         else:
             hidden = copy_to_group(hidden, self.mesh.tp)
-        logits = F.linear(hidden, self.head_weight)
+        logits = linear(hidden, self.head_weight)  # deferrable: its weight gradient can wait for W
         if bool(self.vocab_padding.any()):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits

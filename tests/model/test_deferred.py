@@ -76,8 +76,8 @@ def test_transformer_weight_pass_gives_exactly_the_plain_backward_grads():
         grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
     for param, grad in zip(model.parameters(), grads):
         param.grad = grad
-    # q/k/v/o and gate/up/down of every layer: weights and q/k/v biases wait for W
-    assert store.pending(0) == 7 * config.num_layers
+    # q/k/v/o and gate/up/down of every layer (weights and q/k/v biases), and the LM head, wait for W
+    assert store.pending(0) == 7 * config.num_layers + 1
     assert all(p.grad is None for n, p in model.named_parameters() if n.endswith("proj.weight"))
     store.flush(0)
     for (name, param), want in zip(model.named_parameters(), reference.parameters()):
