@@ -2,6 +2,10 @@
 
 shiftlm schedule --name zb_v --pp 4 --microbatches 8 --plot zbv.png
 shiftlm schedule --name interleaved_1f1b --pp 4 --microbatches 8 --chunks 2 --costs 1,1,1 --json
+
+`--costs F,I,W` are the times of one micro-batch's forward, input-gradient and weight-gradient passes
+through one rank's share of the model (1/p of the layers). A schedule with v stage-chunks per rank
+runs each chunk action at 1/v of that, so makespans of different schedules compare directly.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved_1f1b: v)")
-    parser.add_argument("--costs", default="1,1,1", help="F,B,W: forward, input-grad, weight-grad time")
+    parser.add_argument(
+        "--costs",
+        default="1,1,1",
+        help="F,I,W: forward, input-grad, weight-grad time of one micro-batch on one rank's 1/p of the model",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, help="write a Gantt chart PNG here")
     parser.set_defaults(func=run)
@@ -31,7 +39,7 @@ def _parse_costs(text: str) -> tuple[float, float, float]:
     try:
         forward, backward_input, backward_weight = (float(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"--costs wants three numbers F,B,W (e.g. 1,1,1), got {text!r}") from None
+        raise ValueError(f"--costs wants three numbers F,I,W (e.g. 1,1,1), got {text!r}") from None
     if min(forward, backward_input, backward_weight) < 0:
         raise ValueError(f"--costs must not be negative, got {text!r}")
     return forward, backward_input, backward_weight
@@ -47,13 +55,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = simulate(schedule, ActionCosts(forward, backward_input, backward_weight))
+    chunks = schedule.placement.chunks
+    result = simulate(
+        schedule, ActionCosts(forward / chunks, backward_input / chunks, backward_weight / chunks)
+    )
     summary = {
         "name": args.name,
         "pp": args.pp,
         "microbatches": args.microbatches,
         "chunks": schedule.placement.chunks,
-        "costs": {"F": forward, "B": backward_input, "W": backward_weight},
+        "costs_per_rank_share": {"F": forward, "I": backward_input, "W": backward_weight},
+        "costs_per_chunk": {
+            "F": forward / chunks,
+            "I": backward_input / chunks,
+            "W": backward_weight / chunks,
+        },
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,
         "peak_activations": result.peak_activations,
