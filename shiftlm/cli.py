@@ -21,6 +21,7 @@ COMMANDS = [
     "shiftlm.sim.cli",
     "shiftlm.train.cli",
     "shiftlm.serve.cli",
+    "shiftlm.monitor.cli",
 ]
 
 

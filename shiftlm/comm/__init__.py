@@ -1,8 +1,10 @@
-"""Communication: named groups, byte-counted collectives and their autograd pairs, P2P."""
+"""Communication: named groups, byte-counted collectives and their autograd pairs, P2P, the ledger."""
 
 from shiftlm.comm.group import SINGLE, CommGroup, counters
+from shiftlm.comm.ledger import CollectiveLedger, RankLedger, Record, TrackedWork, ledger, load_ledger
 from shiftlm.comm.ops import (
     all_gather,
+    all_gather_flat,
     all_reduce,
     all_to_all,
     all_to_all_along,
@@ -15,11 +17,17 @@ from shiftlm.comm.ops import (
     reduce_scatter_along,
     split_along,
 )
+from shiftlm.comm.p2p import irecv, isend
 
 __all__ = [
     "SINGLE",
+    "CollectiveLedger",
     "CommGroup",
+    "RankLedger",
+    "Record",
+    "TrackedWork",
     "all_gather",
+    "all_gather_flat",
     "all_reduce",
     "all_to_all",
     "all_to_all_along",
@@ -28,6 +36,10 @@ __all__ = [
     "counters",
     "gather_along",
     "gather_replicated",
+    "irecv",
+    "isend",
+    "ledger",
+    "load_ledger",
     "reduce_from_group",
     "reduce_scatter",
     "reduce_scatter_along",

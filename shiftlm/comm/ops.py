@@ -11,6 +11,9 @@ twin, and every op is the identity on a group of one.
     all_to_all           forward: all-to-all (scatter s, gather g), backward: all-to-all (scatter g, gather s)
 
 Gloo has no reduce-scatter, so there it is an all-reduce followed by taking this rank's chunk.
+
+Every raw op counts its bytes in `comm.counters` and notes its enter and exit in the collective
+ledger (`comm/ledger.py`, off by default), through `_enter`.
 """
 
 from __future__ import annotations
@@ -19,19 +22,43 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm.group import CommGroup, counters
+from shiftlm.comm.ledger import Record, TrackedWork, ledger
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group: CommGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-    """Out-of-place all-reduce."""
+def _enter(op: str, group: CommGroup, tensor: torch.Tensor, async_op: bool = False) -> Record | None:
+    """Count the bytes (this rank's input) and open a ledger record; one place for both, so they agree."""
+    nbytes = _nbytes(tensor)
+    counters.record(op, group, nbytes)
+    return ledger.enter(op, group, nbytes, async_op=async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: CommGroup,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    *,
+    async_op: bool = False,
+    in_place: bool = False,
+) -> torch.Tensor | TrackedWork:
+    """All-reduce; out of place unless `in_place` (then `tensor` must be contiguous).
+
+    With `async_op` it returns a `TrackedWork` whose `wait()` returns the reduced tensor and records
+    the exit time (bucketed gradient sync overlaps these with backward).
+    """
+    if in_place and not tensor.is_contiguous():
+        raise ValueError("all_reduce(in_place=True) needs a contiguous tensor")
+    out = tensor if in_place or group.size == 1 else tensor.contiguous().clone()
     if group.size == 1:
-        return tensor
-    out = tensor.contiguous().clone()
-    counters.record("all_reduce", group, _nbytes(out))
-    dist.all_reduce(out, op=op, group=group.pg)
+        return TrackedWork(None, None, out) if async_op else out
+    record = _enter("all_reduce", group, out, async_op)
+    work = dist.all_reduce(out, op=op, group=group.pg, async_op=async_op)
+    if async_op:
+        return TrackedWork(work, record, out)
+    ledger.exit(record)
     return out
 
 
@@ -40,10 +67,41 @@ def all_gather(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor
     if group.size == 1:
         return tensor
     tensor = tensor.contiguous()
-    counters.record("all_gather", group, _nbytes(tensor))
+    record = _enter("all_gather", group, tensor)
     parts = [torch.empty_like(tensor) for _ in range(group.size)]
     dist.all_gather(parts, tensor, group=group.pg)
+    ledger.exit(record)
     return torch.cat(parts, dim=dim)
+
+
+def all_gather_flat(
+    output: torch.Tensor, shard: torch.Tensor, group: CommGroup, *, async_op: bool = False
+) -> torch.Tensor | TrackedWork:
+    """`output` (flat, group.size x shard.numel()) becomes every rank's `shard` in group-rank order.
+
+    The `all_gather_into_tensor` pattern of ZeRO parameter gathers. On gloo it gathers into views of
+    `output` instead: gloo's flat all-gather only exists in recent torch, the views work on all.
+    `shard` must not be a view of `output` (the collective may not read its own destination).
+    """
+    shard = shard.contiguous()
+    if output.numel() != shard.numel() * group.size or not output.is_contiguous():
+        raise ValueError(
+            f"all_gather_flat: output must be contiguous with {group.size} x {shard.numel()} elements, "
+            f"got {tuple(output.shape)}"
+        )
+    if group.size == 1:
+        output.view(-1).copy_(shard.view(-1))
+        return TrackedWork(None, None, output) if async_op else output
+    record = _enter("all_gather", group, shard, async_op)
+    if dist.get_backend(group.pg) == "gloo":
+        views = list(output.view(-1).chunk(group.size))
+        work = dist.all_gather(views, shard.view(-1), group=group.pg, async_op=async_op)
+    else:
+        work = dist.all_gather_into_tensor(output, shard, group=group.pg, async_op=async_op)
+    if async_op:
+        return TrackedWork(work, record, output)
+    ledger.exit(record)
+    return output
 
 
 def reduce_scatter(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
@@ -55,14 +113,16 @@ def reduce_scatter(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Te
             f"reduce_scatter: dim {dim} of {tuple(tensor.shape)} does not split into {group.size}"
         )
     tensor = tensor.contiguous()
-    counters.record("reduce_scatter", group, _nbytes(tensor))
+    record = _enter("reduce_scatter", group, tensor)
     if dist.get_backend(group.pg) == "gloo":
         summed = tensor.clone()
         dist.all_reduce(summed, group=group.pg)
+        ledger.exit(record)
         return summed.chunk(group.size, dim=dim)[group.rank].contiguous()
     parts = [p.contiguous() for p in tensor.chunk(group.size, dim=dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group.pg)
+    ledger.exit(record)
     return out
 
 
@@ -70,18 +130,20 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_
     """Split `scatter_dim` into group-size chunks, send chunk i to rank i, concatenate what arrives on `gather_dim`."""
     if group.size == 1:
         return tensor
-    counters.record("all_to_all", group, _nbytes(tensor))
+    record = _enter("all_to_all", group, tensor)
     inputs = [c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(group.size)]
     dist.all_to_all(outputs, inputs, group=group.pg)
+    ledger.exit(record)
     return torch.cat(outputs, dim=gather_dim)
 
 
 def broadcast(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) -> torch.Tensor:
     if group.size == 1:
         return tensor
-    counters.record("broadcast", group, _nbytes(tensor))
+    record = _enter("broadcast", group, tensor)
     dist.broadcast(tensor, src=group.ranks[src_group_rank], group=group.pg)
+    ledger.exit(record)
     return tensor
 
 

@@ -1,0 +1,90 @@
+"""Fault injection for tests and drills: make one rank slow, hung or dead from a chosen step.
+
+The fault runs as a ledger hook, i.e. just before the rank enters a communication op, so to the
+other ranks it looks exactly like a rank whose compute is slow (it enters late), hung (it never
+enters) or gone (it exited). Faults fire on every op from `step` on; the step is whatever the
+training loop last passed to `set_step` (0 until then).
+
+    SHIFTLM_FAULT="slow:rank=1,ms=50"         rank 1 sleeps 50 ms before every op
+    SHIFTLM_FAULT="hang:rank=3,step=5"        rank 3 blocks forever at its first op of step 5
+    SHIFTLM_FAULT="exit:rank=3,step=5"        rank 3 exits (code 1) at its first op of step 5
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from shiftlm.comm.group import CommGroup
+from shiftlm.comm.ledger import CollectiveLedger, ledger
+
+KINDS = ("slow", "hang", "exit")
+ENV_VAR = "SHIFTLM_FAULT"
+_current_step = 0
+
+
+def set_step(step: int) -> None:
+    """Tell the fault injector which training step is running (the trainer calls this each step)."""
+    global _current_step
+    _current_step = step
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int = 0
+    ms: float = 0.0  # the delay of a "slow" fault
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind == "slow" and self.ms <= 0:
+            raise ValueError("a slow fault needs ms > 0, e.g. slow:rank=1,ms=50")
+
+    def __call__(self, op: str, group: CommGroup) -> None:
+        if group.global_rank != self.rank or _current_step < self.step:
+            return
+        if self.kind == "slow":
+            time.sleep(self.ms / 1e3)
+        elif self.kind == "hang":
+            while True:  # alive (its watchdog keeps publishing) but never enters again
+                time.sleep(3600)
+        else:
+            print(f"[shiftlm.monitor.faults] rank {self.rank} exits before {op} on {group}", file=sys.stderr)
+            os._exit(1)
+
+
+def parse_fault(text: str) -> Fault:
+    """`kind:key=value,...` (keys: rank, step, ms) -> Fault; ValueError says what is wrong."""
+    kind, _, rest = text.partition(":")
+    fields: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("rank", "step", "ms"):
+            raise ValueError(f"unknown fault field {key!r} in {text!r} (use rank, step, ms)")
+        try:
+            fields[key] = float(value)
+        except ValueError:
+            raise ValueError(f"fault field {key} wants a number, got {value!r} in {text!r}") from None
+    if "rank" not in fields:
+        raise ValueError(f"a fault needs rank=N, got {text!r}")
+    return Fault(kind.strip(), int(fields["rank"]), int(fields.get("step", 0)), fields.get("ms", 0.0))
+
+
+def inject(fault: Fault, target: CollectiveLedger = ledger) -> Fault:
+    """Install `fault` (it acts only on its own rank); returns it, for `remove`."""
+    target.hooks.append(fault)
+    return fault
+
+
+def remove(fault: Fault, target: CollectiveLedger = ledger) -> None:
+    target.hooks.remove(fault)
+
+
+def inject_from_env(target: CollectiveLedger = ledger) -> Fault | None:
+    """Install the fault described by $SHIFTLM_FAULT, if set."""
+    text = os.environ.get(ENV_VAR)
+    return inject(parse_fault(text), target) if text else None
