@@ -1,6 +1,6 @@
 """`shiftlm serve` (OpenAI-compatible server) and `shiftlm bench serve` (trace replay).
 
-    shiftlm serve --model DIR --tp 2 --sp 1 --shift-threshold 64 --port 8000
+    shiftlm serve --model DIR --tp 2 --sp 1 --shift-threshold 64 --port 8000 [--step-log steps.jsonl]
     shiftlm bench serve --trace ../shared/data/traces/azure_llm_2023_code.csv --url http://127.0.0.1:8000 \\
         --max-requests 100 --rate 2 --max-input 256 --max-output 32 --json
 """
@@ -68,7 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="OpenAI-compatible server with Shift Parallelism")
     add_serve_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (printed)")
+    serve.add_argument(
+        "--step-log", default=None, help="write one JSON line per engine step (mode, tokens, seconds) here"
+    )
     serve.add_argument("--model-name", default=None, help="name in /v1/models (default: the directory name)")
     serve.set_defaults(func=_serve)
 

@@ -11,10 +11,11 @@ drawn from the same logits and the siblings fork, sharing the prompt's full bloc
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import torch
 
@@ -71,6 +72,7 @@ class Engine:
         eos_token_ids: set[int],
         vocab_size: int,
         clock: Callable[[], float] = time.monotonic,
+        step_log: TextIO | None = None,
     ):
         self.runner = runner
         self.scheduler = Scheduler(config)
@@ -79,6 +81,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.clock = clock
         self.metrics = ServingMetrics()
+        self.step_log = step_log  # one JSON line per step: mode, tokens, sequences, model seconds
         self._requests: dict[str, _Request] = {}
 
     @property
@@ -127,7 +130,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        started = time.perf_counter()
         logits = self.runner.execute(plan)
+        self._record_step(plan, time.perf_counter() - started)
         sampled = self.scheduler.complete_step(plan)
         outputs: list[RequestOutput] = []
         now = self.clock()
@@ -140,6 +145,13 @@ class Engine:
             outputs.append(self._append(request, seq, token, now))
             outputs += [self._after_token(request, child, now) for child in children]
         return outputs
+
+    def _record_step(self, plan: StepPlan, seconds: float) -> None:
+        self.metrics.record_step(plan.mode.value, plan.num_tokens, seconds)
+        if self.step_log is not None:
+            record = {"step": plan.step, "mode": plan.mode.value, "tokens": plan.num_tokens}
+            record.update(seqs=len(plan.chunks), seconds=round(seconds, 6))
+            self.step_log.write(json.dumps(record) + "\n")
 
     def _fork(self, request: _Request, parent: Sequence, logits: torch.Tensor, index: int) -> Sequence:
         """Sample `index` of an n > 1 request: its first token comes from the prompt's logits."""

@@ -1,7 +1,9 @@
 """Serving metrics in the Prometheus text exposition format (version 0.0.4), without a client library.
 
 Latencies follow the usual serving definitions: TTFT = first token time - arrival; ITL = the gap
-between consecutive tokens of one sample; E2E = finish time - arrival. Gauges (running, waiting, KV
+between consecutive tokens of one sample; E2E = finish time - arrival. The model time of every engine
+step (broadcast, forward on all ranks, logits back) is kept per parallel mode, with the tokens it ran,
+so that the two Shift Parallelism modes can be compared on live traffic. Gauges (running, waiting, KV
 usage) and scheduler counters (mode switches, preemptions) are read at scrape time.
 """
 
@@ -11,6 +13,7 @@ import bisect
 import threading
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class Histogram:
@@ -27,14 +30,17 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    def render(self, name: str, help_text: str | None, labels: str = "") -> list[str]:
+        """Exposition lines; `help_text=None` omits HELP/TYPE (further label sets of one metric);
+        `labels` like `mode="tp"` goes in front of `le`."""
+        lines = [] if help_text is None else [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
         cumulative = 0
         for bound, count in zip((*self.buckets, float("inf")), self.counts):
             cumulative += count
             label = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{le="{label}"}} {cumulative}')
-        lines += [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+            lines.append(f'{name}_bucket{{{labels}{"," if labels else ""}le="{label}"}} {cumulative}')
+        braces = f"{{{labels}}}" if labels else ""
+        lines += [f"{name}_sum{braces} {self.sum}", f"{name}_count{braces} {self.count}"]
         return lines
 
 
@@ -54,6 +60,13 @@ class ServingMetrics:
         self.generation_tokens = 0
         self.finished_requests: dict[str, int] = {}
         self.rejected_requests = 0
+        self.step_seconds: dict[str, Histogram] = {}
+        self.step_tokens: dict[str, int] = {}
+
+    def record_step(self, mode: str, num_tokens: int, seconds: float) -> None:
+        with self.lock:
+            self.step_seconds.setdefault(mode, Histogram(STEP_BUCKETS)).observe(seconds)
+            self.step_tokens[mode] = self.step_tokens.get(mode, 0) + num_tokens
 
     def record_finished(self, reason: str) -> None:
         with self.lock:
@@ -86,4 +99,14 @@ class ServingMetrics:
             lines += self.ttft.render(prefix + "time_to_first_token_seconds", "Time to first token.")
             lines += self.itl.render(prefix + "inter_token_latency_seconds", "Time between tokens.")
             lines += self.e2e.render(prefix + "e2e_request_latency_seconds", "Request latency.")
+            help_text = "Model time of one engine step (plan broadcast, forward, logits), by mode."
+            for mode, histogram in sorted(self.step_seconds.items()):
+                lines += histogram.render(prefix + "step_duration_seconds", help_text, f'mode="{mode}"')
+                help_text = None
+            lines += [f"# HELP {prefix}step_tokens_total Tokens run by engine steps, by mode."]
+            lines += [f"# TYPE {prefix}step_tokens_total counter"]
+            lines += [
+                f'{prefix}step_tokens_total{{mode="{mode}"}} {count}'
+                for mode, count in sorted(self.step_tokens.items())
+            ]
         return "\n".join(lines) + "\n"

@@ -91,18 +91,16 @@ class PagedKVCache:
         """Causal attention of q [N, Hq, D] over each sequence's cached context -> [N, Hq, D]."""
         out = torch.zeros_like(q)
         k_cache, v_cache = self.storage[layer, 0], self.storage[layer, 1]
-        groups = q.shape[1] // k_cache.shape[1]
         for chunk in batch.chunks:
             rows = slice(chunk.offset, chunk.offset + chunk.positions.numel())
-            k = k_cache[chunk.context_slots].repeat_interleave(groups, dim=1)
-            v = v_cache[chunk.context_slots].repeat_interleave(groups, dim=1)
+            k, v = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
             key_positions = torch.arange(chunk.context_slots.numel())
             distance = chunk.positions.unsqueeze(1) - key_positions.unsqueeze(0)
             mask = distance >= 0
             if sliding_window is not None:
                 mask &= distance < sliding_window
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+            attended = F.scaled_dot_product_attention(  # GQA: query head h reads KV head h // groups
+                q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
             )
             out[rows] = attended.transpose(0, 1)
         return out

@@ -37,14 +37,16 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_len - 1) if self.ok and self.output_len > 1 else None
 
 
-async def _one(http, url: str, model: str, index: int, request: TraceRequest, start: float) -> RequestResult:
+async def _one(
+    http, url: str, model: str, index: int, request: TraceRequest, start: float, first_id: int
+) -> RequestResult:
     import httpx
 
     result = RequestResult(request.arrival, request.input_len, request.output_len)
     await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
     body = {
         "model": model,
-        "prompt": synthetic_prompt(index, request.input_len),
+        "prompt": synthetic_prompt(index, request.input_len, first_id),
         "max_tokens": request.output_len,
         "temperature": 0,
         "ignore_eos": True,
@@ -74,14 +76,19 @@ async def _one(http, url: str, model: str, index: int, request: TraceRequest, st
     return result
 
 
-async def replay(url: str, model: str, requests: list[TraceRequest], timeout: float) -> list[RequestResult]:
-    """Send every request at its arrival time (open loop); wait for all, at most `timeout` seconds."""
+async def replay(
+    url: str, model: str, requests: list[TraceRequest], timeout: float, first_id: int = 3
+) -> list[RequestResult]:
+    """Send every request at its arrival time (open loop); wait for all, at most `timeout` seconds.
+
+    Prompts use token ids [first_id, first_id + 50): replays with disjoint ranges share no prefix, so
+    a second replay against the same server does not hit the first one's prefix cache."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(requests) + 1)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         start = time.perf_counter()
-        tasks = [_one(http, url, model, i, r, start) for i, r in enumerate(requests)]
+        tasks = [_one(http, url, model, i, r, start, first_id) for i, r in enumerate(requests)]
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
 
 
@@ -148,11 +155,11 @@ def first_model(url: str) -> str:
 
 
 def bench_url(
-    url: str, requests: list[TraceRequest], args: argparse.Namespace
+    url: str, requests: list[TraceRequest], args: argparse.Namespace, first_id: int = 3
 ) -> tuple[dict, list[RequestResult]]:
     model = args.model_name or first_model(url)
     start = time.perf_counter()
-    results = asyncio.run(replay(url, model, requests, args.timeout))
+    results = asyncio.run(replay(url, model, requests, args.timeout, first_id))
     return summarize(results, time.perf_counter() - start, args.slo_ttft, args.slo_tpot), results
 
 
@@ -186,8 +193,8 @@ def run_bench(args: argparse.Namespace) -> int:
         args.max_output,
     )
     if args.model:
-        with local_server(serve_args(args)) as url:
-            summary, results = bench_url(url, requests, args)
+        with local_server(serve_args(args)) as server:
+            summary, results = bench_url(server.url, requests, args)
     else:
         summary, results = bench_url(args.url, requests, args)
     if args.out:

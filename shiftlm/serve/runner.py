@@ -9,11 +9,12 @@
 
 The plan is a few kilobytes of Python (token ids, positions via chunk starts, block tables, mode) and
 goes out with `broadcast_object_list`; each rank then builds the same flat batch from it. Logits come
-back with one `reduce` of the per-rank partials (each logit has exactly one owner rank).
+back with one `gather` of the block each rank owns (`logits.py`).
 """
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import torch
@@ -23,9 +24,14 @@ from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
+from shiftlm.serve.logits import gather_logits
 from shiftlm.serve.paged_attention import PagedKVCache, flatten_plan
 from shiftlm.serve.scheduler import StepPlan
 from shiftlm.serve.shift_model import ShiftModel
+
+# Ranks > 0 block in the plan broadcast while the server idles. Groups made by `Mesh` carry gloo's
+# default timeout (30 minutes), after which an idle worker would die, so plans get a group of their own.
+PLAN_WAIT_TIMEOUT = datetime.timedelta(days=7)
 
 
 class ModelRunner:
@@ -36,6 +42,11 @@ class ModelRunner:
         self.shift_model = shift_model
         self.mesh = mesh
         self.cache = shift_model.cache
+        group = mesh.shift
+        # new_group is collective: every rank builds the runner, in the same order
+        self._plan_group = (
+            dist.new_group(list(group.ranks), timeout=PLAN_WAIT_TIMEOUT) if group.size > 1 else None
+        )
 
     @classmethod
     def load(
@@ -56,28 +67,26 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""
         self._broadcast(plan)
-        return self._run(plan)[:, : self.model_config.vocab_size]
+        return self.run_step(plan)[:, : self.model_config.vocab_size]
 
     def serve_steps(self) -> None:
         """Ranks > 0: run every plan rank 0 broadcasts, until it broadcasts None."""
         while (plan := self._broadcast(None)) is not None:
-            self._run(plan)
+            self.run_step(plan)
 
     def stop_workers(self) -> None:
         self._broadcast(None)
 
     def _broadcast(self, plan: StepPlan | None) -> StepPlan | None:
-        group = self.mesh.shift
-        if group.size == 1:
+        if self._plan_group is None:
             return plan
         box = [plan]
-        dist.broadcast_object_list(box, src=group.ranks[0], group=group.pg)
+        dist.broadcast_object_list(box, src=self.mesh.shift.ranks[0], group=self._plan_group)
         return box[0]
 
-    def _run(self, plan: StepPlan) -> torch.Tensor:
+    def run_step(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run `plan` without broadcasting it (every rank must pass the same plan, as in SPMD code);
+        the sampled logits [samples, padded_vocab] on rank 0, None elsewhere."""
         batch = flatten_plan(plan, self.cache.block_size, pad_to_multiple=self.mesh.config.sp)
-        partial = self.shift_model.forward(batch, plan.mode)
-        group = self.mesh.shift
-        if group.size > 1:
-            dist.reduce(partial, dst=group.ranks[0], group=group.pg)
-        return partial
+        mine = self.shift_model.forward(batch, plan.mode)
+        return gather_logits(mine, batch, plan.mode, self.mesh, self.shift_model.vocab_per_tp)

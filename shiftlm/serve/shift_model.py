@@ -28,6 +28,7 @@ from shiftlm.mesh import Mesh
 from shiftlm.model.rope import apply_rope, rope_cos_sin
 from shiftlm.model.sharding import kv_heads_of_block
 from shiftlm.model.transformer import Transformer
+from shiftlm.serve.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.paged_attention import FlatBatch, PagedKVCache
 from shiftlm.serve.scheduler import Mode
 
@@ -65,11 +66,8 @@ class ShiftModel:
         self.sp_tp_weights = [self._tp_shard(layer) for layer in self.layers]
         self.full_tp_weights = [self._full_tp_view(w) for w in self.sp_tp_weights]
         head = model.head_weight  # [padded_vocab / T, hidden]
-        rows_per_part = -(-head.shape[0] // sp)
-        start = min(mesh.coords.sp * rows_per_part, head.shape[0])
-        self.head_view = head.narrow(0, start, min(rows_per_part, head.shape[0] - start))
-        self.head_view_offset = model.vocab_start + start
-        self.padded_vocab = head.shape[0] * tp
+        self.vocab_per_tp = head.shape[0]
+        self.head_view = head.narrow(0, *full_tp_vocab_part(mesh.coords.sp, sp, self.vocab_per_tp))
 
     def _tp_shard(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -111,12 +109,9 @@ class ShiftModel:
 
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
-        """Partial logits [num_samples, padded_vocab]: this rank's (rows x vocab shard), zeros elsewhere.
-
-        Summing the partials of all P ranks gives the full logits: every entry has exactly one owner.
-        """
+        """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
         ulysses = mode is Mode.SP_TP and self.mesh.sp.size > 1
-        token_ids, positions, first_row = batch.token_ids, batch.positions, 0
+        token_ids, positions = batch.token_ids, batch.positions
         if ulysses:
             per_rank = token_ids.numel() // self.mesh.sp.size
             first_row = self.mesh.coords.sp * per_rank
@@ -132,7 +127,9 @@ class ShiftModel:
             x = layer.post_attention_layernorm(hidden)
             mlp_out = F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
             hidden = hidden + all_reduce(mlp_out, reduce_group)
-        return self._partial_logits(hidden, batch, mode, first_row)
+        block = logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp)
+        head = self.model.head_weight if mode is Mode.SP_TP else self.head_view
+        return F.linear(self.model.model.norm(hidden[block.hidden_rows]), head)
 
     def _attention(
         self, index: int, x: torch.Tensor, w: LayerWeights, cos, sin, batch: FlatBatch, ulysses: bool
@@ -151,19 +148,3 @@ class ShiftModel:
         if ulysses:
             out = all_to_all_along(out, self.mesh.sp, scatter_dim=0, gather_dim=1)
         return out.flatten(1)
-
-    def _partial_logits(
-        self, hidden: torch.Tensor, batch: FlatBatch, mode: Mode, first_row: int
-    ) -> torch.Tensor:
-        partial = torch.zeros(batch.sample_rows.numel(), self.padded_vocab, dtype=hidden.dtype)
-        local_rows = batch.sample_rows - first_row
-        mine = (local_rows >= 0) & (local_rows < hidden.shape[0])
-        if not bool(mine.any()):
-            return partial
-        if mode is Mode.SP_TP:
-            head, offset = self.model.head_weight, self.model.vocab_start
-        else:
-            head, offset = self.head_view, self.head_view_offset
-        logits = F.linear(self.model.model.norm(hidden[local_rows[mine]]), head)
-        partial[mine, offset : offset + head.shape[0]] = logits
-        return partial

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.local_server import local_server
+from shiftlm.serve.local_server import LocalServer, local_server
 from shiftlm.serve.tokenizer import write_char_tokenizer
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def live(tmp_path_factory) -> LocalServer:
     model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL, "llama-gqa")
     write_char_tokenizer(model_dir, vocab_size=250)
     # 24 blocks of 8 tokens hold ~8 of the load test's 200 requests, so it must preempt
@@ -38,8 +39,13 @@ def server(tmp_path_factory):
         "--max-pending",
         "400",
     ]
-    with local_server(args, log_path=str(tmp_path_factory.mktemp("log") / "server.log")) as url:
-        yield url
+    with local_server(args, log_path=str(tmp_path_factory.mktemp("log") / "server.log")) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def server(live: LocalServer) -> str:
+    return live.url
 
 
 @pytest.fixture
@@ -143,7 +149,17 @@ def test_bad_requests_do_not_disturb_concurrent_good_ones(server):
     assert len({r.json()["choices"][0]["text"] for r in responses[1::2]}) == 1
 
 
-def test_200_concurrent_streams_on_a_small_cache_all_finish_and_the_server_stays_up(server):
+def _rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and its descendants (the worker ranks), from /proc (no psutil)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return rss_kb * 1024 + sum(_rss_bytes(int(child)) for child in children)
+
+
+def test_200_concurrent_streams_on_a_small_cache_all_finish_and_the_server_stays_up(server, live):
+    rss_before = _rss_bytes(live.pid)
+
     async def stream_one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
         stream = await client.completions.create(
             model=MODEL,
@@ -171,7 +187,11 @@ def test_200_concurrent_streams_on_a_small_cache_all_finish_and_the_server_stays
     assert "shiftlm_preemptions_total" in metrics
     assert float(_metric(metrics, "shiftlm_preemptions_total")) > 0
     assert float(_metric(metrics, "shiftlm_kv_cache_usage_ratio")) == 0.0  # every block came back
+    assert float(_metric(metrics, "shiftlm_num_requests_running")) == 0.0
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+    # 200 finished requests leave no per-request state behind (generous bound: allocator caching)
+    rss_after = _rss_bytes(live.pid)
+    assert rss_after < 1.5 * rss_before + 200e6, (rss_before, rss_after)
 
 
 def _load_prompt(i: int) -> str:
@@ -188,6 +208,9 @@ def _metric(text: str, name: str) -> str:
 
 
 def test_metrics_expose_latency_histograms_and_mode_switches(server):
+    # a 20-token prompt (> threshold 8: SP x TP) and its decode steps (full TP) give both modes steps
+    body = {"model": MODEL, "prompt": "m" * 20, "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(f"{server}/v1/completions", json=body, timeout=120).status_code == 200
     text = httpx.get(f"{server}/metrics", timeout=30).text
     for name in (
         "shiftlm_time_to_first_token_seconds_bucket",
@@ -196,5 +219,7 @@ def test_metrics_expose_latency_histograms_and_mode_switches(server):
         "shiftlm_mode_switches_total",
         "shiftlm_num_requests_running",
         "shiftlm_generation_tokens_total",
+        'shiftlm_step_duration_seconds_count{mode="tp"}',
+        'shiftlm_step_tokens_total{mode="sp_tp"}',
     ):
         assert name in text
