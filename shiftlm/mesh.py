@@ -13,6 +13,7 @@ never read from the group.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 from dataclasses import dataclass
 
@@ -63,10 +64,17 @@ class Mesh:
 
     Construct it on every rank in the same order (creating groups is collective). With a world of
     one, or before torch.distributed is initialised with a one-rank layout, every group has size 1
-    and no process group is created.
+    and no process group is created. `timeout` bounds every collective on the groups (the backend's
+    default, 30 minutes on gloo, when None): a server whose workers idle between requests wants longer.
     """
 
-    def __init__(self, config: ParallelConfig, rank: int | None = None, world_size: int | None = None):
+    def __init__(
+        self,
+        config: ParallelConfig,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout: datetime.timedelta | None = None,
+    ):
         initialized = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if initialized else 1
@@ -83,7 +91,7 @@ class Mesh:
             for ranks in group_ranks(config, axes):
                 # new_group must be called by every rank for every group, in the same order
                 pg = (
-                    dist.new_group(sorted(ranks))
+                    dist.new_group(sorted(ranks), timeout=timeout)
                     if initialized and world_size > 1 and len(ranks) > 1
                     else None
                 )
@@ -92,7 +100,11 @@ class Mesh:
         # the data-parallel replicas of a parameter shard: ranks that hold the same weights and see
         # different tokens (Ulysses splits tokens too), so their gradients are summed
         for ranks in group_ranks(config, ("dp", "sp")):
-            pg = dist.new_group(sorted(ranks)) if initialized and world_size > 1 and len(ranks) > 1 else None
+            pg = (
+                dist.new_group(sorted(ranks), timeout=timeout)
+                if initialized and world_size > 1 and len(ranks) > 1
+                else None
+            )
             if rank in ranks:
                 self.groups["dp_sp"] = CommGroup("dp_sp", tuple(sorted(ranks)), pg, rank)
 
