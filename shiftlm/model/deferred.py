@@ -87,6 +87,9 @@ class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight, bias)
+        # the tensors to accumulate into: under activation checkpointing the saved `weight` comes back
+        # as a detached alias, and a deferred gradient must land on the parameter itself
+        ctx.params = (weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -99,11 +102,12 @@ class _DeferrableLinear(torch.autograd.Function):
             return grad_x, *_weight_grads(x, grad_out, wants_weight, wants_bias)
         if wants_weight or wants_bias:
             store, key = _deferring
+            weight_param, bias_param = ctx.params
 
             def weight_pass() -> None:
                 grad_weight, grad_bias = _weight_grads(x, grad_out, wants_weight, wants_bias)
-                accumulate_grad(weight, grad_weight)
-                accumulate_grad(bias, grad_bias)
+                accumulate_grad(weight_param, grad_weight)
+                accumulate_grad(bias_param, grad_bias)
 
             store.put(key, weight_pass)
         return grad_x, None, None

@@ -20,6 +20,10 @@ linear's dA = dY^T X GEMM, and frees the graph; W runs that queue into .grad. B 
 A stage without deferrable linears gets all its gradients in I, and its W does nothing.
 BitPipe's GRAD_SYNC sums a stage's gradients with the other replica's copy (on the mirrored rank,
 or this rank) as soon as that chunk's backwards are done; both copies then hold the full gradient.
+`on_stage_grads_ready(key)` (optional) is called with a (stage, replica) key as soon as that stage's
+gradients for the step are final: after its last B, I or W, or, where the schedule syncs replicas,
+once the GRAD_SYNC sum has landed (at the end of the step). A trainer starts the stage's data-parallel
+all-reduce there, overlapping it with the rest of the schedule (as DDP's hooks do without a pipeline).
 Only the pp group and pp peer ranks are used, so TP/SP/DP groups around the executor compose
 unchanged (tested with the Transformer at pp 2 x tp 2 and pp 2 x sp 2).
 """
@@ -52,6 +56,7 @@ class PipelineExecutor:
         pp_group: dist.ProcessGroup | None = None,
         pp_ranks: Sequence[int] | None = None,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+        on_stage_grads_ready: Callable[[tuple[int, int]], None] | None = None,
     ):
         self.schedule = lower(schedule)
         self.rank = rank
@@ -64,6 +69,13 @@ class PipelineExecutor:
             raise ValueError(
                 f"rank {rank} must hold stages (stage, replica) {sorted(expected)}, got {sorted(self.modules)}"
             )
+        self.on_stage_grads_ready = on_stage_grads_ready
+        actions = self.schedule.ranks[rank]
+        # stages whose gradients are final only once the replicas' GRAD_SYNC lands (end of step)
+        self._synced = sorted({(a.stage, a.replica) for a in actions if a.kind is Kind.GRAD_SYNC})
+        last = {(a.stage, a.replica): i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.I, Kind.W)}
+        # action index -> the stage whose gradients are final once it has run: its last B / I / W
+        self._ready_after = {index: key for key, index in last.items() if key not in self._synced}
 
     # -- communication ---------------------------------------------------------------------------
     def _peer(self, stage: int, replica: int) -> int:
@@ -105,8 +117,10 @@ class PipelineExecutor:
                 self._recvs[("header", action.stage, action.microbatch, action.replica)] = self._irecv(
                     [_HEADER_SLOTS], torch.int64, peer, tag
                 )
-        for action in actions:
+        for index, action in enumerate(actions):
             getattr(self, f"_run_{action.kind.value.lower()}")(action)
+            if self.on_stage_grads_ready is not None and index in self._ready_after:
+                self.on_stage_grads_ready(self._ready_after[index])
         for work, _ in self._sends + self._syncs:
             work.wait()
         self._finish_grad_sync()
@@ -229,3 +243,6 @@ class PipelineExecutor:
             for param in self._params(action):
                 param.grad += buffer[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
+        if self.on_stage_grads_ready is not None:
+            for key in self._synced:
+                self.on_stage_grads_ready(key)

@@ -50,7 +50,9 @@ class TrainSection:
     seq_len: int = 128
     schedule: str = "1f1b"
     chunks: int = 1  # pipeline stages per rank (interleaved / V schedules)
-    recompute: str = "none"
+    recompute: str = "none"  # activation recomputation: none, selective (attention core), full (layers)
+    overlap_grad_sync: bool = True  # start each bucket's DP all-reduce as soon as its gradients are final
+    bucket_mb: float = 4.0  # DP all-reduce bucket size in MiB (DDP's bucket_cap_mb)
     zero: int = 1  # 0: replicated optimizer state, 1: ZeRO-1 sharding over DP
     steps: int = 100
     seed: int = 0
@@ -204,6 +206,8 @@ def validate(config: TrainConfig) -> None:
     train, optim = config.train, config.optim
     if train.recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"train.recompute = {train.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    if train.bucket_mb <= 0:
+        raise ConfigError(f"train.bucket_mb = {train.bucket_mb} must be > 0 (MiB per all-reduce bucket)")
     if train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype = {train.dtype!r}; use one of {', '.join(DTYPES)}")
     if train.zero not in (0, 1):

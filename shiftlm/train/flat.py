@@ -72,10 +72,12 @@ class FlatParameters:
         self.adopt_grads()
 
     @torch.no_grad()
-    def adopt_grads(self) -> None:
+    def adopt_grads(self, indices: list[int] | None = None) -> None:
         """Bring back gradients that code outside autograd's accumulation replaced (`p.grad = g`,
-        as the pipeline executor does): copy them into the flat buffer and point `.grad` at it again."""
-        for slot, param in zip(self.slots, self.parameters):
+        as the pipeline executor does): copy them into the flat buffer and point `.grad` at it again.
+        `indices`: only these parameters (default: all)."""
+        for index in range(len(self.parameters)) if indices is None else indices:
+            slot, param = self.slots[index], self.parameters[index]
             view = self.view(self.grads, slot)
             if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                 if param.grad is not None:

@@ -5,8 +5,12 @@ the group of ranks that hold the same parameters. Buckets are contiguous slices 
 gradient buffer, filled in reverse parameter order, which is roughly the order backward produces
 them. A post-accumulate hook counts each parameter's gradient arrivals; when every parameter of a
 bucket has received all of this step's micro-batches, the bucket's all-reduce starts asynchronously
-while backward goes on. `finish()` starts whatever is left (e.g. gradients written outside autograd
-hooks) and waits for all of them.
+while backward goes on. Gradients that autograd does not accumulate (the pipeline executor assigns
+them) are announced with `parameters_ready`, which the trainer calls from the executor's per-stage
+callback, so with a pipeline a stage's buckets are reduced while later actions of the schedule run.
+`finish()` starts whatever is left and waits for all of them. Every rank of the group runs the
+same backward (or schedule), so buckets start in the same order everywhere, as collectives must.
+With `overlap=False` all buckets start in `finish()`; the sums are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -21,8 +25,15 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 class GradSync:
-    def __init__(self, flat: FlatParameters, group: CommGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(
+        self,
+        flat: FlatParameters,
+        group: CommGroup,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+    ):
         self.flat, self.group = flat, group
+        self.overlap = overlap and group.size > 1
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the flat buffer
         self._bucket_of: list[int] = []  # parameter index -> bucket index
         self._build_buckets(bucket_bytes // 4)
@@ -30,7 +41,7 @@ class GradSync:
         self._arrivals = [0] * len(flat.parameters)
         self._pending = [0] * len(self.buckets)  # parameters still to arrive, per bucket
         self._handles: dict[int, dist.Work | None] = {}
-        if group.size > 1:
+        if self.overlap:
             for index, param in enumerate(flat.parameters):
                 param.register_post_accumulate_grad_hook(lambda _, index=index: self._arrived(index))
 
@@ -59,10 +70,25 @@ class GradSync:
     def _arrived(self, index: int) -> None:
         self._arrivals[index] += 1
         if self._arrivals[index] == self._expected:
-            bucket = self._bucket_of[index]
-            self._pending[bucket] -= 1
-            if self._pending[bucket] == 0:
-                self._launch(bucket)
+            self._complete(index)
+
+    def _complete(self, index: int) -> None:
+        bucket = self._bucket_of[index]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._launch(bucket)
+
+    @property
+    def started_buckets(self) -> int:
+        """Buckets whose all-reduce has started this step."""
+        return len(self._handles)
+
+    def parameters_ready(self, indices: list[int]) -> None:
+        """These parameters' gradients (in the flat buffer) are final for this step: start every
+        bucket they complete. Without overlap this does nothing and `finish()` starts them all."""
+        if self.overlap:
+            for index in indices:
+                self._complete(index)
 
     def _launch(self, bucket: int) -> None:
         start, end = self.buckets[bucket]

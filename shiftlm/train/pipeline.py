@@ -3,6 +3,11 @@
 The schedule comes from `shiftlm.pipeline` (`[train] schedule`, `chunks`); the executor runs it over
 the pp group and calls `normalised_loss` on the last stage, the same function the no-pipeline path
 uses, so the loss is normalised once whatever the schedule.
+
+A rank's stages are keyed (stage, replica). Every schedule has one model replica except BitPipe
+(Wu et al. 2024), whose two replicas' copies of a stage live on mirrored pp ranks r and p-1-r,
+start from the same weights and have their gradients summed by the executor's GRAD_SYNC, so they
+take identical optimizer steps; replica 0 alone is saved and counted in the gradient norm.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ def resolved_chunks(config: TrainConfig) -> int:
     spec = SCHEDULES.get(config.train.schedule)
     if spec is None:
         raise ConfigError(f"train.schedule = {config.train.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if config.train.schedule == "bitpipe":
-        raise ConfigError("train does not run bitpipe (two model replicas) yet; use zb_v or 1f1b")
     return spec.default_chunks if spec.chunks_fixed else config.train.chunks
 
 
@@ -42,30 +45,44 @@ def build_schedule_for(config: TrainConfig):
         raise ConfigError(f"{err} (micro-batches per step = global_batch / (micro_batch x dp))") from None
 
 
-def stage_indices(config: TrainConfig, mesh: Mesh) -> list[int]:
-    """The pipeline stages (of pp x chunks) this rank holds, in order."""
-    placement = build_schedule_for(config).placement
-    return [stage for stage, _ in placement.stages_of(mesh.coords.pp)]
+StageKey = tuple[int, int]  # (pipeline stage, model replica)
 
 
-def make_executor(stages: list[Transformer], mesh: Mesh, config: TrainConfig, loss: Callable) -> Callable:
-    """A function (inputs, targets, target_tokens) -> this rank's loss share, running the schedule."""
+def stage_keys(config: TrainConfig, mesh: Mesh) -> list[StageKey]:
+    """The (stage, replica) pairs (of pp x chunks stages) this rank holds, in the placement's order."""
+    if config.parallel.pp == 1:
+        return [(0, 0)]
+    return build_schedule_for(config).placement.stages_of(mesh.coords.pp)
+
+
+def make_executor(
+    stages: list[Transformer],
+    mesh: Mesh,
+    config: TrainConfig,
+    loss: Callable,
+    on_stage_grads_ready: Callable[[StageKey], None] | None = None,
+) -> Callable:
+    """A function (inputs, targets, target_tokens) -> this rank's loss share, running the schedule.
+
+    `on_stage_grads_ready(key)` is passed to the executor: called once a stage's gradients are final.
+    """
     from shiftlm.pipeline.executor import PipelineExecutor
 
-    indices = stage_indices(config, mesh)
-    last = {index: stage for index, stage in zip(indices, stages)}
+    modules = dict(zip(stage_keys(config, mesh), stages))
+    last = modules[max(modules)]  # the loss only needs the TP layout and vocab slice: any stage has them
 
     def loss_fn(logits: torch.Tensor, target: tuple[torch.Tensor, int]) -> torch.Tensor:
         targets, target_tokens = target
-        return loss(last[max(last)], logits, targets, target_tokens)
+        return loss(last, logits, targets, target_tokens)
 
     executor = PipelineExecutor(
         build_schedule_for(config),
-        dict(zip(indices, stages)),
+        modules,
         rank=mesh.coords.pp,
         pp_group=mesh.pp.pg,
         pp_ranks=list(mesh.pp.ranks),
         loss_fn=loss_fn,
+        on_stage_grads_ready=on_stage_grads_ready,
     )
 
     def run(inputs: list[torch.Tensor], targets: list[torch.Tensor], target_tokens: int) -> torch.Tensor:

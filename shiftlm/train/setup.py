@@ -107,8 +107,6 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
         )
     if model.intermediate_size % p.tp:
         raise ConfigError(f"tp = {p.tp} must divide intermediate_size = {model.intermediate_size}")
-    if model.tie_word_embeddings and p.pp > 1:
-        raise ConfigError("training a model with tied embeddings at pp > 1 is not supported yet; use pp = 1")
     return parallel
 
 

@@ -22,10 +22,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _stored_name(model: Transformer, name: str) -> str | None:
-    """The HF name a parameter's state is stored under; None for a tied head's copy next to its embedding."""
-    if name == "lm_head.weight" and model.config.tie_word_embeddings and model.with_embedding:
-        return None
-    return name
+    """The HF name a parameter's state is stored under; None for a tied head's copy of the embedding
+    (its gradients, hence its moments, equal the embedding's, which stage 0 stores)."""
+    return name if source_name(model, name) == name else None
 
 
 def gather_moments(

@@ -10,6 +10,7 @@ their gradients gives the gradient of the global mean, so no later division is n
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,24 +20,27 @@ from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import Transformer, build_model, stage_layers
 from shiftlm.train.config import TrainConfig
+from shiftlm.train.recompute import apply_recompute
 
 
 def build_stages(
     model: ModelConfig, mesh: Mesh, config: TrainConfig, checkpoint: Path | None
 ) -> list[Transformer]:
-    """This rank's pipeline stages: one, or `chunks` of them for interleaved / V schedules."""
-    pp = mesh.config.pp
-    if pp == 1:
-        return [build_model(model, mesh, checkpoint, seed=config.train.seed)]
-    from shiftlm.train.pipeline import resolved_chunks, stage_indices
+    """This rank's pipeline stages, in `stage_keys` order: one, `chunks` of them for interleaved / V
+    schedules, 2 x 2 for BitPipe (both replicas' copies start from the same seeded init or checkpoint).
+    Activation recomputation (`train.recompute`) is applied here."""
+    from shiftlm.train.pipeline import resolved_chunks, stage_keys
 
-    total = pp * resolved_chunks(config)
-    return [
+    total = mesh.config.pp * resolved_chunks(config)
+    stages = [
         build_model(
             model, mesh, checkpoint, seed=config.train.seed, layers=stage_layers(model.num_layers, total, s)
         )
-        for s in stage_indices(config, mesh)
+        for s, _ in stage_keys(config, mesh)
     ]
+    for stage in stages:
+        apply_recompute(stage, config.train.recompute)
+    return stages
 
 
 def normalised_loss(
@@ -62,14 +66,22 @@ def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
 
 
 class StepRunner:
-    def __init__(self, stages: list[Transformer], mesh: Mesh, config: TrainConfig):
+    def __init__(
+        self,
+        stages: list[Transformer],
+        mesh: Mesh,
+        config: TrainConfig,
+        on_stage_grads_ready: Callable[[tuple[int, int]], None] | None = None,
+    ):
+        """`on_stage_grads_ready((stage, replica))`: with a pipeline, called when a stage's gradients
+        are final (the executor computes them itself, so autograd's accumulate hooks do not fire)."""
         self.stages, self.mesh, self.config = stages, mesh, config
         self.autocast_dtype = autocast_dtype(config)
         self.pipeline = None
         if mesh.config.pp > 1:
             from shiftlm.train.pipeline import make_executor
 
-            self.pipeline = make_executor(stages, mesh, config, normalised_loss)
+            self.pipeline = make_executor(stages, mesh, config, normalised_loss, on_stage_grads_ready)
 
     def _autocast(self):
         if self.autocast_dtype is None:

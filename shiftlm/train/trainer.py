@@ -6,8 +6,11 @@
 One optimizer step: read this DP rank's micro-batches, count the target tokens of the *global*
 batch, run forward/backward (`StepRunner`, directly or through the pipeline executor) with every
 micro-batch's loss divided by that count, so the loss is normalised exactly once whatever the layout
-or accumulation; sum gradients over the data group (bucketed, overlapped), clip by the global norm,
-AdamW with ZeRO-1, log. Checkpoints are layout-free and resume bit-exactly into the same layout.
+or accumulation; sum gradients over the data group (bucketed, each bucket started as soon as its
+gradients are final: from autograd hooks, or from the pipeline executor's per-stage callback), then
+over the copies DP does not cover (a tied embedding's head copy on the last stage, KV rows replicated
+over TP), clip by the global norm, AdamW with ZeRO-1, log. Checkpoints are layout-free and resume
+bit-exactly into the same layout.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from shiftlm.mesh import Mesh
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_files
+from shiftlm.pipeline.tied import sync_tied_embedding_grads
 from shiftlm.train.checkpoint import (
     commit,
     latest_checkpoint,
@@ -39,8 +43,9 @@ from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_sync import GradSync
 from shiftlm.train.metrics import RunLog, StepRecord, device_peak_flops, flops_per_token
 from shiftlm.train.optim import clip_coefficient, learning_rate
+from shiftlm.train.pipeline import StageKey, stage_keys
 from shiftlm.train.setup import check_layout, resolve_inputs
-from shiftlm.train.state import load_moments, save_moments
+from shiftlm.train.state import MOMENTS, load_moments, save_moments
 from shiftlm.train.step import StepRunner, build_stages
 from shiftlm.train.tokenizer import copy_tokenizer
 from shiftlm.train.zero import ShardedAdamW, global_grad_norm
@@ -51,6 +56,12 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
     last_step: int = 0
     checkpoint: Path | None = None
+
+
+def flat_name(name: str, replica: int) -> str:
+    """A parameter's name in the flat buffers: its HF name, prefixed for BitPipe's second replica
+    (whose copy of a stage may sit on the same rank as the first's when pp is odd)."""
+    return name if replica == 0 else f"replica{replica}.{name}"
 
 
 def _barrier() -> None:
@@ -65,20 +76,37 @@ class Trainer:
         self.inputs = resolve_inputs(config)
         parallel = check_layout(config, self.inputs.model, world)
         self.mesh = Mesh(parallel)
+        self.stage_keys = stage_keys(config, self.mesh)
         self.stages = build_stages(self.inputs.model, self.mesh, config, self.inputs.init_checkpoint)
-        named = [(name, p) for stage in self.stages for name, p in stage.named_parameters()]
+        # this rank's stages per model replica (BitPipe has two; replica 0 is the copy that is saved)
+        self.replicas = [
+            [s for s, (_, r) in zip(self.stages, self.stage_keys) if r == replica]
+            for replica in sorted({r for _, r in self.stage_keys})
+        ]
+        owned = [
+            (key, stage, name, param)
+            for key, stage in zip(self.stage_keys, self.stages)
+            for name, param in stage.named_parameters()
+        ]
+        self._indices_of: dict[StageKey, list[int]] = {}
+        for index, (key, *_) in enumerate(owned):
+            self._indices_of.setdefault(key, []).append(index)
         data_group = self.mesh.dp_sp  # ranks holding the same weights: DP replicas and Ulysses peers
-        self.flat = FlatParameters(named, pad_to=data_group.size)
-        self.grad_sync = GradSync(self.flat, data_group)
+        self.flat = FlatParameters(
+            [(flat_name(name, key[1]), param) for key, _, name, param in owned], pad_to=data_group.size
+        )
+        overlap = config.train.overlap_grad_sync
+        bucket_bytes = int(config.train.bucket_mb * 2**20)
+        self.grad_sync = GradSync(self.flat, data_group, bucket_bytes, overlap)
         decay = self.flat.mask(lambda name, shape: len(shape) >= 2)  # no decay on norms and biases
         self.optimizer = ShardedAdamW(
             self.flat, data_group, config.optim, decay, shard=config.train.zero == 1
         )
-        self.norm_mask = self._norm_mask()
+        self.norm_mask = self._norm_mask(owned)
         dataset = TokenDataset(self.inputs.shards, config.train.seq_len)
         plan = BatchPlan(config.train.global_batch, config.train.micro_batch, config.parallel.dp)
         self.reader = BatchReader(dataset, plan, self.mesh.coords.dp, config.train.seed)
-        self.runner = StepRunner(self.stages, self.mesh, config)
+        self.runner = StepRunner(self.stages, self.mesh, config, self._stage_grads_ready if overlap else None)
         self.checkpoints = Path(config.log.dir) / "checkpoints"
         self.start_step = 0
         self.log = (
@@ -88,17 +116,38 @@ class Trainer:
         )
         self.flops_per_token = flops_per_token(self.inputs.model, config.train.seq_len)
 
-    def _norm_mask(self) -> torch.Tensor:
-        """Count each element of the whole model once: TP-replicated tensors only on tp rank 0."""
-        tp, stage = self.mesh.tp, self.stages[0]
-
-        def counted_here(name: str, shape: tuple[int, ...]) -> bool:
+    def _norm_mask(self, owned: list) -> torch.Tensor:
+        """Count each element of the whole model once: replica 0 only (BitPipe), the embedding and not
+        a tied head's copy of it, TP-replicated tensors (norms, shared KV heads) on their first holder."""
+        tp = self.mesh.tp
+        counted = set()
+        for (_, replica), stage, name, _ in owned:
             source = source_name(stage, name)
             mine = shard_spec(source, stage.config, tp.rank, tp.size)
             holders = [r for r in range(tp.size) if shard_spec(source, stage.config, r, tp.size) == mine]
-            return tp.rank == holders[0]  # replicated (norms, shared KV heads): the first holder only
+            if replica == 0 and source == name and tp.rank == holders[0]:
+                counted.add(flat_name(name, replica))
+        return self.flat.mask(lambda name, shape: name in counted)
 
-        return self.flat.mask(counted_here)
+    def _stage_grads_ready(self, key: StageKey) -> None:
+        """The pipeline executor's callback: this stage's gradients are final, start its buckets."""
+        indices = self._indices_of[key]
+        self.flat.adopt_grads(indices)
+        self.grad_sync.parameters_ready(indices)
+
+    def _sum_grads(self) -> None:
+        """Sum every gradient over all ranks and copies that hold its parameter.
+
+        First the data group (its buckets may have started during backward), then the copies DP
+        does not see: a tied embedding's head copy on the last stage (per model replica), and KV
+        rows replicated over TP. All three are sums, so the order does not change the result beyond
+        rounding; it is fixed, so the overlapped and non-overlapped paths agree bit for bit."""
+        self.flat.adopt_grads()
+        self.grad_sync.finish()
+        for stages in self.replicas:
+            sync_tied_embedding_grads(stages, self.mesh)
+        for stage in self.stages:
+            sync_tp_replicated_grads(stage)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -109,8 +158,8 @@ class Trainer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         _barrier()
-        write_hf_files(self.stages, staging / "model")
-        save_moments(self.stages, self.optimizer.full_state(), staging)
+        write_hf_files(self.replicas[0], staging / "model")  # BitPipe: one copy, replica 0's
+        save_moments(self.replicas[0], self.optimizer.full_state(), staging)
         save_rng(staging, self.mesh.rank)
         _barrier()
         final = None
@@ -134,7 +183,11 @@ class Trainer:
         state = read_trainer_state(latest)
         for stage in self.stages:
             load_hf_checkpoint(stage, latest / "model")
-        self.optimizer.load_full_state(load_moments(self.stages, latest), state["optimizer_step"])
+        moments: dict[str, dict[str, torch.Tensor]] = {moment: {} for moment in MOMENTS}
+        for replica, stages in enumerate(self.replicas):  # every replica starts from the one saved copy
+            for moment, tensors in load_moments(stages, latest).items():
+                moments[moment].update({flat_name(name, replica): t for name, t in tensors.items()})
+        self.optimizer.load_full_state(moments, state["optimizer_step"])
         if state["layout"] == self.config.to_dict()["parallel"]:
             load_rng(latest, self.mesh.rank)
         self.start_step = state["step"]
@@ -154,12 +207,7 @@ class Trainer:
             target_tokens = self._global_target_tokens(micro_batches)
             self.grad_sync.begin_step(len(micro_batches))
             loss = self.runner.run(micro_batches, target_tokens)
-            self.flat.adopt_grads()
-            self.grad_sync.finish()
-            for (
-                stage
-            ) in self.stages:  # KV rows replicated over TP: sum their parts (after the DP sum: both are sums)
-                sync_tp_replicated_grads(stage)
+            self._sum_grads()
             grad_norm = global_grad_norm(self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp])
             lr = learning_rate(step, cfg.steps, self.config.optim)
             self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))

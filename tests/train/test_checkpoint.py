@@ -113,3 +113,21 @@ def test_the_exported_model_gives_the_same_logits_in_transformers(ranks, tmp_pat
         expected = theirs(tokens).logits
         actual = ours(tokens)[..., : expected.shape[-1]]
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bitpipe_saves_one_copy_of_each_tensor_and_resumes(ranks, tmp_path, uninterrupted):
+    from safetensors import safe_open
+
+    layout = ["--parallel.pp=2", "--train.schedule=bitpipe"]
+    ranks.run(2, run, layout, str(tmp_path), 3)
+    saved = latest_checkpoint(tmp_path / "checkpoints")
+    model_names, moment_names = [], []
+    for names, pattern in ((model_names, "model/*.safetensors"), (moment_names, "optimizer-*.safetensors")):
+        for file in sorted(saved.glob(pattern)):
+            with safe_open(file, framework="pt") as handle:
+                names.extend(handle.keys())
+    assert len(model_names) == len(set(model_names))  # two replicas trained, one copy written
+    assert sorted(moment_names) == sorted(f"{m}.{n}" for m in ("exp_avg", "exp_avg_sq") for n in model_names)
+    rest = ranks.run(2, run, layout, str(tmp_path), None, True)[0]
+    for step, loss in rest.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
