@@ -8,6 +8,7 @@ training loop last passed to `set_step` (0 until then).
     SHIFTLM_FAULT="slow:rank=1,ms=50"         rank 1 sleeps 50 ms before every op
     SHIFTLM_FAULT="hang:rank=3,step=5"        rank 3 blocks forever at its first op of step 5
     SHIFTLM_FAULT="exit:rank=3,step=5"        rank 3 exits (code 1) at its first op of step 5
+    SHIFTLM_FAULT="hang:rank=1,step=3,attempt=0"   only in torchrun's first attempt (a restart drill)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Fault:
     rank: int
     step: int = 0
     ms: float = 0.0  # the delay of a "slow" fault
+    attempt: int | None = None  # fire only in this torchrun attempt ($TORCHELASTIC_RESTART_COUNT)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -46,6 +48,11 @@ class Fault:
 
     def __call__(self, op: str, group: CommGroup) -> None:
         if group.global_rank != self.rank or _current_step < self.step:
+            return
+        if (
+            self.attempt is not None
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != self.attempt
+        ):
             return
         if self.kind == "slow":
             time.sleep(self.ms / 1e3)
@@ -58,20 +65,23 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """`kind:key=value,...` (keys: rank, step, ms) -> Fault; ValueError says what is wrong."""
+    """`kind:key=value,...` (keys: rank, step, ms, attempt) -> Fault; ValueError says what is wrong."""
     kind, _, rest = text.partition(":")
     fields: dict[str, float] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("rank", "step", "ms"):
-            raise ValueError(f"unknown fault field {key!r} in {text!r} (use rank, step, ms)")
+        if key not in ("rank", "step", "ms", "attempt"):
+            raise ValueError(f"unknown fault field {key!r} in {text!r} (use rank, step, ms, attempt)")
         try:
             fields[key] = float(value)
         except ValueError:
             raise ValueError(f"fault field {key} wants a number, got {value!r} in {text!r}") from None
     if "rank" not in fields:
         raise ValueError(f"a fault needs rank=N, got {text!r}")
-    return Fault(kind.strip(), int(fields["rank"]), int(fields.get("step", 0)), fields.get("ms", 0.0))
+    attempt = int(fields["attempt"]) if "attempt" in fields else None
+    return Fault(
+        kind.strip(), int(fields["rank"]), int(fields.get("step", 0)), fields.get("ms", 0.0), attempt
+    )
 
 
 def inject(fault: Fault, target: CollectiveLedger = ledger) -> Fault:

@@ -94,6 +94,14 @@ class LogSection:
 
 
 @dataclass
+class MonitorSection:
+    # seconds a collective may stay pending before the watchdog names the rank that never entered it,
+    # dumps the ledgers to <log.dir>/ledgers and exits (code 75) so torchrun restarts from the last
+    # checkpoint; 0 turns the watchdog off. Keep it below the process group's timeout.
+    watchdog_s: float = 300.0
+
+
+@dataclass
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -102,6 +110,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
 
     @property
     def accumulation(self) -> int:

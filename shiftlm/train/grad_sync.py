@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shiftlm.comm import CommGroup, counters
+from shiftlm.comm import CommGroup, all_reduce
 from shiftlm.train.flat import FlatParameters
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -93,8 +93,7 @@ class GradSync:
     def _launch(self, bucket: int) -> None:
         start, end = self.buckets[bucket]
         chunk = self.flat.grads[start:end]
-        counters.record("all_reduce", self.group, chunk.numel() * chunk.element_size())
-        self._handles[bucket] = dist.all_reduce(chunk, group=self.group.pg, async_op=True)
+        self._handles[bucket] = all_reduce(chunk, self.group, async_op=True, in_place=True)
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -15,6 +15,7 @@ bit-exactly into the same layout.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from shiftlm.mesh import Mesh
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_files
+from shiftlm.monitor import Watchdog, connect_store, faults
 from shiftlm.pipeline.tied import sync_tied_embedding_grads
 from shiftlm.train.checkpoint import (
     commit,
@@ -195,12 +197,34 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
 
     def run(self, stop_after: int | None = None) -> TrainResult:
+        watchdog = self._start_watchdog()
+        fault = faults.inject_from_env()
+        try:
+            return self._run(stop_after)
+        finally:
+            if fault is not None:
+                faults.remove(fault)
+            if watchdog is not None:
+                watchdog.stop()
+
+    def _start_watchdog(self) -> Watchdog | None:
+        """C4-style hang detection: heartbeats in the job's store, a thread that names the stuck rank."""
+        seconds = self.config.monitor.watchdog_s
+        if seconds <= 0 or self.mesh.world_size == 1 or "MASTER_ADDR" not in os.environ:
+            return None
+        dump_dir = Path(self.config.log.dir) / "ledgers"
+        return Watchdog(
+            connect_store(), self.mesh.rank, self.mesh.world_size, seconds, dump_dir=dump_dir
+        ).start()
+
+    def _run(self, stop_after: int | None) -> TrainResult:
         result = TrainResult(last_step=self.start_step)
         cfg = self.config.train
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         peak = device_peak_flops(device_name, "bf16" if self.runner.autocast_dtype else "fp32")
         started = time.perf_counter()
         for step in range(self.start_step, cfg.steps):
+            faults.set_step(step + 1)
             tick = time.perf_counter()
             self.flat.zero_grad()
             micro_batches = self.reader.step(step)

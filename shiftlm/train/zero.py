@@ -10,9 +10,8 @@ both give identical parameters.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from shiftlm.comm import CommGroup, counters
+from shiftlm.comm import CommGroup, all_gather_flat, all_reduce
 from shiftlm.train.config import OptimSection
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.optim import adamw_update
@@ -50,14 +49,13 @@ class ShardedAdamW:
         )
         if self.sharded:
             shard = params.clone()  # all_gather may not read from a view of its own output
-            counters.record("all_gather", self.group, shard.numel() * shard.element_size())
-            dist.all_gather_single(self.flat.params, shard, group=self.group.pg)
+            all_gather_flat(self.flat.params, shard, self.group)
 
     def _gather(self, moment: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return moment.clone()
         full = torch.empty_like(self.flat.params)
-        dist.all_gather_single(full, moment.contiguous(), group=self.group.pg)
+        all_gather_flat(full, moment.contiguous(), self.group)
         return full
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -85,6 +83,5 @@ def global_grad_norm(flat: FlatParameters, norm_mask: torch.Tensor, groups: list
     squares = torch.dot(flat.grads * norm_mask, flat.grads).reshape(1)
     for group in groups:
         if group.size > 1:
-            counters.record("all_reduce", group, 4)
-            dist.all_reduce(squares, group=group.pg)
+            squares = all_reduce(squares, group, in_place=True)
     return float(squares.sqrt())
