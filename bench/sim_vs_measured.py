@@ -18,6 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
+from shiftlm.pipeline.actions import Kind, Schedule
 from shiftlm.pipeline.simulator import ActionCosts, simulate
 from shiftlm.sim.collectives import Links, p2p_time
 from shiftlm.sim.costs import Kernel, kernels_time
@@ -29,33 +30,67 @@ RESULTS = Path(__file__).parent / "results"
 FP32 = 4
 
 
-def chunk_costs(layers: int, width: int, rows: int, hardware: Hardware) -> tuple[float, float, float]:
+def chunk_costs(
+    layers: int, width: int, rows: int, first: bool, hardware: Hardware
+) -> tuple[float, float, float]:
     """F, I, W seconds of `layers` x (Linear + tanh) on `rows` tokens: forward GEMM 2*rows*w^2 FLOPs,
     dgrad and wgrad one GEMM each; tanh reads x and writes y (forward), reads y and dy and writes dx
-    (backward, with the bias gradient's read of dy)."""
+    (backward, with the bias gradient's read of dy). The first stage skips its first layer's dgrad
+    (no gradient w.r.t. the data: autograd prunes it). W also adds each micro-batch's weight and bias
+    gradients into .grad (`deferred.accumulate_grad`: read both, write the sum)."""
 
     def gemm(name: str) -> Kernel:
         return Kernel(name, 2 * rows * width * width, FP32 * (2 * rows * width + width * width), True)
 
-    def pointwise(name: str, tensors: int) -> Kernel:
-        return Kernel(name, 0.0, FP32 * tensors * rows * width, False)
+    def pointwise(name: str, nbytes: float) -> Kernel:
+        return Kernel(name, 0.0, nbytes, False)
 
     def time(ops: list[Kernel]) -> float:
-        return layers * kernels_time(ops, hardware, MEASURED, "fp32")
+        return kernels_time(ops, hardware, MEASURED, "fp32")
 
-    forward = time([gemm("linear"), pointwise("tanh", 2)])
-    backward_input = time([gemm("dgrad"), pointwise("tanh_backward", 4)])
-    backward_weight = time([gemm("wgrad")])
+    activation = FP32 * rows * width
+    forward = layers * time([gemm("linear"), pointwise("tanh", 2 * activation)])
+    tanh_backward = layers * time([pointwise("tanh_backward", 4 * activation)])
+    backward_input = tanh_backward + (layers - first) * time([gemm("dgrad")])
+    accumulate = pointwise("accumulate_grad", 3 * FP32 * (width * width + width))
+    backward_weight = layers * time([gemm("wgrad"), accumulate])
     return forward, backward_input, backward_weight
+
+
+def p2p_links(hardware: Hardware) -> Links:
+    """gloo send/recv latency and bandwidth (a rendezvous, not the all-reduce's ring steps) where the
+    profile has them (`shiftlm calibrate` since the p2p fit), else the all-reduce fit's."""
+    links = Links.of(hardware, MEASURED)
+    latency = hardware.extra.get("p2p_latency", links.intra_latency)
+    bandwidth = hardware.extra.get("p2p_bandwidth", links.intra_bandwidth)
+    return Links(bandwidth, bandwidth, latency, latency)
+
+
+def grad_sync_time(schedule: Schedule, layers: int, width: int, hardware: Hardware) -> float:
+    """Seconds BitPipe's GRAD_SYNC adds to the step, which the pipeline simulator runs for free: on
+    each rank, per synced stage-chunk, `torch.cat` of its gradients (read + write) and the final
+    `grad += received` (read both, write), and the last chunk's exchange lands after the last
+    backward (exposed). 0 for schedules without GRAD_SYNC."""
+    syncs = max(sum(a.kind is Kind.GRAD_SYNC for a in actions) for actions in schedule.ranks)
+    if not syncs:
+        return 0.0
+    nbytes = FP32 * layers * (width * width + width)
+    copies = kernels_time([Kernel("cat_and_add", 0.0, 5 * nbytes, False)], hardware, MEASURED, "fp32")
+    return syncs * copies + p2p_time(nbytes, False, p2p_links(hardware))
 
 
 def predict(config: dict, name: str, chunks: int, hardware: Hardware) -> float:
     """Simulated step time of schedule `name` (`chunks` stage-chunks per rank) on the bench's model."""
     schedule = build(name, config["pp"], config["microbatches"], chunks)
     layers = config["layers"] // schedule.num_stages
-    forward, backward_input, backward_weight = chunk_costs(layers, config["width"], config["rows"], hardware)
-    send = p2p_time(FP32 * config["rows"] * config["width"], False, Links.of(hardware, MEASURED))
-    return simulate(schedule, ActionCosts(forward, backward_input, backward_weight, p2p=send)).makespan
+    per_stage = [
+        chunk_costs(layers, config["width"], config["rows"], stage == 0, hardware)
+        for stage in range(schedule.num_stages)
+    ]
+    forward, backward_input, backward_weight = (list(costs) for costs in zip(*per_stage))
+    send = p2p_time(FP32 * config["rows"] * config["width"], False, p2p_links(hardware))
+    makespan = simulate(schedule, ActionCosts(forward, backward_input, backward_weight, p2p=send)).makespan
+    return makespan + grad_sync_time(schedule, layers, config["width"], hardware)
 
 
 def main() -> None:
@@ -85,8 +120,8 @@ def main() -> None:
         "hardware": {
             "gemm_gflops": hardware.flops("fp32") / 1e9,
             "memory_gb_s": hardware.hbm_bandwidth / 1e9,
-            "p2p_latency_us": hardware.intra_node_latency * 1e6,
-            "p2p_gb_s": hardware.intra_node_bandwidth / 1e9,
+            "p2p_latency_us": p2p_links(hardware).intra_latency * 1e6,
+            "p2p_gb_s": p2p_links(hardware).intra_bandwidth / 1e9,
         },
         "schedules": rows,
         "mape_pct": 100 * sum(abs(r["error"]) for r in rows) / len(rows),

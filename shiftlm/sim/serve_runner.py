@@ -66,12 +66,30 @@ class ServeLayout:
 
 
 @dataclass(frozen=True)
+class HostOverhead:
+    """Seconds of host (CPU) work in one step of one mode that no kernel or collective of the cost
+    model accounts for: a fixed part (plan broadcast, batch building, logits gather), one per
+    sequence chunk per layer (an eager engine's per-sequence attention loop) and one per token. Zero
+    for an engine whose host work hides behind the device (CUDA graphs, async scheduling); measured
+    for the CPU engine by bench/serve_sim_vs_measured.py."""
+
+    per_step: float = 0.0
+    per_chunk_layer: float = 0.0
+    per_token: float = 0.0
+
+    def time(self, plan: StepPlan, layers: int) -> float:
+        chunks = len(plan.chunks)
+        return self.per_step + self.per_chunk_layer * chunks * layers + self.per_token * plan.num_tokens
+
+
+@dataclass(frozen=True)
 class ServeHardware:
     model: ModelSpec
     hardware: Hardware
     efficiency: Efficiency
     dtype: str = "fp8"  # weights and GEMMs
     kv_dtype: str = "bf16"
+    host: dict[Mode, HostOverhead] | None = None  # None: host work fully overlapped
 
 
 def _group_links(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
@@ -98,7 +116,8 @@ class StepCostModel:
         key = (plan.mode, plan.num_tokens, plan.num_samples)
         if key not in self._dense_cache:
             self._dense_cache[key] = self._dense_time(*key)
-        return self._dense_cache[key] + self._attention_time(contexts)
+        host = self.setup.host[plan.mode].time(plan, self.setup.model.layers) if self.setup.host else 0.0
+        return self._dense_cache[key] + self._attention_time(contexts) + host
 
     def _shard(self, mode: Mode, dtype_bytes: int) -> Shard:
         if mode is Mode.TP:
