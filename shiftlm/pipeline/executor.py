@@ -8,7 +8,8 @@ Stages take one tensor and return one tensor. Shapes travel with the data: every
 preceded by a fixed-size header (dtype code and shape), so stages may change the activation shape;
 a backward send has the shape of the activation it answers, which the receiver already knows.
 
-Communication is `dist.isend` / `dist.irecv` with one tag per message (gloo's batch_isend_irecv
+Communication is `shiftlm.comm` `isend` / `irecv` (counted, and in the collective ledger when it is on)
+with one tag per message (gloo's batch_isend_irecv
 hangs). Sends never block (waited at the end of the step), forward headers are posted when the step
 starts and gradient receives as soon as the forward they answer has run, so a rank only waits at the
 RECV right before the action that needs it: a schedule that validates cannot deadlock here.
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm import CommGroup
+from shiftlm.comm.p2p import irecv, isend
 from shiftlm.model.deferred import WeightGradStore, accumulate_grad
 from shiftlm.pipeline.actions import Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
@@ -53,15 +56,15 @@ class PipelineExecutor:
         schedule: Schedule,
         stages: Mapping[int | tuple[int, int], torch.nn.Module],
         rank: int,
-        pp_group: dist.ProcessGroup | None = None,
+        pp_group: CommGroup | dist.ProcessGroup | None = None,
         pp_ranks: Sequence[int] | None = None,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         on_stage_grads_ready: Callable[[tuple[int, int]], None] | None = None,
     ):
         self.schedule = lower(schedule)
         self.rank = rank
-        self.group = pp_group
         self.pp_ranks = list(pp_ranks) if pp_ranks is not None else list(range(schedule.pp))
+        self.group = _as_comm_group(pp_group, self.pp_ranks)
         self.loss_fn = loss_fn
         self.modules = {(k, 0) if isinstance(k, int) else tuple(k): m for k, m in stages.items()}
         expected = set(schedule.placement.stages_of(rank))
@@ -87,11 +90,11 @@ class PipelineExecutor:
         return ((kind * 2 + replica) * s.num_stages + stage) * (s.microbatches + 1) + microbatch
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self._sends.append((dist.isend(tensor.contiguous(), dst=peer, group=self.group, tag=tag), tensor))
+        self._sends.append((isend(tensor, peer, self.group, tag=tag), tensor))
 
     def _irecv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int):
         buffer = torch.empty(tuple(shape), dtype=dtype)
-        return dist.irecv(buffer, src=peer, group=self.group, tag=tag), buffer
+        return irecv(buffer, peer, self.group, tag=tag), buffer
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, microbatch_inputs: Sequence[torch.Tensor], targets: Sequence[Any]) -> torch.Tensor | None:
@@ -246,3 +249,12 @@ class PipelineExecutor:
         if self.on_stage_grads_ready is not None:
             for key in self._synced:
                 self.on_stage_grads_ready(key)
+
+
+def _as_comm_group(group: CommGroup | dist.ProcessGroup | None, pp_ranks: Sequence[int]) -> CommGroup:
+    """The pipeline's peers as a named `CommGroup` (a bare ProcessGroup or None is wrapped)."""
+    if isinstance(group, CommGroup):
+        return group
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else pp_ranks[0]
+    ranks = tuple(sorted(pp_ranks)) if me in pp_ranks else (me,)
+    return CommGroup("pp", ranks, group, me)

@@ -79,7 +79,7 @@ def make_executor(
         build_schedule_for(config),
         modules,
         rank=mesh.coords.pp,
-        pp_group=mesh.pp.pg,
+        pp_group=mesh.pp,
         pp_ranks=list(mesh.pp.ranks),
         loss_fn=loss_fn,
         on_stage_grads_ready=on_stage_grads_ready,
