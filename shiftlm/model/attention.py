@@ -26,19 +26,17 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None
 ) -> torch.Tensor:
     """q: [B, S, Hq, D], k/v: [B, S, Hkv, D] with Hq a multiple of Hkv -> [B, S, Hq, D]."""
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=2)
-        v = v.repeat_interleave(groups, dim=2)
+    # GQA: query head h attends with KV head h // groups; SDPA broadcasts without copying K and V
+    gqa = q.shape[2] != k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     seq = q.shape[2]
     if sliding_window is not None and sliding_window < seq:
         pos = torch.arange(seq, device=q.device)
         distance = pos.unsqueeze(1) - pos.unsqueeze(0)
         mask = (distance >= 0) & (distance < sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
