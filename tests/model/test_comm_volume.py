@@ -61,10 +61,13 @@ def test_forward_bytes_match_the_formulas(ranks, tiny_checkpoints, family, tp, s
         assert calls[("all_reduce", "tp")] == 1 + 2 * config.num_layers
 
 
-def test_mha_ulysses_moves_three_hidden_in_and_one_out(tiny_checkpoints):
-    """With MHA and tp=1 the formula reduces to the paper's: 3 x tokens x hidden / SP in, 1 x out."""
-    config = ModelConfig.from_hf(tiny_checkpoints["llama"])
+def test_mha_ulysses_moves_three_hidden_in_and_one_out(ranks, tiny_checkpoints):
+    """Measured, with MHA and tp=1: the paper's 3 x tokens x hidden / SP in and 1 x out per layer."""
+    checkpoint = tiny_checkpoints["llama"]
+    config = ModelConfig.from_hf(checkpoint)
     sp = 2
+    byte_counts, _ = ranks.run(sp, _forward_counts, checkpoint, 1, sp, False)[0]
     tokens = BATCH * SEQ // sp
-    volume = expected_forward_bytes(config, 1, sp, False)[("all_to_all", "sp")]
-    assert volume == config.num_layers * (3 + 1) * tokens * config.hidden_size * FP32
+    assert (
+        byte_counts[("all_to_all", "sp")] == config.num_layers * (3 + 1) * tokens * config.hidden_size * FP32
+    )
