@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shiftlm.pipeline.actions import Kind, Schedule
 from shiftlm.pipeline.simulator import ActionCosts, simulate
-from shiftlm.sim.collectives import Links, p2p_time
+from shiftlm.sim.collectives import p2p_links, p2p_time
 from shiftlm.sim.costs import Kernel, kernels_time
 from shiftlm.sim.efficiency import MEASURED
 from shiftlm.sim.hardware import DEFAULT_PROFILE, Hardware, load_profile
@@ -39,8 +39,9 @@ def chunk_costs(
     (no gradient w.r.t. the data: autograd prunes it). W also adds each micro-batch's weight and bias
     gradients into .grad (`deferred.accumulate_grad`: read both, write the sum)."""
 
-    def gemm(name: str) -> Kernel:
-        return Kernel(name, 2 * rows * width * width, FP32 * (2 * rows * width + width * width), True)
+    def gemm(role: str) -> Kernel:
+        flops, nbytes = 2 * rows * width * width, FP32 * (2 * rows * width + width * width)
+        return Kernel(f"linear {role}", flops, nbytes, True, (rows, width, width), role)
 
     def pointwise(name: str, nbytes: float) -> Kernel:
         return Kernel(name, 0.0, nbytes, False)
@@ -49,7 +50,7 @@ def chunk_costs(
         return kernels_time(ops, hardware, MEASURED, "fp32")
 
     activation = FP32 * rows * width
-    forward = layers * time([gemm("linear"), pointwise("tanh", 2 * activation)])
+    forward = layers * time([gemm("forward"), pointwise("tanh", 2 * activation)])
     tanh_backward = layers * time([pointwise("tanh_backward", 4 * activation)])
     backward_input = tanh_backward + (layers - first) * time([gemm("dgrad")])
     accumulate = pointwise("accumulate_grad", 3 * FP32 * (width * width + width))
@@ -57,26 +58,20 @@ def chunk_costs(
     return forward, backward_input, backward_weight
 
 
-def p2p_links(hardware: Hardware) -> Links:
-    """gloo send/recv latency and bandwidth (a rendezvous, not the all-reduce's ring steps) where the
-    profile has them (`shiftlm calibrate` since the p2p fit), else the all-reduce fit's."""
-    links = Links.of(hardware, MEASURED)
-    latency = hardware.extra.get("p2p_latency", links.intra_latency)
-    bandwidth = hardware.extra.get("p2p_bandwidth", links.intra_bandwidth)
-    return Links(bandwidth, bandwidth, latency, latency)
-
-
 def grad_sync_time(schedule: Schedule, layers: int, width: int, hardware: Hardware) -> float:
     """Seconds BitPipe's GRAD_SYNC adds to the step, which the pipeline simulator runs for free: on
-    each rank, per synced stage-chunk, `torch.cat` of its gradients (read + write) and the final
-    `grad += received` (read both, write), and the last chunk's exchange lands after the last
-    backward (exposed). 0 for schedules without GRAD_SYNC."""
+    each rank, per synced stage-chunk, `torch.cat` of its gradients (read + write), the transfer's CPU
+    time at both ends (this rank sends its copy and receives the other's; `p2p_cpu_per_byte`, measured
+    by `shiftlm calibrate`: gloo copies through the cores that compute), and the final
+    `grad += received` (read both, write); the last chunk's exchange lands after the last backward
+    (exposed). 0 for schedules without GRAD_SYNC."""
     syncs = max(sum(a.kind is Kind.GRAD_SYNC for a in actions) for actions in schedule.ranks)
     if not syncs:
         return 0.0
     nbytes = FP32 * layers * (width * width + width)
     copies = kernels_time([Kernel("cat_and_add", 0.0, 5 * nbytes, False)], hardware, MEASURED, "fp32")
-    return syncs * copies + p2p_time(nbytes, False, p2p_links(hardware))
+    transfer_cpu = 2 * nbytes * hardware.extra.get("p2p_cpu_per_byte", 0.0)
+    return syncs * (copies + transfer_cpu) + p2p_time(nbytes, False, p2p_links(hardware, MEASURED))
 
 
 def predict(config: dict, name: str, chunks: int, hardware: Hardware) -> float:
@@ -88,7 +83,7 @@ def predict(config: dict, name: str, chunks: int, hardware: Hardware) -> float:
         for stage in range(schedule.num_stages)
     ]
     forward, backward_input, backward_weight = (list(costs) for costs in zip(*per_stage))
-    send = p2p_time(FP32 * config["rows"] * config["width"], False, p2p_links(hardware))
+    send = p2p_time(FP32 * config["rows"] * config["width"], False, p2p_links(hardware, MEASURED))
     makespan = simulate(schedule, ActionCosts(forward, backward_input, backward_weight, p2p=send)).makespan
     return makespan + grad_sync_time(schedule, layers, config["width"], hardware)
 
@@ -120,8 +115,8 @@ def main() -> None:
         "hardware": {
             "gemm_gflops": hardware.flops("fp32") / 1e9,
             "memory_gb_s": hardware.hbm_bandwidth / 1e9,
-            "p2p_latency_us": p2p_links(hardware).intra_latency * 1e6,
-            "p2p_gb_s": p2p_links(hardware).intra_bandwidth / 1e9,
+            "p2p_latency_us": p2p_links(hardware, MEASURED).intra_latency * 1e6,
+            "p2p_gb_s": p2p_links(hardware, MEASURED).intra_bandwidth / 1e9,
         },
         "schedules": rows,
         "mape_pct": 100 * sum(abs(r["error"]) for r in rows) / len(rows),

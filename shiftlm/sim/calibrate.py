@@ -27,42 +27,87 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shiftlm.sim.hardware import Hardware
+from shiftlm.sim.hardware import GEMM_ROLES, Hardware
 
-GEMM_SHAPES = [(rows, k, n) for rows in (128, 512) for k, n in ((1024, 1024), (1024, 4096), (4096, 1024))]
+GEMM_ROWS = (16, 128, 512)  # tokens per GEMM: decode batches, micro-batches, prefill chunks
+GEMM_WIDTHS = ((256, 256), (1024, 1024), (1024, 4096), (4096, 1024))  # (k, n) of y[m, n] = x[m, k] W^T
+GEMM_SHAPES = [(rows, k, n) for rows in GEMM_ROWS for k, n in GEMM_WIDTHS]
+PEAK_SHAPES = [(rows, k, n) for rows in (128, 512) for k, n in GEMM_WIDTHS[1:]]  # the profile's peak
 STACK_DEPTH = 4  # distinct weights per timed pass
+GEMM_ROUNDS, GEMM_ROUND_BUDGET = 6, 0.03  # passes over the table; seconds per (role, shape) per round
+HANDOFF_BYTES, HANDOFF_SAMPLES = 512 * 1024, 60  # a 128 x 1024 fp32 activation
 MESSAGE_BYTES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
+def _mean_time(fn: Callable[[], object], repeats: int, budget: float | None = None) -> float:
+    """Mean of `repeats` runs after a warm-up; with a `budget` (seconds), stop early once it is spent
+    (at least 3 runs), so large shapes do not dominate the calibration's time. The mean, not the
+    best run: a step is a sum of many such passes, and a sum is n x mean (the best of 10 was 4-8%
+    faster than the same GEMMs inside a pipeline step here)."""
     fn()  # warm up
-    best = float("inf")
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats:
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+        if budget is not None and len(times) >= 3 and sum(times) > budget:
+            break
+    return statistics.fmean(times)
+
+
+def _gemm_pass(role: str, m: int, k: int, n: int) -> Callable[[], object]:
+    """One pass of a layer stack's GEMM in `role` through STACK_DEPTH distinct weights (so weights
+    stream from memory as in a real pass): the forward F.linear(x, W, b), its dgrad dy @ W, or its
+    wgrad dy^T @ x (what autograd runs for a Linear's input and weight gradients)."""
+    import torch
+
+    weights = [torch.randn(n, k) for _ in range(STACK_DEPTH)]
+    if role == "forward":
+        x, biases = torch.randn(m, k), [torch.randn(n) for _ in range(STACK_DEPTH)]
+        return lambda: [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
+    grads = [torch.randn(m, n) for _ in range(STACK_DEPTH)]
+    if role == "dgrad":
+        return lambda: [g @ w for g, w in zip(grads, weights)]
+    x = torch.randn(m, k)
+    return lambda: [g.t() @ x for g in grads]
 
 
 def time_compute() -> dict[str, object]:
-    """Runs on every rank of a LocalWorkers pool at once: GEMM FLOP/s per shape, copy bytes/s and
-    seconds per eager op on this rank (each measured after a barrier, so both ranks compute together)."""
+    """Runs on every rank of a LocalWorkers pool at once: GEMM FLOP/s per (role, shape), copy bytes/s
+    and seconds per eager op on this rank (each measured after a barrier, so both ranks compute
+    together)."""
     import torch
     import torch.distributed as dist
 
-    gemm = []
-    for m, k, n in GEMM_SHAPES:
-        x, weights = torch.randn(m, k), [torch.randn(k, n) for _ in range(STACK_DEPTH)]
+    # round-robin: every (role, shape) gets a few passes per round, so a burst of load elsewhere
+    # spreads over all shapes instead of deciding one; the rate is total FLOPs / total time (a mean)
+    passes = {(role, *shape): _gemm_pass(role, *shape) for role in GEMM_ROLES for shape in GEMM_SHAPES}
+    spent = dict.fromkeys(passes, 0.0)
+    runs = dict.fromkeys(passes, 0)
+    for run in passes.values():
+        run()  # warm up
+    for _ in range(GEMM_ROUNDS):
         dist.barrier()
-        seconds = _best_time(lambda x=x, weights=weights: [x @ w for w in weights], repeats=10)
-        gemm.append(STACK_DEPTH * 2 * m * k * n / seconds)
+        for key, run in passes.items():
+            round_time, round_runs = 0.0, 0
+            while round_runs < 2 or round_time < GEMM_ROUND_BUDGET:
+                start = time.perf_counter()
+                run()
+                round_time += time.perf_counter() - start
+                round_runs += 1
+            spent[key] += round_time
+            runs[key] += round_runs
+    gemm = {
+        (role, m, k, n): runs[role, m, k, n] * STACK_DEPTH * 2 * m * k * n / spent[role, m, k, n]
+        for role, m, k, n in passes
+    }
     source = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB, far beyond any cache
     target = torch.empty_like(source)
     dist.barrier()
-    memory = 2 * source.numel() * 4 / _best_time(lambda: target.copy_(source), repeats=5)
+    memory = 2 * source.numel() * 4 / _mean_time(lambda: target.copy_(source), repeats=5)
     one = torch.ones(1)
     dist.barrier()
-    op = _best_time(lambda: [one.add(one) for _ in range(1000)], repeats=5) / 1000
+    op = _mean_time(lambda: [one.add(one) for _ in range(1000)], repeats=5) / 1000
     return {"gemm": gemm, "memory": memory, "op": op}
 
 
@@ -85,12 +130,14 @@ def time_all_reduce(sizes: list[int], repeats: int = 7) -> list[float]:
     return times
 
 
-def time_send_recv(sizes: list[int], repeats: int = 7) -> list[float]:
-    """Runs on 2 ranks: median one-way send time per message size, as half a ping-pong round trip."""
+def time_send_recv(sizes: list[int], repeats: int = 7) -> dict[str, list[float]]:
+    """Runs on 2 ranks: per message size, the median one-way send time (half a ping-pong round trip)
+    and the CPU time the whole process (gloo's threads included) spends per one-way message: on this
+    host a transfer is copied by the cores that also compute, so it takes time from them."""
     import torch
     import torch.distributed as dist
 
-    rank, times = dist.get_rank(), []
+    rank, wall, cpu = dist.get_rank(), [], []
     peer = 1 - rank
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4)
@@ -103,13 +150,53 @@ def time_send_recv(sizes: list[int], repeats: int = 7) -> list[float]:
 
         dist.barrier()
         ping_pong()  # warm up
-        samples = []
+        samples, cpu_start = [], time.process_time()
         for _ in range(repeats):
             start = time.perf_counter()
             ping_pong()
             samples.append((time.perf_counter() - start) / 2)
-        times.append(statistics.median(samples))
-    return times
+        wall.append(statistics.median(samples))
+        cpu.append((time.process_time() - cpu_start) / (2 * repeats))
+    return {"wall": wall, "cpu": cpu}
+
+
+def time_handoff(samples: int = HANDOFF_SAMPLES) -> list[float]:
+    """Runs on 2 ranks: seconds from rank 0 posting a pipeline hand-off (the executor's header, then
+    a HANDOFF_BYTES activation) to rank 1, which waits for it, holding it; rank 0 computes before and
+    after the send, as a pipeline stage does. Returns rank 1's delays (rank 0 returns []). On this
+    host the delay is bimodal: ~0.6 ms when the sender's gloo thread gets a core at once, ~3-6 ms
+    (a scheduler time slice) when it queues behind the computing thread, so the mean is taken."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    x, w = torch.randn(128, 1024), torch.randn(1024, 1024)
+
+    def compute(seconds: float) -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            x @ w
+
+    delays = []
+    for sample in range(samples):
+        header, data = torch.zeros(10, dtype=torch.int64), torch.zeros(HANDOFF_BYTES // 4)
+        tags = (2 * sample, 2 * sample + 1)
+        dist.barrier()
+        if rank == 0:
+            compute(0.002)
+            sent = torch.tensor([time.time()], dtype=torch.float64)
+            works = [dist.isend(header, 1, tag=tags[0]), dist.isend(data, 1, tag=tags[1])]
+            compute(0.006)
+            for work in works:
+                work.wait()
+            dist.send(sent, 1, tag=10**6 + sample)
+        elif rank == 1:
+            dist.irecv(header, 0, tag=tags[0]).wait()
+            dist.irecv(data, 0, tag=tags[1]).wait()
+            landed, sent = time.time(), torch.zeros(1, dtype=torch.float64)
+            dist.recv(sent, 0, tag=10**6 + sample)
+            delays.append(landed - float(sent))
+    return delays
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float], latency_steps: int = 2) -> tuple[float, float]:
@@ -151,18 +238,43 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
     with LocalWorkers(2) as workers:
         compute = workers.run(time_compute)
         all_reduce = max(workers.run(time_all_reduce, MESSAGE_BYTES), key=sum)
-        send = max(workers.run(time_send_recv, MESSAGE_BYTES), key=sum)
-    gemm = statistics.median(statistics.fmean(r["gemm"][i] for r in compute) for i in range(len(GEMM_SHAPES)))
-    for index, (m, k, n) in enumerate(GEMM_SHAPES):
-        rate = statistics.fmean(r["gemm"][index] for r in compute)
-        log(f"calibrate: gemm {m}x{k}x{n} fp32, 2 ranks at once: {rate / 1e9:.1f} GFLOP/s per rank")
-    log(f"calibrate: gemm median over shapes (the profile's peak): {gemm / 1e9:.1f} GFLOP/s")
+        send_runs = workers.run(time_send_recv, MESSAGE_BYTES)
+        handoffs = workers.run(time_handoff)[1]
+    send = max((r["wall"] for r in send_runs), key=sum)
+    # CPU seconds per byte at one end of a transfer: the slope over the large messages (>= 1 MiB),
+    # mean over the 2 ranks (each sent and received every message)
+    large = [i for i, nbytes in enumerate(MESSAGE_BYTES) if nbytes >= 2**20]
+    cpu_per_byte = statistics.fmean(
+        (r["cpu"][large[-1]] - r["cpu"][large[0]]) / (MESSAGE_BYTES[large[-1]] - MESSAGE_BYTES[large[0]])
+        for r in send_runs
+    )
+    table = tuple(
+        (role, m, k, n, statistics.fmean(r["gemm"][(role, m, k, n)] for r in compute))
+        for role in GEMM_ROLES
+        for m, k, n in GEMM_SHAPES
+    )
+    for role, m, k, n, rate in table:
+        log(f"calibrate: gemm {role:7s} {m}x{k}x{n} fp32, 2 ranks at once: {rate / 1e9:.1f} GFLOP/s per rank")
+    gemm = statistics.median(
+        rate for role, m, k, n, rate in table if role == "forward" and (m, k, n) in PEAK_SHAPES
+    )
+    log(
+        f"calibrate: gemm forward median over {len(PEAK_SHAPES)} shapes (the profile's peak): {gemm / 1e9:.1f} GFLOP/s"
+    )
     memory_bandwidth = statistics.fmean(r["memory"] for r in compute)
     op_overhead = statistics.fmean(r["op"] for r in compute)
     log(f"calibrate: memory copy, 2 ranks at once: {memory_bandwidth / 1e9:.1f} GB/s per rank")
     log(f"calibrate: eager op overhead: {op_overhead * 1e6:.1f} us")
     latency, bandwidth = _fit_and_log("all-reduce", all_reduce, 2, log)
     p2p_latency, p2p_bandwidth = _fit_and_log("send/recv", send, 1, log)
+    log(f"calibrate: send/recv CPU per endpoint: {cpu_per_byte * 2**20 * 1e3:.2f} ms per MiB")
+    handoff = statistics.fmean(handoffs)
+    handoff_latency = max(handoff - HANDOFF_BYTES / p2p_bandwidth, p2p_latency)
+    log(
+        f"calibrate: pipeline hand-off of {HANDOFF_BYTES // 1024} KiB while the sender computes: mean "
+        f"{handoff * 1e3:.2f} ms, median {statistics.median(handoffs) * 1e3:.2f} ms over {len(handoffs)}"
+        f" -> latency {handoff_latency * 1e6:.0f} us"
+    )
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     return Hardware(
@@ -176,5 +288,12 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
         intra_node_latency=latency,
         inter_node_latency=latency,
         notes=f"measured by shiftlm calibrate on {cores} cores, 2 ranks at once",
-        extra={"p2p_latency": p2p_latency, "p2p_bandwidth": p2p_bandwidth, "op_overhead": op_overhead},
+        extra={
+            "p2p_latency": p2p_latency,
+            "p2p_bandwidth": p2p_bandwidth,
+            "op_overhead": op_overhead,
+            "p2p_cpu_per_byte": cpu_per_byte,
+            "handoff_latency": handoff_latency,
+        },
+        gemm_table=table,
     )

@@ -77,3 +77,17 @@ def p2p_time(nbytes: float, crosses_node: bool, links: Links) -> float:
     if crosses_node:
         return links.inter_latency + nbytes / links.inter_bandwidth
     return links.intra_latency + nbytes / links.intra_bandwidth
+
+
+def p2p_links(hardware: Hardware, efficiency: Efficiency) -> Links:
+    """Links for pipeline hand-offs. A calibrated profile (`shiftlm calibrate`) carries its own:
+    the send/recv bandwidth, and the latency of a hand-off as the executor makes it (a header, then
+    the activation) while the sender goes on computing, which on a CPU host is set by when the
+    sender's communication threads get a core (~2 ms here against ~0.1 ms for an idle ping-pong).
+    Catalog GPUs use their collective links."""
+    links = Links.of(hardware, efficiency)
+    latency = hardware.extra.get("handoff_latency", hardware.extra.get("p2p_latency", links.intra_latency))
+    bandwidth = hardware.extra.get("p2p_bandwidth", links.intra_bandwidth)
+    if "p2p_bandwidth" not in hardware.extra and "handoff_latency" not in hardware.extra:
+        return links
+    return Links(bandwidth, bandwidth, latency, latency)

@@ -14,7 +14,7 @@ F / I / W costs per micro-batch (`layer_pass_costs`); a serving cost-model runne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
@@ -24,12 +24,22 @@ from shiftlm.sim.models import ModelSpec
 
 @dataclass(frozen=True)
 class Kernel:
-    """One GPU kernel: `gemm` kernels run at tensor-core efficiency, the rest at HBM efficiency."""
+    """One GPU kernel: `gemm` kernels run at tensor-core efficiency, the rest at HBM efficiency.
+    A GEMM with a `shape` (m, k, n of its forward, y[m, n] = x[m, k] W^T) runs at the hardware's
+    measured rate for that shape and `role` where the profile has a GEMM table (`shiftlm calibrate`)."""
 
     name: str
     flops: float
     nbytes: float
     gemm: bool
+    shape: tuple[float, float, float] | None = None
+    role: str = "forward"
+
+
+def backward_gemms(ops: list[Kernel], role: str) -> list[Kernel]:
+    """The dgrad (dx = dy W) or wgrad (dW = dy^T x) GEMM of each forward GEMM: the same FLOPs and
+    bytes, timed at that role's rate."""
+    return [replace(op, role=role) for op in ops]
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ class Shard:
 
 
 def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
-    return Kernel(name, 2 * m * k * n, width * (m * k + k * n + m * n), True)
+    return Kernel(name, 2 * m * k * n, width * (m * k + k * n + m * n), True, (m, k, n))
 
 
 def forward_ops(
@@ -84,10 +94,17 @@ def forward_ops(
 
 
 def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
-    """Roofline time of running `ops` back to back."""
+    """Roofline time of running `ops` back to back; a GEMM with a shape takes the measured rate of
+    its shape and role where the hardware has a GEMM table, else the peak times `efficiency.gemm`."""
     peak = hardware.flops(dtype) * efficiency.gemm
     bandwidth = hardware.hbm_bandwidth * efficiency.memory
-    return sum(max(op.flops / peak, op.nbytes / bandwidth) + efficiency.kernel_overhead for op in ops)
+    total = 0.0
+    for op in ops:
+        rate = peak
+        if op.gemm and op.shape is not None and hardware.gemm_table:
+            rate = hardware.gemm_rate(op.role, *op.shape) * efficiency.gemm
+        total += max(op.flops / rate, op.nbytes / bandwidth) + efficiency.kernel_overhead
+    return total
 
 
 def layer_comm_time(
@@ -139,11 +156,12 @@ def layer_pass_costs(
     gemms = [op for op in ops if op.gemm and op.name in ("qkv", "out_proj", "mlp_in", "mlp_out")]
     others = [op for op in ops if op not in gemms]
     forward = kernels_time(ops, hardware, efficiency, dtype)
-    gemm_time = kernels_time(gemms, hardware, efficiency, dtype)
+    dgrad_time = kernels_time(backward_gemms(gemms, "dgrad"), hardware, efficiency, dtype)
+    wgrad_time = kernels_time(backward_gemms(gemms, "wgrad"), hardware, efficiency, dtype)
     other_time = kernels_time(others, hardware, efficiency, dtype)
     attention_scale = 2.5 if shard.flash_attention else 2.0  # flash backward recomputes QK^T
     attention_time = kernels_time([op for op in others if op.gemm], hardware, efficiency, dtype)
-    backward_input = gemm_time + 2 * (other_time - attention_time) + attention_scale * attention_time
+    backward_input = dgrad_time + 2 * (other_time - attention_time) + attention_scale * attention_time
     backward_input += comm_forward  # the conjugate collectives of the forward ones
     if recompute == "full":
         backward_input += forward + comm_forward
@@ -151,7 +169,7 @@ def layer_pass_costs(
         backward_input += kernels_time(
             [op for op in others if op.name in ("qk", "softmax+dropout", "av")], hardware, efficiency, dtype
         )
-    return PassCosts(forward + comm_forward, backward_input, gemm_time)
+    return PassCosts(forward + comm_forward, backward_input, wgrad_time)
 
 
 def head_pass_costs(
@@ -162,8 +180,9 @@ def head_pass_costs(
     logits = _gemm("lm_head", local, model.hidden, model.vocab / shard.tp, shard.dtype_bytes)
     cross_entropy = Kernel("cross_entropy", 0.0, 12 * local * model.vocab / shard.tp, False)
     forward = kernels_time([logits, cross_entropy], hardware, efficiency, dtype)
-    gemm = kernels_time([logits], hardware, efficiency, dtype)
-    return PassCosts(forward, forward, gemm)
+    dgrad = kernels_time(backward_gemms([logits], "dgrad") + [cross_entropy], hardware, efficiency, dtype)
+    wgrad = kernels_time(backward_gemms([logits], "wgrad"), hardware, efficiency, dtype)
+    return PassCosts(forward, dgrad, wgrad)
 
 
 def optimizer_time(local_params: float, hardware: Hardware, efficiency: Efficiency) -> float:

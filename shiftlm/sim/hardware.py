@@ -25,6 +25,7 @@ Sources (datasheet values; where a datasheet gives a range the SXM/OAM variant i
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,6 +33,9 @@ from pathlib import Path
 TERA, GIGA = 1e12, 1e9
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+GEMM_ROLES = ("forward", "dgrad", "wgrad")  # y = x W^T, dx = dy W, dW = dy^T x
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Hardware:
     inter_node_latency: float = 10e-6
     notes: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+    # measured GEMM rates (`shiftlm calibrate`): (role, m, k, n, FLOP/s), role one of GEMM_ROLES
+    gemm_table: tuple[tuple[str, int, int, int, float], ...] = ()
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype`; a clear error if the GPU has no such tensor cores."""
@@ -56,6 +62,20 @@ class Hardware:
             supported = ", ".join(sorted(self.peak_flops))
             raise ValueError(f"{self.name} has no {dtype} peak in the catalog; use one of: {supported}")
         return self.peak_flops[dtype]
+
+    def gemm_rate(self, role: str, m: float, k: float, n: float) -> float | None:
+        """The measured FLOP/s of the table's GEMM nearest to (m, k, n) in log space for `role`
+        (a layer's forward, or the dgrad / wgrad of that forward GEMM), or None without a table.
+        Rates depend on shape (a 128-row micro-batch through 1024-wide weights runs ~20% below a
+        512-row one on a CPU core) and on the transposes of the backward GEMMs."""
+        rows = [row for row in self.gemm_table if row[0] == role] or list(self.gemm_table)
+        if not rows:
+            return None
+
+        def distance(row: tuple) -> float:
+            return sum(abs(math.log(max(a, 1.0) / b)) for a, b in zip((m, k, n), row[1:4]))
+
+        return min(rows, key=distance)[4]
 
 
 def _nvidia(bf16: float, fp8: float | None, fp32: float, **kwargs) -> dict:
@@ -167,6 +187,7 @@ def load_profile(path: Path) -> Hardware:
         raise ValueError(f"no hardware profile at {path}; run `shiftlm calibrate --out {path}` first")
     try:
         fields = json.loads(path.read_text())
+        fields["gemm_table"] = tuple(tuple(row) for row in fields.get("gemm_table", ()))
         return Hardware(**fields)
     except (json.JSONDecodeError, TypeError) as err:
         raise ValueError(f"{path} is not a hardware profile ({err}); re-run `shiftlm calibrate`") from err

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from shiftlm.sim import costs
-from shiftlm.sim.collectives import Links, all_reduce_time, p2p_time
+from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.layout import Layout, group_placement
@@ -81,7 +81,7 @@ def stage_costs(
         forward[0] += all_reduce_time(tokens / layout.sp * model.hidden * width, *tp_links, links)
     activation_bytes = tokens / layout.sp * model.hidden * width / layout.tp  # scatter-gather p2p
     crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
-    p2p = p2p_time(activation_bytes, crosses, links) if layout.pp > 1 else 0.0
+    p2p = p2p_time(activation_bytes, crosses, p2p_links(hardware, efficiency)) if layout.pp > 1 else 0.0
     return StageCosts(forward, backward_input, backward_weight, [comm_per_stage] * num_stages, p2p)
 
 

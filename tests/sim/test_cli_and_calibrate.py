@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shiftlm.cli import main
-from shiftlm.sim.calibrate import fit_alpha_beta, time_all_reduce
+from shiftlm.sim.calibrate import fit_alpha_beta, time_all_reduce, time_handoff, time_send_recv
 
 
 def test_simulate_train_json_is_one_object(capsys):
@@ -70,3 +70,14 @@ def test_alpha_beta_latency_survives_a_slow_largest_message():
 def test_all_reduce_timing_runs_on_two_gloo_ranks(ranks):
     per_rank = ranks.run(2, time_all_reduce, [4096, 65536], 2)
     assert len(per_rank) == 2 and all(len(times) == 2 and min(times) > 0 for times in per_rank)
+
+
+def test_handoff_timing_runs_on_two_gloo_ranks(ranks):
+    sender, receiver = ranks.run(2, time_handoff, 3)
+    assert sender == [] and len(receiver) == 3 and all(0 < delay < 5 for delay in receiver)
+
+
+def test_send_recv_timing_reports_wall_and_process_cpu(ranks):
+    for result in ranks.run(2, time_send_recv, [4096, 2**20], 2):
+        assert len(result["wall"]) == len(result["cpu"]) == 2
+        assert min(result["wall"]) > 0 and result["cpu"][1] > 0

@@ -41,3 +41,19 @@ def test_all_reduce_bus_bandwidth_is_two_n_minus_one_over_n():
     no_latency = Links(LINKS.intra_bandwidth, LINKS.inter_bandwidth, 0.0, 0.0)
     expected = 2 * (ranks - 1) / ranks * nbytes / LINKS.intra_bandwidth
     assert abs(all_reduce_time(nbytes, ranks, 1, no_latency) - expected) < 1e-12
+
+
+def test_pipeline_handoffs_use_the_calibrated_latency_where_measured():
+    from dataclasses import replace
+
+    from shiftlm.sim.collectives import Links, p2p_links
+    from shiftlm.sim.efficiency import MEASURED
+    from shiftlm.sim.hardware import CATALOG
+
+    gpu = CATALOG["h100-sxm"]
+    assert p2p_links(gpu, MEASURED) == Links.of(gpu, MEASURED)  # catalog: the collective links
+    this = replace(gpu, extra={"p2p_latency": 60e-6, "p2p_bandwidth": 2e9, "handoff_latency": 1.5e-3})
+    links = p2p_links(this, MEASURED)
+    assert links.intra_latency == 1.5e-3 and links.intra_bandwidth == 2e9
+    older = replace(gpu, extra={"p2p_latency": 60e-6, "p2p_bandwidth": 2e9})  # a profile from before
+    assert p2p_links(older, MEASURED).intra_latency == 60e-6

@@ -67,3 +67,56 @@ def test_decode_gemms_are_memory_bound_and_prefill_gemms_compute_bound():
             op for op in costs.forward_ops(model, 1, tokens, 4096, costs.Shard()) if op.name == "mlp_in"
         )
         assert (mlp.nbytes / bandwidth > mlp.flops / peak) is memory_bound
+
+
+def _profile_with_table(tmp_path):
+    """A calibrated-style profile: forward GEMMs at 100 GFLOP/s for 128 rows and 200 for 512 rows,
+    dgrad at half and wgrad at a quarter of the forward rate; written and read back as JSON."""
+    from dataclasses import replace
+
+    from shiftlm.sim.hardware import CATALOG, load_profile, save_profile
+
+    table = tuple(
+        (role, rows, 1024, 1024, rate * scale)
+        for role, scale in (("forward", 1.0), ("dgrad", 0.5), ("wgrad", 0.25))
+        for rows, rate in ((128, 100e9), (512, 200e9))
+    )
+    save_profile(replace(CATALOG["h100-sxm"], name="this", gemm_table=table), tmp_path / "this.json")
+    return load_profile(tmp_path / "this.json")
+
+
+def test_gemm_table_rates_by_shape_and_role(tmp_path):
+    hardware = _profile_with_table(tmp_path)
+    assert hardware.gemm_rate("forward", 128, 1024, 1024) == 100e9
+    assert hardware.gemm_rate("forward", 400, 1000, 1100) == 200e9  # nearest in log space: 512 rows
+    assert hardware.gemm_rate("wgrad", 100, 1024, 1024) == 25e9
+    from shiftlm.sim.hardware import CATALOG
+
+    assert CATALOG["a100-80gb"].gemm_rate("forward", 128, 1024, 1024) is None  # datasheet peak instead
+
+
+def test_layer_passes_time_dgrad_and_wgrad_at_their_measured_rates(tmp_path):
+    """With a GEMM table, I's GEMMs run at the dgrad rate and W's at the wgrad rate; without one,
+    both run at the forward's (peak x efficiency), as the validated catalog model always did."""
+    from dataclasses import replace
+
+    from shiftlm.sim.efficiency import MEASURED
+
+    hardware = _profile_with_table(tmp_path)
+    model = gpt_style(hidden=1024, layers=2, heads=16, vocab=1024, ffn=1024)
+    gemms = [
+        op
+        for op in costs.forward_ops(model, 1, 128, 128, costs.Shard(dtype_bytes=4))
+        if op.name in ("qkv", "out_proj", "mlp_in", "mlp_out")
+    ]
+    forward = costs.kernels_time(gemms, hardware, MEASURED, "fp32")
+    wgrad = costs.kernels_time(costs.backward_gemms(gemms, "wgrad"), hardware, MEASURED, "fp32")
+    passes = costs.layer_pass_costs(
+        model, 1, 128, costs.Shard(dtype_bytes=4), "none", hardware, MEASURED, "fp32", 0.0
+    )
+    assert passes.backward_weight == pytest.approx(wgrad) and wgrad > 3.5 * forward
+    catalog = replace(hardware, gemm_table=())
+    plain = costs.layer_pass_costs(
+        model, 1, 128, costs.Shard(dtype_bytes=4), "none", catalog, MEASURED, "fp32", 0.0
+    )
+    assert plain.backward_weight == pytest.approx(costs.kernels_time(gemms, catalog, MEASURED, "fp32"))
