@@ -132,7 +132,7 @@ class Engine:
             return []
         started = time.perf_counter()
         logits = self.runner.execute(plan)
-        self._record_step(plan, time.perf_counter() - started)
+        self._record_step(plan, started, time.perf_counter() - started)
         sampled = self.scheduler.complete_step(plan)
         outputs: list[RequestOutput] = []
         now = self.clock()
@@ -146,11 +146,12 @@ class Engine:
             outputs += [self._after_token(request, child, now) for child in children]
         return outputs
 
-    def _record_step(self, plan: StepPlan, seconds: float) -> None:
+    def _record_step(self, plan: StepPlan, started: float, seconds: float) -> None:
         self.metrics.record_step(plan.mode.value, plan.num_tokens, seconds)
         if self.step_log is not None:
             record = {"step": plan.step, "mode": plan.mode.value, "tokens": plan.num_tokens}
-            record.update(seqs=len(plan.chunks), seconds=round(seconds, 6))
+            # start: time.perf_counter() (the host's monotonic clock, comparable across processes)
+            record.update(seqs=len(plan.chunks), start=round(started, 6), seconds=round(seconds, 6))
             self.step_log.write(json.dumps(record) + "\n")
 
     def _fork(self, request: _Request, parent: Sequence, logits: torch.Tensor, index: int) -> Sequence:

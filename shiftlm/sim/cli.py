@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, MEASURED, Efficiency
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, Efficiency, measured
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def _hardware(args: argparse.Namespace):
 
 def _efficiency(args: argparse.Namespace, hardware) -> Efficiency:
     if hardware.name == "this":
-        return MEASURED
+        return measured(hardware.extra)
     return FIRST_PRINCIPLES if args.first_principles else FITTED
 
 
@@ -223,18 +223,38 @@ def _register_plan_train(subparsers) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from shiftlm.sim.calibrate import calibrate
     from shiftlm.sim.hardware import DEFAULT_PROFILE, save_profile
 
     out = args.out or DEFAULT_PROFILE
-    hardware = calibrate(log=(lambda _: None) if args.json else print)
+    if args.serve_model is not None and not (args.serve_model / "config.json").exists():
+        raise ValueError(
+            f"--serve-model {args.serve_model} has no config.json; pass an HF checkpoint directory"
+        )
+    log = (lambda _: None) if args.json else print
+    hardware = calibrate(log=log)
     save_profile(hardware, out)
-    if args.json:
-        from dataclasses import asdict
-
-        print(json.dumps({"profile": str(out)} | asdict(hardware)))
-    else:
+    report = {"profile": str(out)} | asdict(hardware)
+    if not args.json:
         print(f"wrote {out}; use it with --gpu this (or --hardware {out})")
+    if args.serve_model is not None:
+        from shiftlm.sim.serve_calibrate import engine_setup, profile_engine
+
+        engine_out = args.engine_out or out.with_name("engine.json")
+        setup = engine_setup(args.serve_model, hardware)
+        engine = profile_engine(args.serve_model, args.tp, args.sp, setup, log=log)
+        engine.save(engine_out)
+        report["engine_profile"] = str(engine_out)
+        report["engine"] = asdict(engine)
+        if not args.json:
+            print(
+                f"wrote {engine_out}; use it with `shiftlm simulate serve --gpu this --hardware {out} "
+                f"--engine-profile {engine_out} --model {args.serve_model}/config.json --dtype fp32 --kv-dtype fp32`"
+            )
+    if args.json:
+        print(json.dumps(report))
     return 0
 
 
@@ -280,7 +300,17 @@ def register(subparsers) -> None:
     plan_sub = plan.add_subparsers(dest="plan_command", metavar="WHAT", required=True)
     for add in PLAN_COMMANDS.values():
         add(plan_sub)
-    calibrate = subparsers.add_parser("calibrate", help="measure this machine into a hardware profile")
+    calibrate = subparsers.add_parser(
+        "calibrate", help="measure this machine into a hardware profile (and, optionally, the serving engine)"
+    )
     calibrate.add_argument("--out", type=Path, help="profile path (default ~/.cache/shiftlm/hardware.json)")
+    calibrate.add_argument(
+        "--serve-model", type=Path, help="also profile the serving engine on this HF checkpoint (probes)"
+    )
+    calibrate.add_argument("--tp", type=int, default=1, help="with --serve-model: the engine's tp")
+    calibrate.add_argument("--sp", type=int, default=2, help="with --serve-model: the engine's sp")
+    calibrate.add_argument(
+        "--engine-out", type=Path, help="engine profile path (default: engine.json next to --out)"
+    )
     calibrate.add_argument("--json", action="store_true")
     calibrate.set_defaults(func=_guarded(_calibrate))

@@ -40,3 +40,9 @@ FIT_PARAMETERS = ("gemm", "intra_comm", "inter_comm", "intra_comm@a100-80gb-vtra
 
 # A calibrated profile ("this") stores achieved rates, not datasheet peaks.
 MEASURED = Efficiency(gemm=1.0, memory=1.0, intra_comm=1.0, inter_comm=1.0, kernel_overhead=0.0)
+
+
+def measured(extra: dict[str, float]) -> Efficiency:
+    """A calibrated profile's efficiency: its achieved rates as they are, plus its measured cost of
+    one eager op (`extra["op_overhead"]`, from `shiftlm calibrate`) per kernel."""
+    return Efficiency(1.0, 1.0, 1.0, 1.0, extra.get("op_overhead", 0.0))

@@ -21,7 +21,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     _add_model_args(parser)
     _add_hardware_args(parser)
     parser.set_defaults(dtype="fp8")
-    parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+    parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    parser.add_argument(
+        "--engine-profile",
+        type=Path,
+        help="host overheads of shiftlm's own engine on this machine (`shiftlm calibrate --serve-model`)",
+    )
     parser.add_argument("--trace", type=Path, required=True, help="Azure CSV or JSONL trace")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     parser.add_argument("--start", type=int, default=0, help="first trace row")
@@ -30,6 +35,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-tokens-per-step", type=int, default=8192)
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks per replica (default: what memory leaves)"
+    )
 
 
 def _inputs(args: argparse.Namespace):
@@ -38,6 +46,10 @@ def _inputs(args: argparse.Namespace):
 
     hardware = _hardware(args)
     setup = ServeHardware(_model(args), hardware, _efficiency(args, hardware), args.dtype, args.kv_dtype)
+    if args.engine_profile is not None:
+        from shiftlm.sim.serve_calibrate import EngineProfile
+
+        setup = EngineProfile.load(args.engine_profile).apply(setup)
     if args.rate_scale <= 0 or args.max_requests < 1:
         raise ValueError("--rate-scale must be > 0 and --max-requests >= 1")
     try:
@@ -45,7 +57,13 @@ def _inputs(args: argparse.Namespace):
     except FileNotFoundError as err:
         raise ValueError(str(err)) from err
     requests = scale_trace(trace, args.start, args.max_requests, time_scale=1 / args.rate_scale)
-    limits = EngineLimits(max_num_seqs=args.max_num_seqs, max_tokens_per_step=args.max_tokens_per_step)
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise ValueError("--num-blocks must be >= 1")
+    limits = EngineLimits(
+        max_num_seqs=args.max_num_seqs,
+        max_tokens_per_step=args.max_tokens_per_step,
+        num_blocks=args.num_blocks,
+    )
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     return setup, requests, limits, slo
 

@@ -90,6 +90,10 @@ class ServeHardware:
     dtype: str = "fp8"  # weights and GEMMs
     kv_dtype: str = "bf16"
     host: dict[Mode, HostOverhead] | None = None  # None: host work fully overlapped
+    # seconds of a request's path outside the engine (HTTP, tokenizing, streaming the first token
+    # back): it reaches the engine this late and counts in its TTFT (measured by calibrate)
+    per_request: float = 0.0
+    per_request_busy: float | None = None  # the same path while the engine is stepping (None: as idle)
 
 
 def _group_links(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:

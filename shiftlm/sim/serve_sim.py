@@ -8,7 +8,9 @@ ignore_eos). Running the plan advances the replica's clock by `StepCostModel.ste
 Replicas step in the order of their clocks; an arrival is routed (round robin, or to the replica
 with the fewest unfinished requests) once every busy replica's clock has passed it.
 
-Metrics follow vLLM's benchmark definitions (as `shiftlm bench serve`): TTFT = first token - arrival;
+Metrics follow vLLM's benchmark definitions (as `shiftlm bench serve`): TTFT = first token - arrival
+(a calibrated engine adds `ServeHardware.per_request`, the request's path outside the engine, or
+`per_request_busy` when it arrives while the engine is stepping);
 TPOT = (E2E - TTFT) / (output tokens - 1); goodput = requests per second meeting both SLOs
 (DistServe, Zhong et al., OSDI 2024, Sec. 2).
 """
@@ -46,6 +48,7 @@ class EngineLimits:
     max_num_seqs: int = 256
     max_tokens_per_step: int = 8192
     max_model_len: int | None = None  # default: the longest request in the trace
+    num_blocks: int | None = None  # KV blocks per replica; default: what memory leaves (kv_capacity)
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def scheduler_config(
     longest = max(r.input_len + r.output_len for r in requests) + 1
     max_model_len = limits.max_model_len or longest
     capacity = kv_capacity(setup, layout, limits.block_size, limits.max_tokens_per_step)
-    if capacity.num_blocks * limits.block_size < max_model_len:
+    if (limits.num_blocks or capacity.num_blocks) * limits.block_size < max_model_len:
         raise ValueError(
             f"{layout.name} of {setup.model.name} ({setup.dtype}) leaves KV room for "
             f"{capacity.num_blocks * limits.block_size} tokens per replica on {setup.hardware.name}, "
@@ -163,7 +166,7 @@ def scheduler_config(
     if max_model_len < longest:
         raise ValueError(f"--max-model-len {max_model_len} is shorter than a trace request ({longest})")
     return SchedulerConfig(
-        num_blocks=capacity.num_blocks,
+        num_blocks=limits.num_blocks or capacity.num_blocks,
         block_size=limits.block_size,
         max_num_seqs=limits.max_num_seqs,
         max_tokens_per_step=limits.max_tokens_per_step,
@@ -193,12 +196,14 @@ def simulate_serving(
     while pending or any(r.scheduler.has_work() for r in replicas):
         busy = [r for r in replicas if r.scheduler.has_work()]
         replica = min(busy, key=lambda r: r.clock) if busy else None
-        if pending and (replica is None or pending[0][1].request.arrival <= replica.clock):
+        # the request's path to the engine is slower while the engine steps (it shares the host)
+        path = setup.per_request_busy if busy and setup.per_request_busy is not None else setup.per_request
+        if pending and (replica is None or pending[0][1].request.arrival + path <= replica.clock):
             index, timing = pending.popleft()
             target = (
                 next(round_robin) if routing == "round_robin" else min(replicas, key=lambda r: r.outstanding)
             )
-            _admit(target, index, timing, owners)
+            _admit(target, index, timing, owners, path)
             continue
         _step(replica, owners)
     schedulers = [r.scheduler for r in replicas]
@@ -217,10 +222,12 @@ def simulate_serving(
     )
 
 
-def _admit(replica: _Replica, index: int, timing: _Timing, owners: dict[int, _Timing]) -> None:
+def _admit(
+    replica: _Replica, index: int, timing: _Timing, owners: dict[int, _Timing], path_delay: float
+) -> None:
     request = timing.request
-    if not replica.scheduler.has_work():
-        replica.clock = max(replica.clock, request.arrival)  # an idle engine starts when work arrives
+    if not replica.scheduler.has_work():  # an idle engine starts when work reaches it
+        replica.clock = max(replica.clock, request.arrival + path_delay)
     params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
     seq = TraceSequence(f"r{index}", [0] * request.input_len, params, arrival_time=request.arrival)
     owners[seq.seq_id] = timing

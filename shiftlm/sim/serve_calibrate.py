@@ -1,0 +1,287 @@
+"""`shiftlm calibrate --serve-model DIR`: profile the serving engine on this machine, so the serving
+simulator can predict shiftlm's own servers here (Vidur, Agrawal et al. 2024, profiles an engine's
+operators per model the same way before simulating traces).
+
+A CPU engine's step is mostly host work that no kernel model sees: Python and autograd-free eager
+dispatch per layer and per sequence (paged attention loops over sequences), the plan broadcast and
+the logits gather, then the engine loop's scheduling and sampling between steps, and around every
+request the HTTP, tokenizing and streaming path. All three are measured with *probes*, never with
+the trace the simulator will replay:
+
+1. One real server per step mode (`shiftlm serve --mode tp|sp_tp --step-log`), started as users
+   start it, on the layout asked for; PROBE_ROUNDS rounds alternate the servers.
+2. Prefill probes: one request at a time (nothing else in flight), prompts of PREFILL_LENGTHS tokens,
+   one output token. Decode probes: B requests sent together (B in DECODE_BATCHES), 8-token prompts,
+   DECODE_TOKENS outputs each, so the engine runs back-to-back steps of B sequences. Busy probes:
+   prompts sent while a background batch decodes.
+3. Fits, per mode, on the probes' step log:
+   - the step's residual over the kernel cost model (`StepCostModel` on the calibrated hardware
+     profile) as `HostOverhead(per_step, per_chunk_layer, per_token)` by least squares;
+   - the engine loop's gap between back-to-back steps (schedule, sample, hand outputs to the HTTP
+     side) as `per_step_gap + per_chunk_gap x sequences`, folded into the same HostOverhead;
+   `per_request`: a prefill probe's client-side TTFT minus its step and gap (median over probes);
+   and `per_request_busy`, the same path while the engine steps (the HTTP side shares the host and
+   rank 0's interpreter with the engine loop), fitted by replaying the busy probes' workload in
+   `simulate_serving` until its mean TTFT equals the measured one.
+
+The result is an `EngineProfile` JSON (`--engine-out`), which `simulate serve --engine-profile`
+and bench/serve_sim_vs_measured.py load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.trace import TraceRequest
+from shiftlm.sim.efficiency import measured
+from shiftlm.sim.hardware import Hardware
+from shiftlm.sim.models import from_hf_config
+from shiftlm.sim.serve_runner import HostOverhead, ServeHardware, ServeLayout, StepCostModel
+
+PREFILL_LENGTHS = (4, 16, 48, 96, 160, 224)
+PREFILL_REPEATS = 3
+DECODE_BATCHES = (1, 2, 4, 8, 16)
+DECODE_TOKENS = 12
+PROBE_SPACING_S = 0.25  # between isolated prefill probes
+BUSY_GAP_S = 0.05  # a step that starts within this of the previous one's end ran back-to-back
+PROBE_ROUNDS = 4  # passes over the probes, alternating the servers
+BUSY_BACKGROUND, BUSY_BACKGROUND_TOKENS, BUSY_PROMPTS = 6, 40, (16, 48, 96, 160, 48, 96)
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """What `shiftlm calibrate --serve-model` measured for one model and layout on this machine."""
+
+    model: str
+    tp: int
+    sp: int
+    host: dict[str, HostOverhead]  # by step mode: execution residual + engine-loop gap
+    per_request: float  # seconds of a request's path outside the engine (HTTP, tokenize, stream)
+    probe_steps: int
+    notes: str = ""
+    per_request_busy: float | None = None  # the same path while the engine steps (None: as idle)
+
+    def apply(self, setup: ServeHardware) -> ServeHardware:
+        """`setup` with this engine's host overheads per mode and its request path."""
+        host = {Mode(mode): overhead for mode, overhead in self.host.items()}
+        return replace(setup, host=host, per_request=self.per_request, per_request_busy=self.per_request_busy)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> EngineProfile:
+        if not path.exists():
+            raise ValueError(
+                f"no engine profile at {path}; run `shiftlm calibrate --serve-model DIR --engine-out {path}`"
+            )
+        try:
+            fields = json.loads(path.read_text())
+            fields["host"] = {mode: HostOverhead(**h) for mode, h in fields["host"].items()}
+            return cls(**fields)
+        except (json.JSONDecodeError, TypeError, KeyError) as err:
+            raise ValueError(f"{path} is not an engine profile ({err}); re-run `shiftlm calibrate`") from err
+
+
+def engine_setup(model_dir: Path, hardware: Hardware, profile: EngineProfile | None = None) -> ServeHardware:
+    """The CPU engine as the cost model sees it: the checkpoint's shapes, fp32 weights and cache, the
+    calibrated kernel rates plus one eager op per kernel, and (with `profile`) the engine's measured
+    host overheads and request path."""
+    setup = ServeHardware(
+        from_hf_config(Path(model_dir) / "config.json"), hardware, measured(hardware.extra), "fp32", "fp32"
+    )
+    return profile.apply(setup) if profile is not None else setup
+
+
+def step_plan(step: dict, context: int = 100) -> StepPlan:
+    """The plan of a step-log line: every sequence but one decodes (`context` tokens of context);
+    that one is a prompt chunk with the rest of the tokens (as the engine's chunked prefill makes)."""
+    decodes = step["seqs"] if step["tokens"] == step["seqs"] else step["seqs"] - 1
+    chunks = [ScheduledChunk(i, (5,), context, (), True) for i in range(decodes)]
+    if step["tokens"] > decodes:
+        chunks.append(ScheduledChunk(decodes, (5,) * (step["tokens"] - decodes), 0, (), True))
+    return StepPlan(step["step"], Mode(step["mode"]), tuple(chunks))
+
+
+def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
+    solution = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
+    return [float(x) for x in solution]
+
+
+def fit_mode(setup: ServeHardware, layout: ServeLayout, steps: list[dict]) -> HostOverhead:
+    """HostOverhead of one mode from its probe steps (`start`, `seconds`, `tokens`, `seqs`): the
+    residual of the execution over the kernel model on [1, chunks x layers, tokens], plus the gap
+    between back-to-back steps on [1, chunks] (its per-chunk part joins per_chunk_layer / layers)."""
+    layers = setup.model.layers
+    cost = StepCostModel(replace(setup, host=None), layout)  # the plan names the mode
+    plans = [step_plan(s) for s in steps]
+    per_step, per_chunk_layer, per_token = _least_squares(
+        [[1.0, len(p.chunks) * layers, p.num_tokens] for p in plans],
+        [s["seconds"] - cost.step_time(p) for s, p in zip(steps, plans)],
+    )
+    gaps = [
+        (len(p.chunks), nxt["start"] - (s["start"] + s["seconds"]))
+        for s, p, nxt in zip(steps, plans, steps[1:])
+        if 0 <= nxt["start"] - (s["start"] + s["seconds"]) < BUSY_GAP_S and nxt["seqs"] == s["seqs"]
+    ]
+    gap_step = gap_chunk = 0.0
+    if len(gaps) >= 2:
+        gap_step, gap_chunk = _least_squares([[1.0, c] for c, _ in gaps], [g for _, g in gaps])
+    return HostOverhead(per_step + gap_step, per_chunk_layer + gap_chunk / layers, per_token)
+
+
+def busy_requests() -> tuple[list[TraceRequest], int]:
+    """Prompts sent while the engine is busy decoding a background batch: (requests, how many of
+    them, first in the list, are the background)."""
+    background = [TraceRequest(0.0, 8, BUSY_BACKGROUND_TOKENS) for _ in range(BUSY_BACKGROUND)]
+    probes = [TraceRequest(0.05 + 0.07 * i, length, 1) for i, length in enumerate(BUSY_PROMPTS)]
+    return background + probes, len(background)
+
+
+def probe_requests() -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """Isolated prefill probes, and decode probes (batches sent together, far apart)."""
+    prefill = [
+        TraceRequest(PROBE_SPACING_S * i, length, 1)
+        for i, length in enumerate(length for _ in range(PREFILL_REPEATS) for length in PREFILL_LENGTHS)
+    ]
+    decode, start = [], 0.0
+    for batch in DECODE_BATCHES:
+        decode += [TraceRequest(start, 8, DECODE_TOKENS) for _ in range(batch)]
+        start += 0.4 + 0.02 * batch  # > the batch's ~DECODE_TOKENS steps: groups never overlap
+    return prefill, decode
+
+
+def fit_busy_path(
+    setup: ServeHardware,
+    layout: ServeLayout,
+    host: dict[str, HostOverhead],
+    per_request: float,
+    busy: list[TraceRequest],
+    background: int,
+    measured: dict[str, list[float]],
+) -> float:
+    """The request path while the engine steps: the value that makes the simulated mean TTFT of the
+    busy probes (the same workload, replayed by `simulate_serving` with the fitted host work) equal
+    the measured one. TTFT moves one for one with it, so a few corrections converge."""
+    from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
+
+    measured_all = [ttft for mode in host for ttft in measured[mode]]
+    if not measured_all:
+        return per_request
+    target = statistics.fmean(measured_all)
+    timed = replace(
+        setup, host={Mode(mode): overhead for mode, overhead in host.items()}, per_request=per_request
+    )
+    limits = EngineLimits(block_size=16, max_num_seqs=64, max_tokens_per_step=256, num_blocks=512)
+    path = per_request
+    for _ in range(4):
+        simulated = []
+        for mode in host:
+            threshold = math.inf if mode == "tp" else -1
+            run = simulate_serving(
+                replace(timed, per_request_busy=path), replace(layout, threshold=threshold), busy, limits
+            )
+            simulated += [t.ttft for t in run.timings[background:]] * len(measured[mode])
+        path = max(0.0, path + target - statistics.fmean(simulated))
+    return path
+
+
+def _read_steps(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _steps_so_far(url: str) -> int:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return sum(
+        int(float(line.split()[-1])) for line in text.splitlines() if line.startswith("shiftlm_steps_")
+    )
+
+
+def profile_engine(
+    model_dir: Path,
+    tp: int,
+    sp: int,
+    setup: ServeHardware,
+    serve_args: list[str] = (),
+    log: Callable[[str], None] = print,
+    rounds: int = PROBE_ROUNDS,
+    probes: tuple[list[TraceRequest], list[TraceRequest]] | None = None,
+) -> EngineProfile:
+    """Start one server per mode on `model_dir` (tp x sp ranks), run the probes `rounds` times,
+    alternating the servers so that load elsewhere on the machine falls on both, and fit (module doc)."""
+    import contextlib
+
+    from shiftlm.serve.local_server import local_server
+    from shiftlm.serve.replay import bench_url
+
+    replay_args = argparse.Namespace(model_name=None, timeout=300.0, slo_ttft=10.0, slo_tpot=10.0)
+    prefill, decode = probes or probe_requests()
+    layout = ServeLayout(1, tp, sp, 0)  # every logged plan names its mode
+    modes = ("tp", "sp_tp") if sp > 1 else ("tp",)  # without SP there is one mode
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+        logs = {mode: Path(tmp) / f"steps_{mode}.jsonl" for mode in modes}
+        urls = {}
+        for mode in modes:
+            argv = ["--model", str(model_dir), "--tp", str(tp), "--sp", str(sp), "--mode", mode]
+            urls[mode] = servers.enter_context(
+                local_server([*argv, "--step-log", str(logs[mode]), *serve_args])
+            ).url
+        first, prefill_results, busy_results = {}, {mode: [] for mode in modes}, {mode: [] for mode in modes}
+        busy, background = busy_requests()
+        for mode in modes:
+            bench_url(urls[mode], decode[:4], replay_args, first_id=200)  # warm-up, discarded
+            first[mode] = _steps_so_far(urls[mode])
+        for round_ in range(rounds):
+            for mode in modes[round_ % 2 :] + modes[: round_ % 2]:
+                prefill_results[mode] += bench_url(
+                    urls[mode], prefill, replay_args, first_id=3 + 40 * round_
+                )[1]
+                bench_url(urls[mode], decode, replay_args, first_id=23 + 40 * round_)
+                results = bench_url(urls[mode], busy, replay_args, first_id=33 + 40 * round_)[1]
+                busy_results[mode] += [r.ttft for r in results[background:] if r.ok]
+        servers.close()  # flushes the step logs
+        steps = {mode: [s for s in _read_steps(logs[mode]) if s["step"] >= first[mode]] for mode in modes}
+    host, request_overheads = {}, []
+    for mode in modes:
+        host[mode] = fit_mode(setup, layout, steps[mode])
+        # a prefill probe's TTFT = the request path + its step (+ the loop's gap after it)
+        costed = StepCostModel(replace(setup, host={Mode(mode): host[mode]}), layout)
+        for result in prefill_results[mode]:
+            if result.ok:
+                plan = step_plan({"step": 0, "mode": mode, "tokens": result.input_len, "seqs": 1})
+                request_overheads.append(result.ttft - costed.step_time(plan))
+        log(
+            f"calibrate: engine {mode:5s} ({len(steps[mode])} probe steps): per step "
+            f"{host[mode].per_step * 1e3:.2f} ms, per chunk-layer {host[mode].per_chunk_layer * 1e6:.0f} us, "
+            f"per token {host[mode].per_token * 1e6:.1f} us"
+        )
+    per_request = statistics.median(request_overheads) if request_overheads else 0.0
+    log(
+        f"calibrate: request path outside the engine: {per_request * 1e3:.2f} ms (median of {len(request_overheads)})"
+    )
+    per_request_busy = fit_busy_path(setup, layout, host, per_request, busy, background, busy_results)
+    log(f"calibrate: request path while the engine steps: {per_request_busy * 1e3:.2f} ms")
+    return EngineProfile(
+        model=str(model_dir),
+        tp=tp,
+        sp=sp,
+        host=host,
+        per_request=per_request,
+        per_request_busy=per_request_busy,
+        probe_steps=sum(len(s) for s in steps.values()),
+        notes=f"shiftlm calibrate --serve-model on {setup.hardware.name}, {rounds} probe rounds",
+    )
