@@ -1,15 +1,17 @@
 """Closing the loop: predict bench/pipeline.py's measured step times from a `shiftlm calibrate` profile.
 
-    shiftlm calibrate --out /tmp/this.json     # ~30 s
+    shiftlm calibrate --out /tmp/this.json     # ~25 s
+    python bench/pipeline.py                   # ~1 min: bench/results/pipeline.json
     python bench/sim_vs_measured.py --hardware /tmp/this.json [--json]
 
 bench/pipeline.py runs LAYERS x (Linear(width, width) + tanh), fp32, split into each schedule's
 stage-chunks on 2 gloo ranks, `rows` tokens per micro-batch. Here nothing is measured: each chunk's
-F / I / W come from the simulator's cost model (`costs.kernels_time`: GEMM FLOPs at the calibrated
-GEMM rate, elementwise bytes at the calibrated memory bandwidth), each activation send from
-`collectives.p2p_time` at the calibrated gloo latency and bandwidth, and the step is the pipeline
-simulator's makespan. Compared with bench/results/pipeline.json's `measured_s`; writes
-bench/results/sim_vs_measured.json.
+F / I / W come from the simulator's cost model (`costs.kernels_time`: forward, dgrad and wgrad GEMMs
+at the profile's measured rates for their shape and role, elementwise bytes at the calibrated copy
+bandwidth), each hand-off from `collectives.p2p_time` on `p2p_links` (the calibrated hand-off
+latency while the sender computes, the send/recv bandwidth), and the step is the pipeline
+simulator's makespan (plus BitPipe's gradient exchange, `grad_sync_time`). Compared with
+bench/results/pipeline.json's `measured_s`; writes bench/results/sim_vs_measured.json.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ def main() -> None:
         "config": config,
         "hardware": {
             "gemm_gflops": hardware.flops("fp32") / 1e9,
+            "gemm_forward_gflops": (
+                hardware.gemm_rate("forward", config["rows"], config["width"], config["width"]) or 0
+            )
+            / 1e9,
             "memory_gb_s": hardware.hbm_bandwidth / 1e9,
             "p2p_latency_us": p2p_links(hardware, MEASURED).intra_latency * 1e6,
             "p2p_gb_s": p2p_links(hardware, MEASURED).intra_bandwidth / 1e9,
