@@ -25,13 +25,12 @@ import random
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from shiftlm.launch import LocalWorkers
 from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.local_server import local_server
-from shiftlm.serve.replay import bench_url
+from shiftlm.serve.replay import bench_url, steps_so_far
 from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.tokenizer import write_char_tokenizer
 from shiftlm.serve.trace import load_trace, scale_trace
@@ -87,14 +86,6 @@ def switch_cost(model_dir: str, repeats: int) -> dict[str, float] | None:
         runner.run_step(StepPlan(1, after, chunks))
         times.setdefault(f"{after.value} after {before.value}", []).append(time.perf_counter() - started)
     return {key: 1e3 * statistics.median(values) for key, values in sorted(times.items())}
-
-
-def steps_so_far(url: str) -> int:
-    """Steps the server has run (its step log numbers them from 0), from /metrics."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return sum(
-        int(float(line.split()[-1])) for line in text.splitlines() if line.startswith("shiftlm_steps_")
-    )
 
 
 def mean_over_repeats(rows: list[dict]) -> list[dict]:

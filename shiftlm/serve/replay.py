@@ -148,6 +148,16 @@ def plot_latency_over_time(results: list[RequestResult], path: Path, title: str)
     plt.close(fig)
 
 
+def steps_so_far(url: str) -> int:
+    """Engine steps a server has run (its `--step-log` numbers them from 0), from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return sum(
+        int(float(line.split()[-1])) for line in text.splitlines() if line.startswith("shiftlm_steps_")
+    )
+
+
 def first_model(url: str) -> str:
     import httpx
 

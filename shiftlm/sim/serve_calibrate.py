@@ -35,7 +35,6 @@ import json
 import math
 import statistics
 import tempfile
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -204,13 +203,6 @@ def _read_steps(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _steps_so_far(url: str) -> int:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return sum(
-        int(float(line.split()[-1])) for line in text.splitlines() if line.startswith("shiftlm_steps_")
-    )
-
-
 def profile_engine(
     model_dir: Path,
     tp: int,
@@ -226,7 +218,7 @@ def profile_engine(
     import contextlib
 
     from shiftlm.serve.local_server import local_server
-    from shiftlm.serve.replay import bench_url
+    from shiftlm.serve.replay import bench_url, steps_so_far
 
     replay_args = argparse.Namespace(model_name=None, timeout=300.0, slo_ttft=10.0, slo_tpot=10.0)
     prefill, decode = probes or probe_requests()
@@ -244,7 +236,7 @@ def profile_engine(
         busy, background = busy_requests()
         for mode in modes:
             bench_url(urls[mode], decode[:4], replay_args, first_id=200)  # warm-up, discarded
-            first[mode] = _steps_so_far(urls[mode])
+            first[mode] = steps_so_far(urls[mode])
         for round_ in range(rounds):
             for mode in modes[round_ % 2 :] + modes[: round_ % 2]:
                 prefill_results[mode] += bench_url(
