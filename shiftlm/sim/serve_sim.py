@@ -157,16 +157,17 @@ def scheduler_config(
     longest = max(r.input_len + r.output_len for r in requests) + 1
     max_model_len = limits.max_model_len or longest
     capacity = kv_capacity(setup, layout, limits.block_size, limits.max_tokens_per_step)
-    if (limits.num_blocks or capacity.num_blocks) * limits.block_size < max_model_len:
+    num_blocks = limits.num_blocks or capacity.num_blocks
+    if num_blocks * limits.block_size < max_model_len:
         raise ValueError(
             f"{layout.name} of {setup.model.name} ({setup.dtype}) leaves KV room for "
-            f"{capacity.num_blocks * limits.block_size} tokens per replica on {setup.hardware.name}, "
+            f"{num_blocks * limits.block_size} tokens per replica on {setup.hardware.name}, "
             f"less than the longest request ({max_model_len}); use a larger tp or a bigger GPU"
         )
     if max_model_len < longest:
         raise ValueError(f"--max-model-len {max_model_len} is shorter than a trace request ({longest})")
     return SchedulerConfig(
-        num_blocks=limits.num_blocks or capacity.num_blocks,
+        num_blocks=num_blocks,
         block_size=limits.block_size,
         max_num_seqs=limits.max_num_seqs,
         max_tokens_per_step=limits.max_tokens_per_step,
