@@ -24,7 +24,7 @@ from shiftlm.pipeline.actions import Kind, Schedule
 from shiftlm.pipeline.simulator import ActionCosts, simulate
 from shiftlm.sim.collectives import p2p_links, p2p_time
 from shiftlm.sim.costs import Kernel, kernels_time
-from shiftlm.sim.efficiency import MEASURED
+from shiftlm.sim.efficiency import measured
 from shiftlm.sim.hardware import DEFAULT_PROFILE, Hardware, load_profile
 from shiftlm.sim.train import build
 
@@ -49,7 +49,7 @@ def chunk_costs(
         return Kernel(name, 0.0, nbytes, False)
 
     def time(ops: list[Kernel]) -> float:
-        return kernels_time(ops, hardware, MEASURED, "fp32")
+        return kernels_time(ops, hardware, measured(hardware.extra), "fp32")  # as `--gpu this` does
 
     activation = FP32 * rows * width
     forward = layers * time([gemm("forward"), pointwise("tanh", 2 * activation)])
@@ -71,9 +71,10 @@ def grad_sync_time(schedule: Schedule, layers: int, width: int, hardware: Hardwa
     if not syncs:
         return 0.0
     nbytes = FP32 * layers * (width * width + width)
-    copies = kernels_time([Kernel("cat_and_add", 0.0, 5 * nbytes, False)], hardware, MEASURED, "fp32")
+    efficiency = measured(hardware.extra)
+    copies = kernels_time([Kernel("cat_and_add", 0.0, 5 * nbytes, False)], hardware, efficiency, "fp32")
     transfer_cpu = 2 * nbytes * hardware.extra.get("p2p_cpu_per_byte", 0.0)
-    return syncs * (copies + transfer_cpu) + p2p_time(nbytes, False, p2p_links(hardware, MEASURED))
+    return syncs * (copies + transfer_cpu) + p2p_time(nbytes, False, p2p_links(hardware, efficiency))
 
 
 def predict(config: dict, name: str, chunks: int, hardware: Hardware) -> float:
@@ -85,7 +86,9 @@ def predict(config: dict, name: str, chunks: int, hardware: Hardware) -> float:
         for stage in range(schedule.num_stages)
     ]
     forward, backward_input, backward_weight = (list(costs) for costs in zip(*per_stage))
-    send = p2p_time(FP32 * config["rows"] * config["width"], False, p2p_links(hardware, MEASURED))
+    send = p2p_time(
+        FP32 * config["rows"] * config["width"], False, p2p_links(hardware, measured(hardware.extra))
+    )
     makespan = simulate(schedule, ActionCosts(forward, backward_input, backward_weight, p2p=send)).makespan
     return makespan + grad_sync_time(schedule, layers, config["width"], hardware)
 
@@ -99,6 +102,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     hardware = load_profile(args.hardware)
+    links = p2p_links(hardware, measured(hardware.extra))
     bench = json.loads(args.measured.read_text())
     config = bench["config"]
     rows = []
@@ -121,8 +125,8 @@ def main() -> None:
             )
             / 1e9,
             "memory_gb_s": hardware.hbm_bandwidth / 1e9,
-            "p2p_latency_us": p2p_links(hardware, MEASURED).intra_latency * 1e6,
-            "p2p_gb_s": p2p_links(hardware, MEASURED).intra_bandwidth / 1e9,
+            "p2p_latency_us": links.intra_latency * 1e6,
+            "p2p_gb_s": links.intra_bandwidth / 1e9,
         },
         "schedules": rows,
         "mape_pct": 100 * sum(abs(r["error"]) for r in rows) / len(rows),

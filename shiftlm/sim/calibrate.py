@@ -1,21 +1,25 @@
 """`shiftlm calibrate`: measure this machine into a hardware profile the simulator loads as "this".
 
-What is measured (about 30 s on 2 cores), all on 2 local gloo ranks (`LocalWorkers`, one thread
+What is measured (about 25 s on 2 cores), all on 2 local gloo ranks (`LocalWorkers`, one thread
 each) running *at the same time*, because that is how every multi-rank job here runs: two busy
 processes share the cores' caches and memory bus, so a rank's matmul is slower than one process alone.
-- GEMM throughput in fp32 as a layer stack runs it: a micro-batch (128 or 512 rows) through 4
-  *distinct* weights (1024x1024, 1024x4096, 4096x1024), each used once per pass, so weights stream
-  from L3 as in a real forward; best of 10 passes per shape. The *median* over shapes is the
-  profile's peak, used with `efficiency.MEASURED` (all factors 1). (The earlier estimator, the best
-  of repeated matmuls on one operand pair, was set by 256^3, whose operands stay in L2: ~160 GFLOP/s
-  per rank, ~25% above what a 128-row micro-batch through 1024-wide layers gets.)
+- GEMM rates in fp32 by shape and role (`Hardware.gemm_table`): GEMM_ROWS x GEMM_WIDTHS, each as a
+  layer's forward, its dgrad and its wgrad, through STACK_DEPTH *distinct* weights per pass (weights
+  stream from memory as in a real pass). Round-robin over the table for GEMM_ROUNDS rounds, the
+  rate being total FLOPs / total time: the mean pass, since a step is a sum of passes (the best of
+  10 predicted a 4-layer chunk's forward at ~8.5 ms against 9.3 ms inside a traced pipeline step).
+  The forward median over PEAK_SHAPES is the profile's scalar peak; the efficiency is
+  `efficiency.measured` (all factors 1, plus the eager-op cost per kernel).
 - Memory bandwidth per rank from a large tensor copy (read + write).
 - gloo all-reduce time by message size (the median of repeats, robust to a preempted run), fitted to
   the alpha-beta model `t = 2 alpha + bytes / bandwidth` that `collectives.all_reduce_time` uses for 2
   ranks, on relative error so small messages set alpha.
 - gloo send/recv by message size (ping-pong, half the round trip), fitted to `t = alpha + bytes / bw`:
   gloo's p2p is a rendezvous (data moves once the receive is posted), with its own latency, which
-  `extra["p2p_latency"]`, `extra["p2p_bandwidth"]` carry for pipeline sends.
+  `extra["p2p_latency"]`, `extra["p2p_bandwidth"]` carry; and the process CPU time per byte at each
+  end of a transfer, `extra["p2p_cpu_per_byte"]` (gloo copies through the cores that compute).
+- The pipeline hand-off latency while the sender computes, `extra["handoff_latency"]` (`time_handoff`),
+  which `collectives.p2p_links` gives pipeline sends.
 - The fixed CPU cost of one eager op (dispatch, a 1-element add): `extra["op_overhead"]`, the
   per-kernel overhead of this machine.
 """
@@ -55,15 +59,15 @@ def _mean_time(fn: Callable[[], object], repeats: int, budget: float | None = No
     return statistics.fmean(times)
 
 
-def _gemm_pass(role: str, m: int, k: int, n: int) -> Callable[[], object]:
-    """One pass of a layer stack's GEMM in `role` through STACK_DEPTH distinct weights (so weights
-    stream from memory as in a real pass): the forward F.linear(x, W, b), its dgrad dy @ W, or its
-    wgrad dy^T @ x (what autograd runs for a Linear's input and weight gradients)."""
+def _gemm_pass(role: str, m: int, weights: list, biases: list) -> Callable[[], object]:
+    """One pass of a layer stack's GEMM in `role` through STACK_DEPTH distinct [n, k] weights (so
+    weights stream from memory as in a real pass): the forward F.linear(x, W, b), its dgrad dy @ W, or
+    its wgrad dy^T @ x (what autograd runs for a Linear's input and weight gradients)."""
     import torch
 
-    weights = [torch.randn(n, k) for _ in range(STACK_DEPTH)]
+    n, k = weights[0].shape
     if role == "forward":
-        x, biases = torch.randn(m, k), [torch.randn(n) for _ in range(STACK_DEPTH)]
+        x = torch.randn(m, k)
         return lambda: [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
     grads = [torch.randn(m, n) for _ in range(STACK_DEPTH)]
     if role == "dgrad":
@@ -81,7 +85,16 @@ def time_compute() -> dict[str, object]:
 
     # round-robin: every (role, shape) gets a few passes per round, so a burst of load elsewhere
     # spreads over all shapes instead of deciding one; the rate is total FLOPs / total time (a mean)
-    passes = {(role, *shape): _gemm_pass(role, *shape) for role in GEMM_ROLES for shape in GEMM_SHAPES}
+    layers = {  # one stack of weights per width, shared by every row count and role
+        (k, n): (
+            [torch.randn(n, k) for _ in range(STACK_DEPTH)],
+            [torch.randn(n) for _ in range(STACK_DEPTH)],
+        )
+        for k, n in GEMM_WIDTHS
+    }
+    passes = {
+        (role, m, k, n): _gemm_pass(role, m, *layers[k, n]) for role in GEMM_ROLES for m, k, n in GEMM_SHAPES
+    }
     spent = dict.fromkeys(passes, 0.0)
     runs = dict.fromkeys(passes, 0)
     for run in passes.values():
@@ -241,8 +254,8 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
         send_runs = workers.run(time_send_recv, MESSAGE_BYTES)
         handoffs = workers.run(time_handoff)[1]
     send = max((r["wall"] for r in send_runs), key=sum)
-    # CPU seconds per byte at one end of a transfer: the slope over the large messages (>= 1 MiB),
-    # mean over the 2 ranks (each sent and received every message)
+    # CPU seconds per byte at one end of a transfer: the slope between the smallest and the largest
+    # message of >= 1 MiB, mean over the 2 ranks (each sent and received every message)
     large = [i for i, nbytes in enumerate(MESSAGE_BYTES) if nbytes >= 2**20]
     cpu_per_byte = statistics.fmean(
         (r["cpu"][large[-1]] - r["cpu"][large[0]]) / (MESSAGE_BYTES[large[-1]] - MESSAGE_BYTES[large[0]])

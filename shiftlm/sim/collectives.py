@@ -85,9 +85,8 @@ def p2p_links(hardware: Hardware, efficiency: Efficiency) -> Links:
     the activation) while the sender goes on computing, which on a CPU host is set by when the
     sender's communication threads get a core (~2 ms here against ~0.1 ms for an idle ping-pong).
     Catalog GPUs use their collective links."""
-    links = Links.of(hardware, efficiency)
-    latency = hardware.extra.get("handoff_latency", hardware.extra.get("p2p_latency", links.intra_latency))
-    bandwidth = hardware.extra.get("p2p_bandwidth", links.intra_bandwidth)
-    if "p2p_bandwidth" not in hardware.extra and "handoff_latency" not in hardware.extra:
+    links, extra = Links.of(hardware, efficiency), hardware.extra
+    if "p2p_bandwidth" not in extra:  # not a calibrated profile
         return links
-    return Links(bandwidth, bandwidth, latency, latency)
+    latency = extra.get("handoff_latency", extra.get("p2p_latency", links.intra_latency))
+    return Links(extra["p2p_bandwidth"], extra["p2p_bandwidth"], latency, latency)

@@ -100,9 +100,8 @@ def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, 
     bandwidth = hardware.hbm_bandwidth * efficiency.memory
     total = 0.0
     for op in ops:
-        rate = peak
-        if op.gemm and op.shape is not None and hardware.gemm_table:
-            rate = hardware.gemm_rate(op.role, *op.shape) * efficiency.gemm
+        measured = hardware.gemm_rate(op.role, *op.shape) if op.gemm and op.shape is not None else None
+        rate = peak if measured is None else measured * efficiency.gemm
         total += max(op.flops / rate, op.nbytes / bandwidth) + efficiency.kernel_overhead
     return total
 

@@ -68,7 +68,7 @@ class Hardware:
         (a layer's forward, or the dgrad / wgrad of that forward GEMM), or None without a table.
         Rates depend on shape (a 128-row micro-batch through 1024-wide weights runs ~20% below a
         512-row one on a CPU core) and on the transposes of the backward GEMMs."""
-        rows = [row for row in self.gemm_table if row[0] == role] or list(self.gemm_table)
+        rows = [row for row in self.gemm_table if row[0] == role]
         if not rows:
             return None
 

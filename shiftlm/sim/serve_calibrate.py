@@ -31,6 +31,7 @@ and bench/serve_sim_vs_measured.py load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -47,6 +48,7 @@ from shiftlm.sim.efficiency import measured
 from shiftlm.sim.hardware import Hardware
 from shiftlm.sim.models import from_hf_config
 from shiftlm.sim.serve_runner import HostOverhead, ServeHardware, ServeLayout, StepCostModel
+from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
 
 PREFILL_LENGTHS = (4, 16, 48, 96, 160, 224)
 PREFILL_REPEATS = 3
@@ -176,26 +178,24 @@ def fit_busy_path(
     """The request path while the engine steps: the value that makes the simulated mean TTFT of the
     busy probes (the same workload, replayed by `simulate_serving` with the fitted host work) equal
     the measured one. TTFT moves one for one with it, so a few corrections converge."""
-    from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
-
-    measured_all = [ttft for mode in host for ttft in measured[mode]]
-    if not measured_all:
+    weights = {mode: len(measured[mode]) for mode in host if measured[mode]}
+    if not weights:
         return per_request
-    target = statistics.fmean(measured_all)
     timed = replace(
         setup, host={Mode(mode): overhead for mode, overhead in host.items()}, per_request=per_request
     )
     limits = EngineLimits(block_size=16, max_num_seqs=64, max_tokens_per_step=256, num_blocks=512)
     path = per_request
     for _ in range(4):
-        simulated = []
-        for mode in host:
+        shortfall = 0.0  # measured - simulated mean TTFT of the probes, weighted by probes per mode
+        for mode, count in weights.items():
             threshold = math.inf if mode == "tp" else -1
             run = simulate_serving(
                 replace(timed, per_request_busy=path), replace(layout, threshold=threshold), busy, limits
             )
-            simulated += [t.ttft for t in run.timings[background:]] * len(measured[mode])
-        path = max(0.0, path + target - statistics.fmean(simulated))
+            simulated = statistics.fmean(t.ttft for t in run.timings[background:])
+            shortfall += count * (statistics.fmean(measured[mode]) - simulated)
+        path = max(0.0, path + shortfall / sum(weights.values()))
     return path
 
 
@@ -215,8 +215,6 @@ def profile_engine(
 ) -> EngineProfile:
     """Start one server per mode on `model_dir` (tp x sp ranks), run the probes `rounds` times,
     alternating the servers so that load elsewhere on the machine falls on both, and fit (module doc)."""
-    import contextlib
-
     from shiftlm.serve.local_server import local_server
     from shiftlm.serve.replay import bench_url, steps_so_far
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,7 +13,15 @@ from shiftlm.cli import main
 from shiftlm.serve.scheduler import Mode
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.hardware import CATALOG
-from shiftlm.sim.serve_calibrate import EngineProfile, engine_setup, fit_mode, profile_engine, step_plan
+from shiftlm.sim.serve_calibrate import (
+    EngineProfile,
+    busy_requests,
+    engine_setup,
+    fit_busy_path,
+    fit_mode,
+    profile_engine,
+    step_plan,
+)
 from shiftlm.sim.serve_runner import HostOverhead, ServeLayout, StepCostModel
 from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
 
@@ -136,3 +145,33 @@ def test_busy_request_path_applies_only_while_the_engine_steps(tiny, tmp_path):
     assert simulate_serving(slow, LAYOUT, during, limits).timings[1].ttft > (
         simulate_serving(setup, LAYOUT, during, limits).timings[1].ttft + 5e-3
     )
+
+
+def test_busy_path_fit_reproduces_the_measured_ttfts(tiny, tmp_path):
+    """TTFTs simulated with a 9 ms busy path stand for the measurement; the fit, started from the
+    idle 2 ms, returns a path whose simulated TTFTs match them (TTFT is a step function of the path
+    where admissions cross step boundaries, so the path itself is identified only up to that)."""
+    setup = engine_setup(tiny, _this(tmp_path))
+    host = {mode: HostOverhead(5e-3, 1e-4, 2e-5) for mode in ("tp", "sp_tp")}
+    busy, background = busy_requests()
+    limits = EngineLimits(16, 64, 256, num_blocks=512)
+
+    def ttfts(path: float) -> dict[str, list[float]]:
+        timed = replace(
+            setup, host={Mode(m): h for m, h in host.items()}, per_request=2e-3, per_request_busy=path
+        )
+        return {
+            mode: [
+                t.ttft
+                for t in simulate_serving(timed, replace(LAYOUT, threshold=threshold), busy, limits).timings[
+                    background:
+                ]
+            ]
+            for mode, threshold in (("tp", math.inf), ("sp_tp", -1))
+        }
+
+    measured = ttfts(9e-3)
+    fitted = fit_busy_path(setup, LAYOUT, host, 2e-3, busy, background, measured)
+    assert fitted == pytest.approx(9e-3, abs=1e-3)
+    for mode, values in ttfts(fitted).items():
+        assert sum(values) == pytest.approx(sum(measured[mode]), rel=0.01)
