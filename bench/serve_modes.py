@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shiftlm.data import trace_path
 from shiftlm.launch import LocalWorkers
 from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.local_server import local_server
@@ -36,7 +37,7 @@ from shiftlm.serve.tokenizer import write_char_tokenizer
 from shiftlm.serve.trace import load_trace, scale_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT / ".." / "shared" / "data" / "traces" / "azure_llm_2023_code.csv"
+TRACE = trace_path("azure_code")
 MODES = ("tp", "sp_tp", "shift")
 TOKEN_BUCKETS = ((1, 8), (9, 32), (33, 128), (129, 256))  # step sizes compared across modes
 PROMPT_ID_RANGE = 50  # replay.synthetic_prompt draws ids from [first_id, first_id + 50)

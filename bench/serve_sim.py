@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from shiftlm.data import trace_path
 from shiftlm.serve.trace import load_trace, scale_trace
 from shiftlm.sim.efficiency import FITTED
 from shiftlm.sim.hardware import CATALOG
@@ -22,7 +23,7 @@ from shiftlm.sim.models import PRESETS
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
 from shiftlm.sim.serve_sim import simulate_serving
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/azure_llm_2023_code.csv"
+TRACE = trace_path("azure_code")
 RATE_SCALES = (0.25, 0.5, 1, 2, 4, 8, 16)
 LAYOUTS = {
     "tp8": ServeLayout(1, 8),

@@ -1,6 +1,6 @@
 """ParallelConfig -> Mesh: this rank's coordinates and its named process groups.
 
-Rank layout (DESIGN.md "Rank layout"), TP innermost:
+Rank layout (docs/design.md "Rank layout"), TP innermost:
 
     rank = ((dp * PP + pp) * SP + sp) * TP + tp
 

@@ -3,7 +3,7 @@
 Ulysses (Jacobs et al. 2023): each SP rank holds a contiguous slice of the sequence and its TP shard
 of heads. One all-to-all over the sp group trades "my tokens, my TP block's heads" for "all tokens,
 one sub-block of heads"; afterwards rank (sp, tp) holds head block j = tp*SP + sp of P = SP*TP
-(DESIGN.md "Shift Parallelism"). Q, K and V travel in one all-to-all, the output in a second one.
+(docs/design.md "Shift Parallelism"). Q, K and V travel in one all-to-all, the output in a second one.
 With fewer KV heads than blocks, each block receives the KV head floor(j*KV/P) it attends with.
 """
 

@@ -5,7 +5,7 @@ along one dimension, then zero padding (vocab padded to a multiple of TP). Every
 checkpoint loader and the saver read the same spec, so a layout can never load one way and save
 another.
 
-GQA (DESIGN.md "GQA"): with KV heads >= the number of head blocks, block b holds KV heads
+GQA (docs/design.md "GQA"): with KV heads >= the number of head blocks, block b holds KV heads
 [b*KV/blocks, (b+1)*KV/blocks); with fewer KV heads than blocks, block b holds the single KV head
 floor(b*KV/blocks), replicated across the blocks that share it.
 """

@@ -1,7 +1,7 @@
 """`shiftlm serve` (OpenAI-compatible server) and `shiftlm bench serve` (trace replay).
 
     shiftlm serve --model DIR --tp 2 --sp 1 --shift-threshold 64 --port 8000 [--step-log steps.jsonl]
-    shiftlm bench serve --trace ../shared/data/traces/azure_llm_2023_code.csv --url http://127.0.0.1:8000 \\
+    shiftlm bench serve --trace azure_code --url http://127.0.0.1:8000 \\
         --max-requests 100 --rate 2 --max-input 256 --max-output 32 --json
 """
 

@@ -1,6 +1,6 @@
 """The sampled rows' logits, back to rank 0: every rank sends only the block it owns.
 
-With V_T = padded_vocab / TP columns per TP shard (DESIGN.md, "Process model": logits come back to rank 0):
+With V_T = padded_vocab / TP columns per TP shard (docs/design.md, "Process model": logits come back to rank 0):
 
 - SP x TP: rank (sp, tp) holds the hidden states of token slice sp and LM-head shard tp, so it owns
   the sampled rows that fall in its slice x columns [tp*V_T, (tp+1)*V_T).

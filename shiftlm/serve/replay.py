@@ -1,6 +1,6 @@
 """`shiftlm bench serve`: replay a trace against a server and report serving latency and throughput.
 
-    shiftlm bench serve --trace ../shared/data/traces/azure_llm_2023_code.csv --model DIR --tp 1 --sp 2 \\
+    shiftlm bench serve --trace azure_code --model DIR --tp 1 --sp 2 \\
         --max-requests 40 --rate 2 --max-input 128 --max-output 16 --out runs/replay --json
 
 Each request streams from /v1/completions with a synthetic prompt of the trace's length (token ids) and

@@ -7,7 +7,7 @@ sequences in arrival order. When the cache has no free block for a running seque
 sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later (vLLM's recompute preemption; its full blocks usually survive in the prefix cache).
 
-The policy picks the parallel mode of the step from the number of scheduled tokens (DESIGN.md, "Shift
+The policy picks the parallel mode of the step from the number of scheduled tokens (docs/design.md, "Shift
 Parallelism"): full TP for small steps (latency), SP x TP for large ones (throughput). This module
 imports no torch: the serving simulator runs this same scheduler with a cost-model runner.
 """

@@ -2,7 +2,7 @@
 
 The weights are the core model's SP x TP shards (`build_model` on a Mesh with tp=T, sp=S): rank (sp, tp)
 holds TP shard `tp`. Full TP over P = S*T ranks needs shard j = tp*S + sp of every projection, which is
-sub-slice `sp` of TP shard `tp` (DESIGN.md "Shift Parallelism"), so the full-TP weights below are
+sub-slice `sp` of TP shard `tp` (docs/design.md "Shift Parallelism"), so the full-TP weights below are
 `narrow` views of the same tensors: rows of q/k/v/gate/up, columns of o/down, rows of the LM head.
 No weight exists twice. The embedding stays TP-sharded in both modes (a lookup costs nothing to
 repeat; only its all-reduce runs over the tp group instead of all P ranks).

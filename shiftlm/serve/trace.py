@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import csv
 import datetime
+import gzip
+import io
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from shiftlm.data import TRACES, resolve_trace
 
 
 @dataclass(frozen=True)
@@ -23,10 +27,11 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    path = Path(path)
+    """A trace file (`.csv`, `.csv.gz`, `.jsonl`) or a shipped trace's short name (`azure_code`)."""
+    path = resolve_trace(path)
     if not path.exists():
         raise FileNotFoundError(
-            f"trace {path} does not exist; see ../shared/data/traces/ for the Azure traces"
+            f"trace {path} does not exist; pass a trace file or one of the shipped traces: {', '.join(TRACES)}"
         )
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -35,7 +40,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             for row in rows
         ]
     else:
-        with path.open(newline="") as handle:
+        with _open_text(path) as handle:
             reader = csv.DictReader(handle)
             missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
             if missing:
@@ -49,6 +54,12 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
                 for row in reader
             ]
     return sorted(requests, key=lambda r: r.arrival)
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", newline="")
+    return path.open(newline="")
 
 
 def _seconds(timestamp: str) -> float:

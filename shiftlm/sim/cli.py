@@ -3,7 +3,7 @@
     shiftlm simulate train --model llama3-70b --gpu h100 --gpus 64 --tp 8 --pp 4 --seq 8192 \\
         --micro-batch 1 --global-batch 256 --schedule zb_v
     shiftlm simulate train --hidden 12288 --layers 96 --heads 96 --gpu a100 --gpus 64 --tp 8 --pp 8
-    shiftlm simulate validate [--data ../shared/data/measured] [--refit] [--json]
+    shiftlm simulate validate [--data DIR] [--refit] [--json]
     shiftlm plan train --model llama3-8b --gpu h100 --gpus 64 --seq 8192 --global-batch 512 --out train.toml
     shiftlm calibrate --out ~/.cache/shiftlm/hardware.json
 
@@ -145,7 +145,7 @@ def _register_simulate_validate(subparsers) -> None:
         "validate", help="replay the measured tables, report error per row and table"
     )
     parser.add_argument(
-        "--data", type=Path, help="directory holding measured/*.csv (default ../shared/data/measured)"
+        "--data", type=Path, help="directory holding measured/*.csv (default: the tables shipped in shiftlm/data/measured)"
     )
     parser.add_argument(
         "--refit", action="store_true", help="refit the free parameters on the fit split (minutes)"

@@ -1,4 +1,4 @@
-"""The measured training runs in ../shared/data/measured/, turned into (model, layout, cluster) cases.
+"""The measured training runs in shiftlm/data/measured/ (sources in shiftlm/data/README.md), turned into (model, layout, cluster) cases.
 
 Each table is replayed with the software of its paper: Megatron-LM 2021-22 ran fp16, rank order
 tp-dp-pp, no FlashAttention, no DP overlap, no ZeRO; Megatron Table 1 and vTrain used full
@@ -14,6 +14,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from shiftlm.data import MEASURED_DIR
 from shiftlm.sim.hardware import CATALOG, GIGA, Hardware, with_links
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
 from shiftlm.sim.models import ModelSpec, gpt_style
@@ -131,8 +132,8 @@ PARSERS = {
 
 
 def default_data_dir() -> Path:
-    """`<repo>/../shared/data/measured`, found from this file's location."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "measured"
+    """The measured tables shipped inside the package (`shiftlm/data/measured`)."""
+    return MEASURED_DIR
 
 
 def load_cases(data_dir: Path, tables: list[str] | None = None) -> dict[str, list[Case]]:

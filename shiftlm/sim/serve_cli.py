@@ -1,7 +1,7 @@
 """`shiftlm simulate serve` and `shiftlm plan serve`.
 
     shiftlm simulate serve --model llama-3.3-70b --gpu h100 --gpus 8 --dtype fp8 \\
-        --trace ../shared/data/traces/azure_llm_2023_code.csv --mode shift --shift-threshold 256 \\
+        --trace azure_code --mode shift --shift-threshold 256 \\
         --rate-scale 2 --max-requests 2000 --slo-ttft-ms 2000 --slo-tpot-ms 100
     shiftlm plan serve --model llama-3.3-70b --gpu h100 --gpus 8 --dtype fp8 --trace ... --json
 """

@@ -1,5 +1,5 @@
 """Serving in simulated time: the real `Scheduler` and shift policy replay a trace, a cost model
-stands in for the model (DESIGN.md, "Simulator and planner": shared code, not a copy).
+stands in for the model (docs/design.md, "Simulator and planner": shared code, not a copy).
 
 Each replica is one `shiftlm.serve.scheduler.Scheduler` driven exactly as `Engine.step` drives it:
 `schedule()` -> run the plan -> `complete_step(plan)` -> append the sampled token, `finish()` when

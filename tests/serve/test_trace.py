@@ -1,17 +1,19 @@
+import gzip
 import json
-from pathlib import Path
 
 import pytest
 
+from shiftlm.data import trace_path
 from shiftlm.serve.replay import RequestResult, summarize
 from shiftlm.serve.trace import TraceRequest, load_trace, scale_trace, synthetic_prompt
 
-AZURE_CODE = "../shared/data/traces/azure_llm_2023_code.csv"
+AZURE_CODE = trace_path("azure_code")
 
 
 def test_the_azure_code_trace_loads_in_arrival_order():
-    requests = load_trace(AZURE_CODE)
-    assert len(requests) == len(Path(AZURE_CODE).read_text().splitlines()) - 1  # minus the header
+    requests = load_trace("azure_code")
+    with gzip.open(AZURE_CODE, "rt") as handle:
+        assert len(requests) == len(handle.read().splitlines()) - 1  # minus the header
     assert all(a.arrival <= b.arrival for a, b in zip(requests, requests[1:]))
     assert (requests[0].input_len, requests[0].output_len) == (4808, 10)
 

@@ -13,10 +13,8 @@ from shiftlm.sim.models import PRESETS, gpt_style
 from shiftlm.sim.train import peak_in_flight, simulate_step
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
-needs_data = pytest.mark.skipif(not default_data_dir().is_dir(), reason="../shared/data/measured not present")
 
 
-@needs_data
 @pytest.mark.parametrize("table", ["megatron_2021_table1", "korthikanti_2022_table5", "vtrain_multi_node"])
 def test_every_measured_layout_fits_in_80_gb(table):
     for case in load_cases(default_data_dir(), [table])[table]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 import shiftlm.serve.scheduler as serve_scheduler
 import shiftlm.sim.serve_sim as serve_sim
 from shiftlm.cli import main
+from shiftlm.data import trace_path
 from shiftlm.serve.trace import TraceRequest, load_trace, scale_trace
 from shiftlm.sim.efficiency import FITTED
 from shiftlm.sim.hardware import CATALOG
@@ -20,7 +20,7 @@ from shiftlm.sim.models import PRESETS
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
 from shiftlm.sim.serve_sim import Slo, simulate_serving
 
-TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/azure_llm_2023_code.csv"
+TRACE = trace_path("azure_code")
 LLAMA_70B = ServeHardware(PRESETS["llama-3.3-70b"], CATALOG["h100-sxm"], FITTED, "fp8", "bf16")
 LLAMA_8B = ServeHardware(PRESETS["llama3-8b"], CATALOG["h100-sxm"], FITTED, "bf16", "bf16")
 

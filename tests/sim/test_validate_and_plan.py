@@ -21,10 +21,7 @@ from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_boun
 from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
 from shiftlm.sim.validate import mape, replay
 
-needs_data = pytest.mark.skipif(not default_data_dir().is_dir(), reason="../shared/data/measured not present")
 
-
-@needs_data
 @pytest.mark.parametrize(
     "table, target",
     [
@@ -37,7 +34,6 @@ def test_fitted_model_meets_the_mape_target_on_held_out_rows(table, target):
     assert mape([row for row in rows if not row.fit_row]) <= target
 
 
-@needs_data
 def test_every_megatron_table1_row_is_within_10_percent():
     table = "megatron_2021_table1"
     for row in replay(
@@ -46,7 +42,6 @@ def test_every_megatron_table1_row_is_within_10_percent():
         assert abs(row.error) <= 0.10, row
 
 
-@needs_data
 def test_fit_recovers_a_known_gemm_efficiency_from_synthetic_measurements():
     small = [
         c
