@@ -1,8 +1,16 @@
-"""Incremental detokenization with stop strings, for streaming.
+"""Incremental detokenization with stop strings, for streaming: O(1) work per generated token.
 
-Text is re-decoded from all output tokens (a token's text can depend on its neighbours) and sent in
-deltas. A delta never contains the start of a stop string that might still complete, nor a trailing
-U+FFFD from a multi-byte character that the next token will finish; both are held back until known.
+A token's text can depend on its neighbours (SentencePiece drops the leading space of a text's first
+piece; byte-level BPE splits one character over several tokens), so a token is never decoded alone.
+As in vLLM's `detokenize_incrementally`, two offsets into the output ids bound a small window:
+`decode(ids[prefix:])` minus `decode(ids[prefix:read])` is the text the tokens after `read` add.
+While that text ends in U+FFFD (a multi-byte character the next token will finish) nothing is
+emitted and the window grows until the character is complete. The window is a few tokens, so a
+step costs the same at token 10 and at token 10,000 (re-decoding everything made it O(n) per token).
+
+A delta never contains the start of a stop string that might still complete: the last
+`len(longest stop) - 1` characters are held back until known, and stop strings are searched only in
+the text that could contain a new match.
 """
 
 from __future__ import annotations
@@ -22,23 +30,36 @@ class StreamingText:
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._holdback = max(self._longest_stop - 1, 0)
         self.text = ""  # the text so far, cut at a stop string once one is seen
         self._sent = 0
+        self._prefix = 0  # output ids [prefix, read) were decoded already: the context of the next ones
+        self._read = 0
         self.stopped = False
 
     def update(self, output_ids: list[int]) -> str:
-        """Re-decode; return the new text that is safe to send. Sets `stopped` on a stop string."""
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        hits = [index for index in (text.find(s) for s in self.stop) if index >= 0]
-        if hits:
-            self.text, self.stopped = text[: min(hits)], True
-            return self.flush()
-        self.text = text
-        safe = len(text) - self._holdback
-        while safe > self._sent and text[safe - 1] == "\ufffd":
-            safe -= 1
-        return self._advance(safe)
+        """Decode the tokens added since the last call; return the new text that is safe to send.
+        Sets `stopped` (and cuts `text`) when a stop string appears."""
+        if self.stopped or len(output_ids) <= self._read:
+            return ""
+        decode = self.tokenizer.decode
+        window = output_ids[self._prefix :]
+        full = decode(window, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""  # a character split over tokens: wait for the rest of it
+        known = decode(output_ids[self._prefix : self._read], skip_special_tokens=True)
+        new = full[len(known) :]
+        self._prefix, self._read = self._read, len(output_ids)
+        before = len(self.text)
+        self.text += new
+        if self.stop and new:
+            search_from = max(0, before - self._longest_stop + 1)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[: min(hits)], True
+                return self.flush()
+        return self._advance(len(self.text) - self._holdback)
 
     def flush(self) -> str:
         """All text not sent yet (call when the sample finishes)."""
