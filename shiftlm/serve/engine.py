@@ -20,7 +20,7 @@ from typing import Protocol, TextIO
 import torch
 
 from shiftlm.serve.metrics import ServingMetrics
-from shiftlm.serve.sampling import make_generator, sample_token
+from shiftlm.serve.sampling import SampleRow, TokenLogprob, make_generator, prompt_logprobs, sample_rows
 from shiftlm.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shiftlm.serve.sequence import FinishReason, InvalidRequest, SamplingParams, Sequence
 from shiftlm.serve.text import StreamingText, Tokenizer
@@ -46,6 +46,8 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: TokenLogprob | None = None  # of `token_ids[0]`, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first output (echo)
 
 
 @dataclass
@@ -59,6 +61,8 @@ class _Request:
     last_token_time: dict[int, float] = field(default_factory=dict)
     first_token_time: float | None = None
     num_finished: int = 0
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by prompt position
+    prompt_logprobs_sent: bool = False
 
 
 class Engine:
@@ -133,18 +137,55 @@ class Engine:
         started = time.perf_counter()
         logits = self.runner.execute(plan)
         self._record_step(plan, started, time.perf_counter() - started)
+        sample_at = self._collect_prompt_logprobs(plan, logits)
         sampled = self.scheduler.complete_step(plan)
+        # One sampler call for the step: each sampled sequence, plus the first token of every sibling
+        # of an n > 1 request whose prompt just finished (drawn from the same logits row).
+        rows: list[SampleRow] = []
+        forks: list[list[tuple[int, torch.Generator | None]]] = []
+        for row, seq in zip(sample_at, sampled):
+            request = self._requests[seq.request_id]
+            history = (seq.prompt_ids, seq.output_ids)
+            rows.append(SampleRow(row, seq.params, request.generators[seq.sample_index], *history))
+            siblings = []
+            if request.n > 1 and seq.sample_index == 0 and len(request.samples) == 1:
+                for index in range(1, request.n):
+                    generator = make_generator(seq.params, index)
+                    rows.append(SampleRow(row, seq.params, generator, *history))
+                    siblings.append((index, generator))
+            forks.append(siblings)
+        result = sample_rows(logits, rows, self.eos_token_ids)
+        drawn = iter(zip(result.tokens, result.logprobs))
         outputs: list[RequestOutput] = []
         now = self.clock()
-        for row, seq in zip(logits, sampled):
+        for seq, siblings in zip(sampled, forks):
             request = self._requests[seq.request_id]
-            fork = request.n > 1 and seq.sample_index == 0 and len(request.samples) == 1
-            token = sample_token(row, seq.params, request.generators[seq.sample_index])
+            token, logprob = next(drawn)
             # Fork before the parent can finish and free the prompt blocks the siblings share.
-            children = [self._fork(request, seq, row, index) for index in range(1, request.n)] if fork else []
-            outputs.append(self._append(request, seq, token, now))
-            outputs += [self._after_token(request, child, now) for child in children]
+            children = [self._fork(request, seq, index, gen, *next(drawn)) for index, gen in siblings]
+            outputs.append(self._append(request, seq, token, now, logprob))
+            outputs += [self._after_token(request, child, now, lp) for child, lp in children]
         return outputs
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
+        """Record prompt logprobs of `all_logits` chunks; return the logits row of each sampled chunk."""
+        sample_at, row = [], 0
+        for chunk in plan.chunks:
+            rows = chunk.num_logits_rows
+            seq = self.scheduler.sequence(chunk.seq_id)
+            if chunk.all_logits and seq is not None and seq.request_id in self._requests:
+                request = self._requests[seq.request_id]
+                # row j predicts the token at position start + j + 1; keep those inside the prompt
+                count = min(rows, len(seq.prompt_ids) - 1 - chunk.start)
+                if count > 0 and seq.sample_index == 0:
+                    next_ids = seq.prompt_ids[chunk.start + 1 : chunk.start + 1 + count]
+                    entries = prompt_logprobs(logits[row : row + count], next_ids, seq.params.prompt_logprobs)
+                    for offset, entry in enumerate(entries):
+                        request.prompt_logprobs[chunk.start + 1 + offset] = entry
+            if chunk.sample:
+                sample_at.append(row + rows - 1)
+            row += rows
+        return sample_at
 
     def _record_step(self, plan: StepPlan, started: float, seconds: float) -> None:
         self.metrics.record_step(plan.mode.value, plan.num_tokens, seconds)
@@ -154,24 +195,35 @@ class Engine:
             record.update(seqs=len(plan.chunks), start=round(started, 6), seconds=round(seconds, 6))
             self.step_log.write(json.dumps(record) + "\n")
 
-    def _fork(self, request: _Request, parent: Sequence, logits: torch.Tensor, index: int) -> Sequence:
-        """Sample `index` of an n > 1 request: its first token comes from the prompt's logits."""
-        generator = make_generator(parent.params, index)
-        child = parent.fork(index, sample_token(logits, parent.params, generator))
+    def _fork(
+        self,
+        request: _Request,
+        parent: Sequence,
+        index: int,
+        generator: torch.Generator | None,
+        token: int,
+        logprob: TokenLogprob | None,
+    ) -> tuple[Sequence, TokenLogprob | None]:
+        """Sample `index` of an n > 1 request: its first token came from the prompt's logits."""
+        child = parent.fork(index, token)
         self._track(request, child, generator)
         self.scheduler.add_fork(parent, child)
-        return child
+        return child, logprob
 
     def _track(self, request: _Request, seq: Sequence, generator: torch.Generator | None = None) -> None:
         request.samples[seq.sample_index] = seq
         request.texts[seq.sample_index] = StreamingText(self.tokenizer, seq.params.stop)
         request.generators[seq.sample_index] = generator or make_generator(seq.params, seq.sample_index)
 
-    def _append(self, request: _Request, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _append(
+        self, request: _Request, seq: Sequence, token: int, now: float, logprob: TokenLogprob | None
+    ) -> RequestOutput:
         seq.output_ids.append(token)
-        return self._after_token(request, seq, now)
+        return self._after_token(request, seq, now, logprob)
 
-    def _after_token(self, request: _Request, seq: Sequence, now: float) -> RequestOutput:
+    def _after_token(
+        self, request: _Request, seq: Sequence, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """Account for the token just appended to `seq`; finish the sample if it is done."""
         token = seq.output_ids[-1]
         index = seq.sample_index
@@ -203,7 +255,16 @@ class Engine:
             finish_reason=reason.value if reason else None,
             prompt_tokens=request.prompt_len,
             completion_tokens=len(seq.output_ids),
+            logprobs=logprob,
+            prompt_logprobs=self._take_prompt_logprobs(request, seq),
         )
+
+    def _take_prompt_logprobs(self, request: _Request, seq: Sequence) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs (position 0 has none), once per request, with its first output."""
+        if seq.params.prompt_logprobs is None or request.prompt_logprobs_sent:
+            return None
+        request.prompt_logprobs_sent = True
+        return [None] + [request.prompt_logprobs.get(i) for i in range(1, request.prompt_len)]
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> FinishReason | None:
         if stopped or (token in self.eos_token_ids and not seq.params.ignore_eos):

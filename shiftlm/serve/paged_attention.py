@@ -32,7 +32,7 @@ class FlatBatch:
     positions: torch.Tensor  # [N_padded]
     slots: torch.Tensor  # [N_padded], -1 for padding rows
     chunks: tuple[ChunkView, ...]
-    sample_rows: torch.Tensor  # rows whose logits are sampled, in plan order
+    sample_rows: torch.Tensor  # rows whose logits are wanted, in plan order (ScheduledChunk.num_logits_rows)
     num_tokens: int  # N before padding
 
 
@@ -48,7 +48,9 @@ def flatten_plan(plan: StepPlan, block_size: int, pad_to_multiple: int = 1) -> F
         token_ids += chunk.token_ids
         positions += range(chunk.start, end)
         slots += context_slots[chunk.start :].tolist()
-        if chunk.sample:
+        if chunk.all_logits:
+            sample_rows += range(len(token_ids) - len(chunk.token_ids), len(token_ids))
+        elif chunk.sample:
             sample_rows.append(len(token_ids) - 1)
     num_tokens = len(token_ids)
     padding = -num_tokens % pad_to_multiple

@@ -1,32 +1,58 @@
-"""Next-token sampling on rank 0: greedy, temperature, top-k, top-p (nucleus), per-sample seeds.
+"""Next-token sampling on rank 0, one call per step over all sampled rows: penalties, logit bias,
+temperature, top-k, top-p, per-sample seeds, and the logprobs the OpenAI API returns.
 
-Order as in Hugging Face `generate` and vLLM: temperature scales the logits, top-k keeps the k largest,
-top-p keeps the smallest set of tokens whose probability reaches p (Holtzman et al., ICLR 2020), then one
-token is drawn. A seeded request owns a `torch.Generator`, so its samples do not depend on what else
-is in the batch.
+    result = sample_rows(logits, [SampleRow(row, params, generator, prompt_ids, output_ids), ...], eos_ids)
+    result.tokens[i], result.logprobs[i]          # one entry per SampleRow, in order
+
+Order as in vLLM: logit_bias, min_tokens (EOS masked), repetition penalty (CTRL, Keskar et al. 2019:
+divide a seen token's positive logit, multiply a negative one), frequency and presence penalties
+(OpenAI: logit - frequency * count - presence * [count > 0], over generated tokens), then temperature,
+top-k and top-p (nucleus; Holtzman et al., ICLR 2020), then one draw. Every step works on the whole
+[rows, vocab] tensor at once; only seeded draws loop over rows (each owns a `torch.Generator`, so its
+samples do not depend on what else is in the batch). Logprobs are those of the model's own
+distribution (`log_softmax` of the raw logits), as lm-eval and vLLM's default report them.
+
+Whatever a request sends, sampling cannot raise: temperatures below `GREEDY_BELOW` are greedy (dividing
+by 1e-40 turns logits into inf and the softmax into NaN), seeds are reduced mod 2**63 (what
+`torch.Generator.manual_seed` accepts), and a row with no finite probability falls back to its argmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.sequence import GREEDY_BELOW, SamplingParams
+
+SEED_MODULUS = 2**63
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set the logits of tokens outside top-k / top-p to -inf (1-D logits)."""
-    if 0 < top_k < logits.numel():
-        kth_largest = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p; the top token always stays
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.masked_fill(
-            torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf")
-        )
-    return logits
+@dataclass(frozen=True)
+class SampleRow:
+    """One token to draw: which logits row, with what parameters and history."""
+
+    logits_row: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's logprob and the `k` most likely tokens of that position (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]  # None where the request asked for no logprobs
 
 
 def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
@@ -34,15 +60,117 @@ def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator
     if params.seed is None or params.greedy:
         return None
     generator = torch.Generator()
-    generator.manual_seed(params.seed + sample_index)
+    generator.manual_seed((params.seed + sample_index) % SEED_MODULUS)
     return generator
 
 
+def filter_logits(
+    logits: torch.Tensor, top_k: int | torch.Tensor, top_p: float | torch.Tensor
+) -> torch.Tensor:
+    """Set the logits of tokens outside top-k / top-p to -inf; `logits` is [V] or [rows, V] and
+    top_k / top_p are scalars or one value per row (top_k 0 and top_p 1 keep everything)."""
+    squeeze = logits.dim() == 1
+    x = logits.unsqueeze(0) if squeeze else logits
+    rows, vocab = x.shape
+    k = torch.as_tensor(top_k, dtype=torch.long).expand(rows).clone()
+    p = torch.as_tensor(top_p, dtype=x.dtype).expand(rows)
+    k[(k <= 0) | (k > vocab)] = vocab
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    drop = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)  # ranks past k
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    # drop a token when the tokens ranked above it already reach top_p; the top token always stays
+    drop |= ((torch.cumsum(probs, dim=-1) - probs) >= p.unsqueeze(1)) & (p.unsqueeze(1) < 1.0)
+    drop[:, 0] = False
+    out = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return out.squeeze(0) if squeeze else out
+
+
+def _history(sequences: list[Sequence[int]], vocab: int) -> torch.Tensor:
+    """Counts [rows, vocab] of each row's tokens (one scatter_add over a padded id tensor)."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), vocab, dtype=torch.long)
+    for row, tokens in enumerate(sequences):
+        if tokens:
+            ids[row, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
+    counts = torch.zeros(len(sequences), vocab + 1)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> torch.Tensor:
+    """logit_bias, min_tokens, repetition / frequency / presence penalties on logits [rows, V]."""
+    vocab = x.shape[1]
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids, values = zip(*row.params.logit_bias)
+            x[i, torch.tensor(ids)] += torch.tensor(values, dtype=x.dtype)
+        if len(row.output_ids) < row.params.min_tokens and eos_ids:
+            x[i, torch.tensor(sorted(eos_ids))] = float("-inf")
+    repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype)
+    if bool((repetition != 1.0).any()):
+        seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], vocab) > 0
+        penalty = repetition.unsqueeze(1).expand_as(x)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=x.dtype)
+    presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=x.dtype)
+    if bool((frequency != 0).any() or (presence != 0).any()):
+        counts = _history([r.output_ids for r in rows], vocab)
+        x = x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(x.dtype)
+    return x
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int | None]
+) -> list[TokenLogprob | None]:
+    """For rows of `logprobs` [rows, V]: the chosen token's logprob and the top-k of the row."""
+    wanted = [k for k in ks if k is not None]
+    if not wanted:
+        return [None] * len(ks)
+    top_values, top_ids = torch.topk(logprobs, min(max(wanted), logprobs.shape[1]), dim=-1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids, chosen_ids = top_values.tolist(), top_ids.tolist(), chosen.tolist()
+    out: list[TokenLogprob | None] = []
+    for i, k in enumerate(ks):
+        if k is None:
+            out.append(None)
+            continue
+        top = tuple(zip(top_ids[i][:k], top_values[i][:k]))
+        out.append(TokenLogprob(chosen_ids[i], chosen_lp[i], top))
+    return out
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = frozenset()) -> SampleResult:
+    """Draw one token for each of `rows` from `logits` [R, V] (rows may share a logits row)."""
+    if not rows:
+        return SampleResult([], [])
+    raw = logits[torch.tensor([row.logits_row for row in rows])].float()
+    x = apply_penalties(raw.clone(), rows, eos_ids)
+    greedy = torch.tensor([row.params.greedy for row in rows])
+    tokens = torch.argmax(x, dim=-1)
+    if not bool(greedy.all()):
+        temperature = torch.tensor([max(row.params.temperature, GREEDY_BELOW) for row in rows])
+        scaled = x / temperature.unsqueeze(1)
+        top_k = torch.tensor([row.params.top_k for row in rows])
+        top_p = torch.tensor([row.params.top_p for row in rows], dtype=scaled.dtype)
+        narrow = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
+        if narrow.numel():  # sorting the vocab is the costly part: only rows that filter pay it
+            scaled[narrow] = filter_logits(scaled[narrow], top_k[narrow], top_p[narrow])
+        probs = torch.softmax(scaled, dim=-1).nan_to_num(0.0)
+        usable = (~greedy) & (probs.sum(dim=-1) > 0)  # all -inf or NaN logits: keep the argmax
+        for i, row in enumerate(rows):
+            if usable[i]:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=row.generator)[0]
+    logprobs = token_logprobs(torch.log_softmax(raw, dim=-1), tokens, [row.params.logprobs for row in rows])
+    return SampleResult(tokens.tolist(), logprobs)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Logprob of each `next_ids[i]` under logits row i (the token the prompt actually has next)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    result = token_logprobs(logprobs, torch.as_tensor(list(next_ids), dtype=torch.long), [k] * len(next_ids))
+    return [entry for entry in result if entry is not None]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from one row of logits."""
-    logits = logits.float()
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Pick the next token from one row of logits (one-row `sample_rows`)."""
+    return sample_rows(logits.unsqueeze(0), [SampleRow(0, params, generator)]).tokens[0]

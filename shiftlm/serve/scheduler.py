@@ -66,13 +66,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens [start, start + len(token_ids)) of one sequence; `sample`: its logits are wanted."""
+    """Tokens [start, start + len(token_ids)) of one sequence; `sample`: the last row's logits are
+    wanted (a token is drawn); `all_logits`: every row's logits are wanted (prompt logprobs)."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     start: int
     block_ids: tuple[int, ...]
     sample: bool
+    all_logits: bool = False
+
+    @property
+    def num_logits_rows(self) -> int:
+        return len(self.token_ids) if self.all_logits else int(self.sample)
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,8 @@ class StepPlan:
 
     @property
     def num_samples(self) -> int:
-        return sum(chunk.sample for chunk in self.chunks)
+        """Rows of logits the step returns (one per sampled chunk, every row of an `all_logits` one)."""
+        return sum(chunk.num_logits_rows for chunk in self.chunks)
 
 
 @dataclass
@@ -128,6 +135,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def sequence(self, seq_id: int) -> Sequence | None:
+        return self._by_id.get(seq_id)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark `seq` finished and give back its blocks (wherever it is queued)."""
         seq.finish(reason)
@@ -158,7 +168,8 @@ class Scheduler:
         # Admitting new work while evicting running work would thrash; wait for the next step.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            self.blocks.reuse_cached_prefix(seq)
+            if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
+                self.blocks.reuse_cached_prefix(seq)
             num_new = min(seq.num_uncomputed, budget)
             # Keep one free block per running sequence so that decodes do not preempt at once.
             headroom = len(self.running)
@@ -197,6 +208,7 @@ class Scheduler:
             start=start,
             block_ids=tuple(seq.block_ids),
             sample=start + num_new == seq.num_tokens,
+            all_logits=seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids),
         )
 
     def _preempt(self, seq: Sequence) -> None:

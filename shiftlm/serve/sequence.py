@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,9 +23,17 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+# Below this temperature a request is greedy: dividing logits by 1e-40 gives inf and a NaN softmax.
+GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI's API allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What the OpenAI API lets a client choose about sampling (temperature 0 = greedy)."""
+    """What the OpenAI API lets a client choose about sampling (temperature 0 = greedy).
+
+    `logprobs`: return the chosen token's logprob and the top-k (0: the chosen one only; None: none);
+    `prompt_logprobs`: the same for every prompt token (echo); `logit_bias`: (token id, bias) pairs."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,15 +43,54 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
 
     def validate(self) -> None:
+        finite = all(
+            math.isfinite(v)
+            for v in (self.temperature, self.top_p, self.presence_penalty, self.frequency_penalty)
+        )
+        logprobs = [k for k in (self.logprobs, self.prompt_logprobs) if k is not None]
         checks = [
+            (finite, "temperature", "sampling parameters must be finite numbers"),
             (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
             (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 disables it)"),
             (1 <= self.n <= 16, "n", f"n must be in [1, 16], got {self.n}"),
             (len(self.stop) <= 4 and all(self.stop), "stop", "stop takes up to 4 non-empty strings"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (
+                0.0 < self.repetition_penalty <= 10.0,
+                "repetition_penalty",
+                "repetition_penalty must be in (0, 10] (1 disables it)",
+            ),
+            (
+                all(-100.0 <= bias <= 100.0 for _, bias in self.logit_bias),
+                "logit_bias",
+                "logit_bias values must be in [-100, 100]",
+            ),
+            (
+                all(0 <= k <= MAX_LOGPROBS for k in logprobs),
+                "logprobs",
+                f"logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens = {self.max_tokens}]",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -50,7 +98,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 class FinishReason(str, enum.Enum):

@@ -1,6 +1,13 @@
 import torch
 
-from shiftlm.serve.sampling import filter_logits, make_generator, sample_token
+from shiftlm.serve.sampling import (
+    SampleRow,
+    apply_penalties,
+    filter_logits,
+    make_generator,
+    sample_rows,
+    sample_token,
+)
 from shiftlm.serve.sequence import SamplingParams
 from shiftlm.serve.text import StreamingText
 from tests.serve.fakes import LetterTokenizer
@@ -44,3 +51,54 @@ def test_streamed_text_never_shows_the_start_of_a_stop_string():
     deltas = [text.update([0, 1, 2][:n]) for n in (1, 2, 3)]
     assert deltas == ["", "a", "b"] and not text.stopped  # the last letter waits: "c" may start "cd"
     assert text.update([0, 1, 2, 3]) == "" and text.stopped and text.text == "ab"
+
+
+def _row(params: SamplingParams, prompt=(), output=(), generator=None, logits_row=0) -> SampleRow:
+    return SampleRow(logits_row, params, generator, prompt, output)
+
+
+def test_a_temperature_below_the_floor_is_greedy_instead_of_nan():
+    params = SamplingParams(temperature=1e-40, seed=1)
+    assert params.greedy
+    assert sample_rows(LOGITS[None], [_row(params, generator=make_generator(params, 0))]).tokens == [1]
+
+
+def test_huge_seeds_are_reduced_to_what_a_generator_accepts():
+    for seed in (2**64 - 1, 2**64, 2**200):
+        params = SamplingParams(seed=seed, n=2)
+        draws = [
+            sample_rows(LOGITS[None], [_row(params, generator=make_generator(params, i))]) for i in (0, 1)
+        ]
+        assert all(0 <= d.tokens[0] < 5 for d in draws)
+
+
+def test_a_row_of_non_finite_logits_falls_back_to_its_argmax():
+    logits = torch.tensor([[float("nan"), float("-inf"), 2.0, float("nan"), float("nan")]])
+    assert sample_rows(logits, [_row(SamplingParams(temperature=1.0))]).tokens in ([0], [2])
+
+
+def test_penalties_and_logit_bias_change_exactly_the_tokens_they_name():
+    base = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+    seen = SampleRow(0, SamplingParams(repetition_penalty=2.0), None, (0,), (2,))
+    assert torch.allclose(apply_penalties(base.clone(), [seen], set()), torch.tensor([[1.0, 1.0, -2.0, 0.5]]))
+    freq = SampleRow(0, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), None, (1,), (3, 3))
+    assert torch.allclose(
+        apply_penalties(base.clone(), [freq], set()), torch.tensor([[2.0, 1.0, -1.0, -0.75]])
+    )
+    bias = SampleRow(0, SamplingParams(logit_bias=((3, 100.0),)), None)
+    assert sample_rows(base, [bias]).tokens == [3]  # greedy only after the bias
+    min_tokens = SampleRow(0, SamplingParams(temperature=0, min_tokens=2, max_tokens=4), None, (), (1,))
+    assert sample_rows(base, [min_tokens], eos_ids={0}).tokens == [1]
+
+
+def test_logprobs_are_the_raw_distributions_and_rows_are_independent():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    rows = [
+        _row(SamplingParams(temperature=0, logprobs=2)),
+        _row(SamplingParams(temperature=0), logits_row=1),
+    ]
+    result = sample_rows(logits, rows)
+    expected = torch.log_softmax(LOGITS, dim=-1)
+    assert result.tokens == [1, 3] and result.logprobs[1] is None
+    assert abs(result.logprobs[0].logprob - float(expected[1])) < 1e-6
+    assert [token for token, _ in result.logprobs[0].top] == [1, 3]
