@@ -14,11 +14,11 @@ the serving simulator adds `serve` to both.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from shiftlm.sim import jsonout
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, Efficiency, measured
 
 
@@ -64,10 +64,15 @@ def _efficiency(args: argparse.Namespace, hardware) -> Efficiency:
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
-    from shiftlm.sim.layout import Layout
+    from shiftlm.sim.layout import Layout, check_fits_model
     from shiftlm.sim.train import simulate_step
 
     model, hardware = _model(args), _hardware(args)
+    for name in ("tp", "pp", "sp", "micro_batch", "seq", "gpus"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    chunks = args.chunks or (2 if args.schedule in ("zb_v", "bitpipe", "interleaved_1f1b") else 1)
+    check_fits_model(Layout(1, args.pp, args.tp, args.sp, chunks=chunks if args.pp > 1 else 1), model)
     cut = args.tp * args.pp * args.sp
     dp = args.dp or args.gpus // cut
     if dp * cut != args.gpus:
@@ -75,7 +80,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
             f"--gpus {args.gpus} != dp {dp} x pp {args.pp} x sp {args.sp} x tp {args.tp}; fix --dp or --gpus"
         )
     schedule = args.schedule if args.pp > 1 else "none"
-    chunks = args.chunks or (2 if schedule in ("zb_v", "bitpipe", "interleaved_1f1b") else 1)
+    chunks = chunks if args.pp > 1 else 1
     layout = Layout(
         dp,
         args.pp,
@@ -97,7 +102,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     }
     report |= result.as_dict()
     if args.json:
-        print(json.dumps(report))
+        print(jsonout.dumps(report))
         return 0
     print(
         f"{model.name} on {args.gpus} x {hardware.name}: dp={dp} pp={args.pp} sp={args.sp} tp={args.tp} "
@@ -184,7 +189,7 @@ def _plan_train(args: argparse.Namespace) -> int:
     ]
     if args.json:
         print(
-            json.dumps(
+            jsonout.dumps(
                 {
                     "enumerated": plan.enumerated,
                     "fit": plan.fit_lower_bound,
@@ -237,8 +242,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     hardware = calibrate(log=log)
     save_profile(hardware, out)
     report = {"profile": str(out)} | asdict(hardware)
+    flag = "--gpu this" if out == DEFAULT_PROFILE else f"--gpu this --hardware {out}"
+    report["use_with"] = flag
     if not args.json:
-        print(f"wrote {out}; use it with --gpu this (or --hardware {out})")
+        print(f"wrote {out}; use it with `{flag}`")
     if args.serve_model is not None:
         from shiftlm.sim.serve_calibrate import engine_setup, profile_engine
 
@@ -254,7 +261,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                 f"--engine-profile {engine_out} --model {args.serve_model}/config.json --dtype fp32 --kv-dtype fp32`"
             )
     if args.json:
-        print(json.dumps(report))
+        print(jsonout.dumps(report))
     return 0
 
 

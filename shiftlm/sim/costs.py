@@ -95,13 +95,16 @@ def forward_ops(
 
 def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
     """Roofline time of running `ops` back to back; a GEMM with a shape takes the measured rate of
-    its shape and role where the hardware has a GEMM table, else the peak times `efficiency.gemm`."""
-    peak = hardware.flops(dtype) * efficiency.gemm
+    its shape and role where the hardware has a GEMM table, else the peak times `efficiency.gemm`.
+    No kernel runs faster than `Hardware.device_peak` (a fitted or calibrated efficiency cannot
+    exceed the device's peak, so a predicted MFU cannot exceed 100%)."""
+    device_peak = hardware.device_peak(dtype)
+    peak = min(hardware.flops(dtype) * efficiency.gemm, device_peak)
     bandwidth = hardware.hbm_bandwidth * efficiency.memory
     total = 0.0
     for op in ops:
         measured = hardware.gemm_rate(op.role, *op.shape) if op.gemm and op.shape is not None else None
-        rate = peak if measured is None else measured * efficiency.gemm
+        rate = peak if measured is None else min(measured * efficiency.gemm, device_peak)
         total += max(op.flops / rate, op.nbytes / bandwidth) + efficiency.kernel_overhead
     return total
 
@@ -190,9 +193,12 @@ def optimizer_time(local_params: float, hardware: Hardware, efficiency: Efficien
     return 30 * local_params / (hardware.hbm_bandwidth * efficiency.memory)
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:
     """Training FLOPs per token without recompute: 3x forward (forward + 2x backward), counting the
-    full s x s attention as the MFU convention of PaLM / Megatron does."""
-    attention = 4 * seq_len * model.hidden
+    full s x s attention as the MFU convention of PaLM / Megatron does, or with `causal` only its
+    lower triangle (what FlashAttention computes; Dao 2023 counts causal attention this way). MFU
+    with FlashAttention uses `causal`: a model FLOP must be one some kernel executes, so that MFU is
+    at most the hardware FLOPs utilisation, itself at most 100%."""
+    attention = (2 if causal else 4) * seq_len * model.hidden
     dense = 2 * (model.layer_params - 2 * model.hidden)
     return 3 * (model.layers * (dense + attention) + 2 * model.hidden * model.vocab)

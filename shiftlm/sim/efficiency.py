@@ -23,6 +23,13 @@ class Efficiency:
     inter_comm: float = 0.90
     kernel_overhead: float = 5e-6
 
+    def __post_init__(self) -> None:
+        # a kernel cannot beat the datasheet: more than 1.0 would predict MFU above 100%
+        for name in ("gemm", "memory"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"efficiency {name} = {value} must lie in (0, 1]: a fraction of the peak")
+
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

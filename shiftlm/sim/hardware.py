@@ -63,6 +63,13 @@ class Hardware:
             raise ValueError(f"{self.name} has no {dtype} peak in the catalog; use one of: {supported}")
         return self.peak_flops[dtype]
 
+    def device_peak(self, dtype: str) -> float:
+        """The most FLOP/s any kernel may run at: the datasheet peak of a catalog GPU; for a
+        calibrated profile, the larger of its scalar peak (a median) and its fastest measured GEMM.
+        MFU is model FLOPs over this, and `costs.kernels_time` never exceeds it."""
+        fastest = max((row[4] for row in self.gemm_table), default=0.0)
+        return max(self.flops(dtype), fastest)
+
     def gemm_rate(self, role: str, m: float, k: float, n: float) -> float | None:
         """The measured FLOP/s of the table's GEMM nearest to (m, k, n) in log space for `role`
         (a layer's forward, or the dgrad / wgrad of that forward GEMM), or None without a table.

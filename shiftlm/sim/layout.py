@@ -70,6 +70,36 @@ class Layout:
             raise ValueError(f"--seq {self.seq_len} must be a multiple of --sp {self.sp}")
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_fits_model(layout: Layout, model) -> None:
+    """Raise ValueError (one line, with the valid values) if `model` (a `ModelSpec`) cannot be cut
+    this way: the same rules as the trainer's `ParallelConfig.check_model` and `check_layout`
+    (query heads split over tp x sp, whole KV heads per rank, FFN rows over tp, a layer per stage)."""
+    shards = layout.tp * layout.sp
+    if model.heads % shards:
+        valid = ", ".join(str(d) for d in _divisors(model.heads))
+        raise ValueError(
+            f"tp x sp = {layout.tp} x {layout.sp} = {shards} must divide the model's {model.heads} "
+            f"attention heads; valid tp x sp: {valid}"
+        )
+    kv = model.kv_heads
+    if kv % shards and shards % kv:
+        valid = ", ".join(str(d) for d in _divisors(model.heads) if kv % d == 0 or d % kv == 0)
+        raise ValueError(
+            f"tp x sp = {shards} and the model's {kv} KV heads must divide one another; valid tp x sp: {valid}"
+        )
+    if model.ffn % layout.tp:
+        raise ValueError(f"--tp {layout.tp} must divide the model's FFN width {model.ffn}")
+    stages = layout.pp * layout.chunks
+    if stages > model.layers:
+        raise ValueError(
+            f"pp x chunks = {stages} stages but the model has {model.layers} layers; lower --pp or --chunks"
+        )
+
+
 def group_placement(layout: Layout, axis: str, gpus_per_node: int) -> tuple[int, int]:
     """(ranks of one `axis` group per node, nodes it spans), assuming ranks fill nodes in order."""
     size, stride = layout.size(axis), layout.stride(axis)

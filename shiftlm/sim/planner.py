@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shiftlm.sim.capabilities import TRAINER_MEGATRON_SEQUENCE_PARALLEL, planned_zero_stages
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.layout import Layout
@@ -21,11 +22,12 @@ from shiftlm.sim.models import ModelSpec
 from shiftlm.sim.train import StageCosts, StepResult, simulate_step, stage_costs, step_overheads
 
 # Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
-# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); ZeRO-2 moves what ZeRO-1
-# moves with less memory; with FlashAttention selective recompute is free and saves what "none" would.
+# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); among the ZeRO stages the
+# trainer implements, `planned_zero_stages` drops the dominated ones; with FlashAttention selective
+# recompute is free and saves what "none" would. Only what `shiftlm train` runs is proposed
+# (`capabilities.py`): e.g. no ZeRO-2/3 and no Megatron sequence parallelism until the trainer has them.
 SCHEDULE_CHUNKS = {"zb_h1": 1, "zb_v": 2}
 MICRO_BATCHES = (1, 2, 4, 8)
-ZERO_STAGES = (2, 3)
 PLANNED_RECOMPUTE = ("selective", "full")
 
 
@@ -54,7 +56,7 @@ def enumerate_layouts(
                     microbatches = global_batch // (dp * micro_batch)
                     for schedule, chunks in _schedules(model, pp, microbatches):
                         for recompute in PLANNED_RECOMPUTE:
-                            for zero in ZERO_STAGES if dp > 1 else (0,):
+                            for zero in planned_zero_stages(dp):
                                 yield Layout(
                                     dp,
                                     pp,
@@ -67,6 +69,7 @@ def enumerate_layouts(
                                     chunks,
                                     recompute,
                                     zero,
+                                    tp_sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
                                 )
 
 

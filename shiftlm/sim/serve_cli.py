@@ -9,11 +9,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from shiftlm.sim import jsonout
 from shiftlm.sim.cli import _add_hardware_args, _add_model_args, _efficiency, _guarded, _hardware, _model
-from shiftlm.sim.serve_plan import DEFAULT_THRESHOLDS, MODES, layout_for, plan_serving, smallest_fitting_tp
+from shiftlm.sim.serve_plan import (
+    DEFAULT_THRESHOLDS,
+    MODES,
+    check_serve_layout,
+    layout_for,
+    plan_serving,
+    smallest_fitting_tp,
+)
 from shiftlm.sim.serve_sim import ROUTINGS, EngineLimits, ServeRun, Slo, simulate_serving
 
 
@@ -86,10 +93,11 @@ def _simulate_serve(args: argparse.Namespace) -> int:
         1 if args.mode == "tp" else smallest_fitting_tp(setup, args.mode, args.gpus, requests, limits)
     )
     layout = layout_for(args.mode, args.gpus, tp, args.shift_threshold)
+    check_serve_layout(setup, layout)
     run = simulate_serving(setup, layout, requests, limits, slo, args.routing)
     summary = {"model": setup.model.name, "gpu": setup.hardware.name, "gpus": args.gpus} | run.summary()
     if args.json:
-        print(json.dumps(summary))
+        print(jsonout.dumps(summary))
         return 0
     print(
         f"{setup.model.name} ({args.dtype}) on {args.gpus} x {setup.hardware.name}, {len(requests)} requests"
@@ -129,7 +137,7 @@ def _plan_serve(args: argparse.Namespace) -> int:
     best = plan.ranked[0]
     if args.json:
         print(
-            json.dumps(
+            jsonout.dumps(
                 {
                     "best": {"layout": best.layout.name, "threshold": best.layout.threshold}
                     | {"tp": best.layout.tp, "sp": best.layout.sp, "replicas": best.layout.replicas},

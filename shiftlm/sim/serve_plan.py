@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from shiftlm.serve.trace import TraceRequest
+from shiftlm.sim.capabilities import SERVE_DATA_PARALLEL
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
 from shiftlm.sim.serve_sim import (
     DEFAULT_LIMITS,
@@ -44,11 +45,27 @@ def layout_for(mode: str, gpus: int, tp: int, threshold: float = 256) -> ServeLa
         raise ValueError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "tp":
         return ServeLayout(1, gpus)
-    if gpus % tp:
-        raise ValueError(f"--tp {tp} does not divide --gpus {gpus}")
+    if tp < 1 or gpus % tp:
+        valid = ", ".join(str(d) for d in range(1, gpus + 1) if gpus % d == 0)
+        raise ValueError(f"--tp {tp} does not divide --gpus {gpus}; valid --tp: {valid}")
     if mode == "dp":
         return ServeLayout(gpus // tp, tp)
     return ServeLayout(1, tp, gpus // tp, -1 if mode == "sp_tp" else threshold)
+
+
+def check_serve_layout(setup: ServeHardware, layout: ServeLayout) -> None:
+    """One line naming the valid values if the model cannot be cut this way: the query heads split
+    over the sp x tp ranks of a replica (both modes shard heads P = sp x tp ways) and every rank's
+    query heads share whole KV heads, as `shiftlm serve` requires (`ParallelConfig.check_model`)."""
+    model, shards = setup.model, layout.gpus_per_replica
+    valid = [d for d in range(1, model.heads + 1) if model.heads % d == 0]
+    valid = [d for d in valid if model.kv_heads % d == 0 or d % model.kv_heads == 0]
+    if model.heads % shards or (model.kv_heads % shards and shards % model.kv_heads):
+        raise ValueError(
+            f"{layout.name}: sp x tp = {shards} GPUs per replica must divide the model's {model.heads} "
+            f"attention heads and share whole KV heads ({model.kv_heads}); valid sp x tp: "
+            + ", ".join(map(str, valid))
+        )
 
 
 def fits(
@@ -75,9 +92,12 @@ def smallest_fitting_tp(
 
 
 def candidate_layouts(setup: ServeHardware, gpus: int, thresholds: tuple[int, ...]) -> list[ServeLayout]:
+    """The layouts `shiftlm serve` can run: one engine of sp x tp = `gpus` ranks (full TP, SP x TP,
+    or shift at each threshold); DP replicas only where the server has them (`capabilities`)."""
     layouts = []
     for tp in tp_degrees(setup, gpus):
-        layouts.append(ServeLayout(gpus // tp, tp))
+        if tp == gpus or SERVE_DATA_PARALLEL:
+            layouts.append(ServeLayout(gpus // tp, tp))
         if tp < gpus:
             layouts.append(ServeLayout(1, tp, gpus // tp, -1))
             layouts += [ServeLayout(1, tp, gpus // tp, threshold) for threshold in thresholds]

@@ -18,6 +18,7 @@ TPOT = (E2E - TTFT) / (output tokens - 1); goodput = requests per second meeting
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -172,7 +173,8 @@ def scheduler_config(
         max_num_seqs=limits.max_num_seqs,
         max_tokens_per_step=limits.max_tokens_per_step,
         max_model_len=max_model_len,
-        policy=ShiftPolicy(layout.threshold),
+        # with sp = 1 both modes are the same tp-way step: nothing to shift between, no switches
+        policy=ShiftPolicy(layout.threshold if layout.sp > 1 else math.inf),
         enable_prefix_caching=False,  # synthetic prompts share nothing
     )
 

@@ -18,7 +18,7 @@ from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
-from shiftlm.sim.layout import Layout, group_placement
+from shiftlm.sim.layout import Layout, check_fits_model, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 from shiftlm.sim.models import ModelSpec
 
@@ -213,6 +213,7 @@ def simulate_step(
 ) -> StepResult:
     """Simulate one optimizer step of `layout` (see the module docstring for the composition)."""
     layout.check()
+    check_fits_model(layout, model)
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     timing = pipeline_timing(layout, stage)
     makespan, bubble, peak = timing.makespan, timing.bubble_fraction, timing.peak_activations
@@ -221,14 +222,15 @@ def simulate_step(
     step = makespan + exposed_sync + optimizer
 
     tokens = layout.global_batch * layout.seq_len
-    model_flops = costs.model_flops_per_token(model, layout.seq_len) * tokens
+    causal = layout.flash_attention  # the kernels skip the upper triangle; MFU counts what they run
+    model_flops = costs.model_flops_per_token(model, layout.seq_len, causal) * tokens
     comm = sum(stage.comm[s] for s in busiest_stages) * layout.microbatches
     memory = estimate_memory(model, layout, peak, hardware.hbm_bytes, DTYPE_BYTES[dtype])
     return StepResult(
         step_time=step,
         tokens_per_s=tokens / step,
         tflops_per_gpu=model_flops / step / layout.gpus / 1e12,
-        mfu=model_flops / (step * layout.gpus * hardware.flops(dtype)),
+        mfu=model_flops / (step * layout.gpus * hardware.device_peak(dtype)),
         bubble_fraction=bubble,
         memory=memory,
         breakdown={

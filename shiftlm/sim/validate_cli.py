@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from shiftlm.sim import jsonout
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FIT_PARAMETERS, FITTED, FITTED_CLUSTER_INTRA_COMM
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.validate import replay, table_summary
@@ -61,7 +61,7 @@ def run_validate(args: argparse.Namespace) -> int:
         entry["target_mape_pct"] = TARGET_PCT.get(table)
         report["tables"][table] = entry
     if args.json:
-        print(json.dumps(report))
+        print(jsonout.dumps(report))
     else:
         _print(report)
     return 0
