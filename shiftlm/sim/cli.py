@@ -150,7 +150,9 @@ def _register_simulate_validate(subparsers) -> None:
         "validate", help="replay the measured tables, report error per row and table"
     )
     parser.add_argument(
-        "--data", type=Path, help="directory holding measured/*.csv (default: the tables shipped in shiftlm/data/measured)"
+        "--data",
+        type=Path,
+        help="directory holding measured/*.csv (default: the tables shipped in shiftlm/data/measured)",
     )
     parser.add_argument(
         "--refit", action="store_true", help="refit the free parameters on the fit split (minutes)"
