@@ -4,15 +4,22 @@
                           pp_ranks=[0, 1, 2, 3], loss_fn=lambda out, target: mse(out, target) / m)
     loss = ex.step(microbatch_inputs, targets)   # summed loss where a last stage lives, else None
 
-Stages take one tensor and return one tensor. Shapes travel with the data: every forward send is
-preceded by a fixed-size header (dtype code and shape), so stages may change the activation shape;
-a backward send has the shape of the activation it answers, which the receiver already knows.
+Stages take one tensor and return one tensor. Shapes travel with the data on the first step: every
+forward send is preceded by a fixed-size header (dtype code and shape), so stages may change the
+activation shape. The receiver keeps what it learned, and later steps send no headers (as PyTorch's
+stages infer shapes once): every step must then give each micro-batch the shapes of the first step,
+which the sender checks (`reset_shapes()` on every rank starts over). A backward send has the shape
+of the activation it answers, which the receiver already knows.
 
 Communication is `shiftlm.comm` `isend` / `irecv` (counted, and in the collective ledger when it is on)
-with one tag per message (gloo's batch_isend_irecv
-hangs). Sends never block (waited at the end of the step), forward headers are posted when the step
-starts and gradient receives as soon as the forward they answer has run, so a rank only waits at the
+with one tag per message (gloo's batch_isend_irecv hangs). Sends never block (waited at the end of
+the step). Once shapes are known, each stage's next `RECV_AHEAD` activation receives are posted ahead
+of the RECV that waits for them (each RECV posts the next), and a gradient receive as soon as the
+forward it answers has run, so a message lands while the rank computes and a rank only waits at the
 RECV right before the action that needs it: a schedule that validates cannot deadlock here.
+Per action the executor does only what the action needs: the peer, tag and method of every action
+are resolved once, at construction, and backward passes accumulate into `.grad` through autograd's
+own in-place accumulation (`torch.autograd.backward(..., inputs=...)`), not a copy per micro-batch.
 
 Backward split (Qi et al. 2023, Sec. 2): I walks the stage's graph once, with weight gradients
 deferred (`shiftlm.model.deferred`): it computes the gradient w.r.t. the stage input and the
@@ -40,7 +47,7 @@ import torch.distributed as dist
 
 from shiftlm.comm import CommGroup
 from shiftlm.comm.p2p import irecv, isend
-from shiftlm.model.deferred import WeightGradStore, accumulate_grad
+from shiftlm.model.deferred import WeightGradStore
 from shiftlm.pipeline.actions import Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
 
@@ -50,6 +57,8 @@ _HEADER_SLOTS = 10  # dtype code, ndim, up to 8 dims
 
 class PipelineExecutor:
     """Runs this rank's actions of `schedule`; `stages` maps stage (or (stage, replica)) to a module."""
+
+    RECV_AHEAD = 2  # activation receives posted ahead per stage: hides the transfer, bounds the buffers
 
     def __init__(
         self,
@@ -77,8 +86,26 @@ class PipelineExecutor:
         # stages whose gradients are final only once the replicas' GRAD_SYNC lands (end of step)
         self._synced = sorted({(a.stage, a.replica) for a in actions if a.kind is Kind.GRAD_SYNC})
         last = {(a.stage, a.replica): i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.I, Kind.W)}
-        # action index -> the stage whose gradients are final once it has run: its last B / I / W
-        self._ready_after = {index: key for key, index in last.items() if key not in self._synced}
+        ready_after = {index: key for key, index in last.items() if key not in self._synced}
+        # the program: (method, action, stage key whose grads are final after it, or None), resolved once
+        self._program = [
+            (getattr(self, f"_run_{a.kind.value.lower()}"), a, ready_after.get(i))
+            for i, a in enumerate(actions)
+        ]
+        # per (stage, replica): its RECV_F actions in order, to post receives ahead
+        self._recv_f_order: dict[tuple[int, int], list[Action]] = {}
+        for a in actions:
+            if a.kind is Kind.RECV_F:
+                self._recv_f_order.setdefault((a.stage, a.replica), []).append(a)
+        self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # received activations
+        self._sent_shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._params_of = {
+            key: [p for p in module.parameters() if p.requires_grad] for key, module in self.modules.items()
+        }
+
+    def reset_shapes(self) -> None:
+        """Forget the activation shapes: the next step sends headers again (call it on every rank)."""
+        self._shapes.clear(), self._sent_shapes.clear()
 
     # -- communication ---------------------------------------------------------------------------
     def _peer(self, stage: int, replica: int) -> int:
@@ -96,6 +123,18 @@ class PipelineExecutor:
         buffer = torch.empty(tuple(shape), dtype=dtype)
         return irecv(buffer, peer, self.group, tag=tag), buffer
 
+    def _post_recv_f(self, action: Action) -> None:
+        """Post the receive of `action`'s activation: its header on a first step, else the data."""
+        key = self._key(action)
+        peer = self._peer(action.stage - 1, action.replica)
+        if key in self._shapes:
+            shape, dtype = self._shapes[key]
+            tag = self._tag(1, action.stage, action.microbatch, action.replica)
+            self._recvs[("act", *key)] = self._irecv(shape, dtype, peer, tag)
+        else:
+            tag = self._tag(0, action.stage, action.microbatch, action.replica)
+            self._recvs[("header", *key)] = self._irecv([_HEADER_SLOTS], torch.int64, peer, tag)
+
     # -- the step --------------------------------------------------------------------------------
     def step(self, microbatch_inputs: Sequence[torch.Tensor], targets: Sequence[Any]) -> torch.Tensor | None:
         """Run one training step; accumulate parameter .grad; return the summed loss of this rank's
@@ -112,18 +151,18 @@ class PipelineExecutor:
         self._local_synced: set[tuple[int, int]] = set()
         self._loss: torch.Tensor | None = None
         self._data, self._targets = microbatch_inputs, targets
-        actions = self.schedule.ranks[self.rank]
-        for action in actions:  # post every forward header now: they are small and fixed-size
-            if action.kind is Kind.RECV_F:
-                peer = self._peer(action.stage - 1, action.replica)
-                tag = self._tag(0, action.stage, action.microbatch, action.replica)
-                self._recvs[("header", action.stage, action.microbatch, action.replica)] = self._irecv(
-                    [_HEADER_SLOTS], torch.int64, peer, tag
-                )
-        for index, action in enumerate(actions):
-            getattr(self, f"_run_{action.kind.value.lower()}")(action)
-            if self.on_stage_grads_ready is not None and index in self._ready_after:
-                self.on_stage_grads_ready(self._ready_after[index])
+        self._recv_f_next: dict[tuple[int, int], int] = {}
+        for chunk, order in self._recv_f_order.items():
+            known = all(self._key(a) in self._shapes for a in order)
+            ahead = self.RECV_AHEAD if known else len(order)  # first step: every (small) header now
+            for a in order[:ahead]:
+                self._post_recv_f(a)
+            self._recv_f_next[chunk] = ahead
+        ready = self.on_stage_grads_ready
+        for run, action, ready_key in self._program:
+            run(action)
+            if ready_key is not None and ready is not None:
+                ready(ready_key)
         for work, _ in self._sends + self._syncs:
             work.wait()
         self._finish_grad_sync()
@@ -153,23 +192,40 @@ class PipelineExecutor:
         self._inputs[key], self._outputs[key] = x, out
 
     def _run_send_f(self, action: Action) -> None:
+        key = self._key(action, action.stage + 1)
         out = self._outputs[self._key(action)].detach()
-        header = torch.zeros(_HEADER_SLOTS, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
-        header[2 : 2 + out.dim()] = torch.tensor(out.shape)
         peer = self._peer(action.stage + 1, action.replica)
-        self._isend(header, peer, self._tag(0, action.stage + 1, action.microbatch, action.replica))
+        sent = self._sent_shapes.get(key)
+        if sent is None:
+            header = torch.zeros(_HEADER_SLOTS, dtype=torch.int64)
+            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
+            header[2 : 2 + out.dim()] = torch.tensor(out.shape)
+            self._isend(header, peer, self._tag(0, action.stage + 1, action.microbatch, action.replica))
+            self._sent_shapes[key] = (tuple(out.shape), out.dtype)
+        elif sent != (tuple(out.shape), out.dtype):
+            raise ValueError(
+                f"stage {action.stage} micro-batch {action.microbatch}: output {tuple(out.shape)} {out.dtype} "
+                f"differs from the first step's {sent[0]} {sent[1]}; call reset_shapes() on every rank first"
+            )
         self._isend(out, peer, self._tag(1, action.stage + 1, action.microbatch, action.replica))
 
     def _run_recv_f(self, action: Action) -> None:
         key = self._key(action)
-        work, header = self._recvs.pop(("header", *key))
-        work.wait()
-        dtype, shape = _DTYPES[int(header[0])], header[2 : 2 + int(header[1])].tolist()
-        peer = self._peer(action.stage - 1, action.replica)
-        work, buffer = self._irecv(
-            shape, dtype, peer, self._tag(1, action.stage, action.microbatch, action.replica)
-        )
+        chunk = (action.stage, action.replica)
+        if key in self._shapes:
+            work, buffer = self._recvs.pop(("act", *key))
+        else:
+            work, header = self._recvs.pop(("header", *key))
+            work.wait()
+            dtype, shape = _DTYPES[int(header[0])], tuple(header[2 : 2 + int(header[1])].tolist())
+            self._shapes[key] = (shape, dtype)
+            peer = self._peer(action.stage - 1, action.replica)
+            tag = self._tag(1, action.stage, action.microbatch, action.replica)
+            work, buffer = self._irecv(shape, dtype, peer, tag)
+        order, position = self._recv_f_order[chunk], self._recv_f_next[chunk]
+        if position < len(order) and self._key(order[position]) in self._shapes:
+            self._post_recv_f(order[position])  # keep RECV_AHEAD receives posted ahead
+            self._recv_f_next[chunk] = position + 1
         work.wait()
         self._recvs[("act", *key)] = buffer
 
@@ -191,22 +247,21 @@ class PipelineExecutor:
         )
 
     def _params(self, action: Action) -> list[torch.nn.Parameter]:
-        return [p for p in self.modules[(action.stage, action.replica)].parameters() if p.requires_grad]
+        return self._params_of[(action.stage, action.replica)]
 
     def _backward(self, action: Action, defer_weight_grads: bool) -> None:
         """One pass over the stage's graph (then freed): the input gradient, and the parameter
-        gradients, except those of deferrable linears when deferring, which wait for the W."""
+        gradients, except those of deferrable linears when deferring, which wait for the W.
+        Gradients land in .grad by autograd's accumulation (in place after the first micro-batch)."""
         key, params = self._key(action), self._params(action)
         grad_out = self._output_grad(action)
         x, out = self._inputs.pop(key), self._outputs.pop(key)
         # every parameter is asked for, deferred or not: autograd prunes nodes leading to none
-        wrt = params + ([x] if action.stage > 0 else [])
+        wrt = params + [x] if action.stage > 0 else params
         with self._weight_grads.deferring(key) if defer_weight_grads else nullcontext():
-            grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
-        for param, grad in zip(params, grads):
-            accumulate_grad(param, grad)
+            torch.autograd.backward(out, grad_out, inputs=wrt)
         if action.stage > 0:
-            self._input_grads[key] = grads[-1]
+            self._input_grads[key] = x.grad
 
     def _run_b(self, action: Action) -> None:
         self._backward(action, defer_weight_grads=False)

@@ -12,6 +12,7 @@ that says how to fix them. Bubble fractions with T_F = T_I = T_W (what the simul
     zb_h1              (p-1) / (3m+p-1)           Qi et al. 2023, Sec. 3.1
     zb_h2, zb_v        no idle time inside any rank's span   Qi et al. 2023, Sec. 3.1 and 6
     bitpipe            see docs/pipeline.md        Wu et al. 2024
+    dualpipe_v         see docs/pipeline.md        DeepSeek-V3 (2024), DualPipe's "V" variant
 """
 
 from __future__ import annotations
@@ -150,6 +151,62 @@ def bitpipe(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
     return greedy_order(placement, microbatches, [3 * pp] * pp, split_backward=False, grad_sync=True)
 
 
+def _dualpipe_v_rank(pp: int, microbatches: int, rank: int) -> list[Action]:
+    """DualPipeV on one rank, phase by phase as in deepseek-ai/DualPipe (dualpipev.py) and PyTorch's
+    `ScheduleDualPipeV`: chunk 0 = stage r, chunk 1 = stage 2p-1-r; an overlapped (F, B) pair runs here
+    as F then B (on one CPU stream there is nothing to overlap them with)."""
+    stage = (rank, 2 * pp - 1 - rank)
+    count: dict[tuple[Kind, int], int] = {}
+    weights: list[tuple[int, int]] = []  # (chunk, micro-batch) of each deferred W, oldest first
+    actions: list[Action] = []
+
+    def emit(kind: Kind, chunk: int) -> None:
+        counter = I if kind is B else kind  # a full B and an I advance the same backward counter
+        j = count.get((counter, chunk), 0)
+        count[(counter, chunk)] = j + 1
+        actions.append(Action(kind, stage[chunk], j))
+        if kind is I:
+            weights.append((chunk, j))
+
+    def weight() -> None:
+        if weights:
+            chunk, j = weights.pop(0)
+            actions.append(Action(W, stage[chunk], j))
+
+    for _ in range(2 * (pp - rank - 1)):  # 1: chunk-0 forwards
+        emit(F, 0)
+    for _ in range(rank + 1):  # 2: F0 F1
+        emit(F, 0), emit(F, 1)
+    for _ in range(pp - rank - 1):  # 3: I1 W F1 (zero bubble)
+        emit(I, 1), weight(), emit(F, 1)
+    for _ in range(microbatches - 2 * pp + rank + 1):  # 4: the steady state, (F0 B1) (F1 B0)
+        emit(F, 0), emit(B, 1)
+        emit(F, 1), emit(B, 0)
+    for _ in range(pp - rank - 1):  # 5: B1 (F1 B0)
+        emit(B, 1), emit(F, 1), emit(B, 0)
+    split = False  # 6: B1 B0, the second half with the weight pass deferred
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        emit(I if split else B, 1)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        emit(I if split else B, 0)
+    for _ in range(pp - rank - 1):  # 7: W B0
+        weight(), emit(I if split else B, 0)
+    while weights:  # 8: the remaining W's
+        weight()
+    return actions
+
+
+def dualpipe_v(pp: int, microbatches: int, chunks: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3 technical report 2024, Sec. 3.2.1; the "cut-in-half" DualPipe of
+    deepseek-ai/DualPipe): a V placement like ZB-V, a steady state of (F chunk 0, B chunk 1),
+    (F chunk 1, B chunk 0) pairs whose compute and communication overlap on a GPU, and W's deferred
+    only at the edges. Needs m >= 2p micro-batches."""
+    return [_dualpipe_v_rank(pp, microbatches, rank) for rank in range(pp)]
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     builder: Callable[[int, int, int], list[list[Action]]]
@@ -173,6 +230,14 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     ),
     "bitpipe": ScheduleSpec(
         bitpipe, PlacementKind.BIDIRECTIONAL, 2, True, lambda p: p, "two V replicas in opposite directions"
+    ),
+    "dualpipe_v": ScheduleSpec(
+        dualpipe_v,
+        PlacementKind.V,
+        2,
+        True,
+        lambda p: 2 * p,
+        "V placement, overlapped F/B pairs (DeepSeek-V3)",
     ),
 }
 
@@ -209,7 +274,7 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
     """The compute-only schedule `name` for `pp` ranks and `microbatches` micro-batches.
 
     `chunks` is the number of stages per rank (per replica): v for interleaved_1f1b (default 2);
-    gpipe/1f1b/zb_h1/zb_h2 use 1, zb_v/bitpipe 2, and reject any other value.
+    gpipe/1f1b/zb_h1/zb_h2 use 1, zb_v/bitpipe/dualpipe_v 2, and reject any other value.
     """
     resolved = check_requirements(name, pp, microbatches, chunks)
     spec = SCHEDULES[name]

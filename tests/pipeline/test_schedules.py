@@ -130,6 +130,7 @@ def test_simulating_a_large_layout_stays_linear():
         ("interleaved_1f1b", 4, 6, 2, "divisible by pp=4"),
         ("interleaved_1f1b", 4, 8, 1, "at least 2 chunks"),
         ("bitpipe", 4, 9, None, "even number"),
+        ("dualpipe_v", 4, 7, None, "at least 8 micro-batches"),
         ("pipedream", 4, 8, None, "unknown schedule"),
         ("1f1b", 1, 8, None, "at least 2 pipeline ranks"),
     ],
@@ -140,4 +141,31 @@ def test_invalid_combinations_are_rejected_with_a_fix(name, pp, microbatches, ch
 
 
 def test_every_schedule_is_registered_with_a_summary():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_v", "bitpipe"}
+    assert set(SCHEDULES) == {
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "zb_h1",
+        "zb_h2",
+        "zb_v",
+        "bitpipe",
+        "dualpipe_v",
+    }
+
+
+@pytest.mark.parametrize("pp,microbatches", [(2, 4), (2, 8), (3, 7), (4, 8), (4, 11), (5, 16)])
+def test_dualpipe_v_runs_pytorchs_order_with_each_overlapped_pair_as_f_then_b(pp, microbatches):
+    """Our DualPipeV is PyTorch's `ScheduleDualPipeV` (from deepseek-ai/DualPipe) action for action."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    letters = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    ours = build_schedule("dualpipe_v", pp, microbatches)
+    for rank in range(pp):
+        fake = SimpleNamespace(pp_group_size=pp, _n_microbatches=microbatches)
+        theirs = []
+        for action in ScheduleDualPipeV._calculate_single_rank_operations(fake, rank):
+            for sub in action.sub_actions or (action,):
+                theirs.append(f"{sub.stage_index}{letters[sub.computation_type.name]}{sub.microbatch_index}")
+        assert [str(a) for a in ours.ranks[rank]] == theirs
