@@ -175,10 +175,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """World = DP x PP x SP x TP, TP innermost: rank = ((dp*PP + pp)*SP + sp)*TP + tp.
+    """World = DP x PP x CP x SP x TP, TP innermost: rank = (((dp*PP + pp)*CP + cp)*SP + sp)*TP + tp.
 
     `sequence_parallel` turns on Megatron sequence-parallel regions (norms and residuals split along
-    the sequence inside the TP group); `sp` is Ulysses sequence parallelism (all-to-all around attention).
+    the sequence inside the TP group); `sp` is Ulysses sequence parallelism (all-to-all around attention);
+    `cp` is context parallelism (ring attention over a load-balanced "zigzag" split of the sequence,
+    docs/context_parallel.md). With both, the sequence is split over cp first, then over sp.
     """
 
     dp: int = 1
@@ -186,29 +188,32 @@ class ParallelConfig:
     sp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "sp", "tp"):
+        for name in ("dp", "pp", "cp", "sp", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.sp * self.tp
+        return self.dp * self.pp * self.cp * self.sp * self.tp
 
     @property
     def shift_size(self) -> int:
-        """P = SP*TP: the ranks of one (dp, pp) slice, which full-TP serving shards over."""
+        """P = SP*TP: the ranks of one (dp, pp, cp) slice, which full-TP serving shards over."""
         return self.sp * self.tp
 
     def check_world_size(self, world_size: int) -> None:
         if world_size != self.world_size:
+            cp = f" cp={self.cp}" if self.cp > 1 else ""
+            product = "dp*pp*cp*sp*tp" if self.cp > 1 else "dp*pp*sp*tp"
             raise ConfigError(
-                f"layout dp={self.dp} pp={self.pp} sp={self.sp} tp={self.tp} needs "
+                f"layout dp={self.dp} pp={self.pp}{cp} sp={self.sp} tp={self.tp} needs "
                 f"{self.world_size} ranks but the world has {world_size}: start "
                 f"{self.world_size} processes (e.g. torchrun --nproc-per-node {self.world_size}) "
-                f"or change the layout so that dp*pp*sp*tp = {world_size}"
+                f"or change the layout so that {product} = {world_size}"
             )
 
     def check_model(self, model: ModelConfig) -> None:
@@ -230,13 +235,34 @@ class ParallelConfig:
             raise ConfigError(
                 f"pp = {self.pp} is more than the model's {model.num_layers} layers: use pp <= {model.num_layers}"
             )
+        if self.cp > 1 and model.sliding_window is not None:
+            raise ConfigError(
+                f"cp = {self.cp} (ring attention) does not support sliding-window attention "
+                f"(sliding_window = {model.sliding_window}): use cp = 1 (sp and tp support it)"
+            )
 
     def check_sequence(self, seq_len: int) -> None:
-        chunks = self.sp * (self.tp if self.sequence_parallel else 1)
-        if seq_len % chunks:
+        """The sequence splits into 2*cp zigzag chunks, each chunk pair over sp (and tp with Megatron SP)."""
+        sp_chunks = self.sp * (self.tp if self.sequence_parallel else 1)
+        split = f"sp{'*tp' if self.sequence_parallel else ''}"
+        if self.cp > 1:
+            chunks = 2 * self.cp * sp_chunks
+            if chunks > seq_len:
+                raise ConfigError(
+                    f"2*cp*{split} = {chunks} is larger than the sequence length {seq_len}: "
+                    f"lower cp or {split.split('*')[0]}, or train on sequences of at least {chunks} tokens"
+                )
+            if seq_len % chunks:
+                raise ConfigError(
+                    f"sequence length {seq_len} must split into 2*cp*{split} = {chunks} equal chunks "
+                    f"(ring attention's load-balanced split): use a multiple of {chunks}, "
+                    f"e.g. {ceil_to_multiple(seq_len, chunks)}"
+                )
+            return
+        if seq_len % sp_chunks:
             raise ConfigError(
-                f"sequence length {seq_len} must split evenly into sp{'*tp' if self.sequence_parallel else ''}"
-                f" = {chunks} chunks: pad the sequence to a multiple of {chunks} or lower sp"
+                f"sequence length {seq_len} must split evenly into {split}"
+                f" = {sp_chunks} chunks: pad the sequence to a multiple of {sp_chunks} or lower sp"
             )
 
 

@@ -1,12 +1,13 @@
 """ParallelConfig -> Mesh: this rank's coordinates and its named process groups.
 
-Rank layout (docs/design.md "Rank layout"), TP innermost:
+Rank layout (docs/design.md "Rank layout"), order dp, pp, cp, sp, tp, TP innermost:
 
-    rank = ((dp * PP + pp) * SP + sp) * TP + tp
+    rank = (((dp * PP + pp) * CP + cp) * SP + sp) * TP + tp
 
-Groups: `tp` (TP consecutive ranks), `sp` (stride TP), `pp` (stride SP*TP), `dp` (stride PP*SP*TP), and
-`shift`: the SP*TP ranks of one (dp, pp) slice. In the shift group rank (sp, tp) holds shard index
-`j = tp*SP + sp` ("head order"): full-TP shard j is sub-slice `sp` of TP shard `tp`. The group's own
+Groups: `tp` (TP consecutive ranks), `sp` (stride TP), `cp` (context parallelism, ring attention;
+stride SP*TP), `pp` (stride CP*SP*TP), `dp` (stride PP*CP*SP*TP), `dp_sp` (every rank that holds
+the same weights: dp x cp x sp), and `shift`: the SP*TP ranks of one (dp, pp, cp) slice. In the shift
+group rank (sp, tp) holds shard index `j = tp*SP + sp` ("head order"): full-TP shard j is sub-slice `sp` of TP shard `tp`. The group's own
 rank order is sorted global rank, which is *not* head order, so `shard_index` is computed here and
 never read from the group.
 """
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from shiftlm.comm.group import CommGroup
 from shiftlm.config import ParallelConfig
 
-AXES = ("dp", "pp", "sp", "tp")
+AXES = ("dp", "pp", "cp", "sp", "tp")
 
 
 @dataclass(frozen=True)
@@ -31,18 +32,20 @@ class Coords:
     pp: int
     sp: int
     tp: int
+    cp: int = 0  # last so that positional Coords(dp, pp, sp, tp) keeps its meaning
 
 
-def rank_of(config: ParallelConfig, dp: int, pp: int, sp: int, tp: int) -> int:
-    return ((dp * config.pp + pp) * config.sp + sp) * config.tp + tp
+def rank_of(config: ParallelConfig, dp: int, pp: int, sp: int, tp: int, cp: int = 0) -> int:
+    return (((dp * config.pp + pp) * config.cp + cp) * config.sp + sp) * config.tp + tp
 
 
 def coords_of(config: ParallelConfig, rank: int) -> Coords:
     tp = rank % config.tp
     sp = rank // config.tp % config.sp
-    pp = rank // (config.tp * config.sp) % config.pp
-    dp = rank // (config.tp * config.sp * config.pp)
-    return Coords(dp=dp, pp=pp, sp=sp, tp=tp)
+    cp = rank // (config.tp * config.sp) % config.cp
+    pp = rank // (config.tp * config.sp * config.cp) % config.pp
+    dp = rank // (config.tp * config.sp * config.cp * config.pp)
+    return Coords(dp=dp, pp=pp, sp=sp, tp=tp, cp=cp)
 
 
 def group_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]]:
@@ -60,7 +63,7 @@ def group_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]
 
 
 class Mesh:
-    """This rank's view of a DP x PP x SP x TP layout.
+    """This rank's view of a DP x PP x CP x SP x TP layout.
 
     Construct it on every rank in the same order (creating groups is collective). With a world of
     one, or before torch.distributed is initialised with a one-rank layout, every group has size 1
@@ -85,7 +88,14 @@ class Mesh:
         self.rank = rank
         self.world_size = world_size
         self.coords = coords_of(config, rank)
-        axes_of = {"tp": ("tp",), "sp": ("sp",), "pp": ("pp",), "dp": ("dp",), "shift": ("tp", "sp")}
+        axes_of = {
+            "tp": ("tp",),
+            "sp": ("sp",),
+            "cp": ("cp",),
+            "pp": ("pp",),
+            "dp": ("dp",),
+            "shift": ("tp", "sp"),
+        }
         self.groups: dict[str, CommGroup] = {}
         for name, axes in axes_of.items():
             for ranks in group_ranks(config, axes):
@@ -98,8 +108,8 @@ class Mesh:
                 if rank in ranks:
                     self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
         # the data-parallel replicas of a parameter shard: ranks that hold the same weights and see
-        # different tokens (Ulysses splits tokens too), so their gradients are summed
-        for ranks in group_ranks(config, ("dp", "sp")):
+        # different tokens (Ulysses and ring attention split tokens too), so their gradients are summed
+        for ranks in group_ranks(config, ("dp", "cp", "sp")):
             pg = (
                 dist.new_group(sorted(ranks), timeout=timeout)
                 if initialized and world_size > 1 and len(ranks) > 1
@@ -110,6 +120,7 @@ class Mesh:
 
     tp = property(lambda self: self.groups["tp"])
     sp = property(lambda self: self.groups["sp"])
+    cp = property(lambda self: self.groups["cp"])
     pp = property(lambda self: self.groups["pp"])
     dp = property(lambda self: self.groups["dp"])
     shift = property(lambda self: self.groups["shift"])
@@ -129,12 +140,13 @@ class Mesh:
         return self.coords.pp == self.config.pp - 1
 
     def pp_peer(self, stage: int) -> int:
-        """Global rank that holds pipeline stage `stage` at this rank's (dp, sp, tp)."""
+        """Global rank that holds pipeline stage `stage` at this rank's (dp, cp, sp, tp)."""
         c = self.coords
-        return rank_of(self.config, c.dp, stage, c.sp, c.tp)
+        return rank_of(self.config, c.dp, stage, c.sp, c.tp, c.cp)
 
     def __str__(self) -> str:
         c = self.config
-        return f"DP({c.dp})-PP({c.pp})-SP({c.sp})-TP({c.tp}) rank {self.rank}"
+        cp = f"-CP({c.cp})" if c.cp > 1 else ""
+        return f"DP({c.dp})-PP({c.pp}){cp}-SP({c.sp})-TP({c.tp}) rank {self.rank}"
 
     __repr__ = __str__

@@ -16,6 +16,7 @@ from torch import nn
 from shiftlm.comm import CommGroup, all_to_all_along
 from shiftlm.config import ModelConfig
 from shiftlm.model.layers import ColumnParallelLinear, RowParallelLinear
+from shiftlm.model.ring_attention import ring_attention
 from shiftlm.model.rope import apply_rope
 from shiftlm.model.sharding import kv_heads_of_block
 
@@ -41,11 +42,19 @@ def causal_attention(
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: CommGroup, sp: CommGroup, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: CommGroup,
+        sp: CommGroup,
+        sequence_parallel: bool = False,
+        cp: CommGroup | None = None,
+    ):
         super().__init__()
         d = config.head_dim
         self.config = config
         self.tp, self.sp = tp, sp
+        self.cp = cp if cp is not None and cp.size > 1 else None  # context parallel: ring attention
         self.heads_local = config.num_heads // tp.size
         first, last = kv_heads_of_block(tp.rank, tp.size, config.num_kv_heads)
         self.kv_heads_local = last - first
@@ -74,7 +83,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.sp.size > 1:
             q, k, v = self.scatter_heads(q, k, v)
-        out = causal_attention(q, k, v, self.config.sliding_window)
+        if self.cp is not None:  # backend: the cp rank's zigzag chunks, K/V around the cp ring
+            out = ring_attention(q, k, v, self.cp)
+        else:
+            out = causal_attention(q, k, v, self.config.sliding_window)
         if self.sp.size > 1:
             out = all_to_all_along(out, self.sp, scatter_dim=1, gather_dim=HEAD_DIM_AXIS)
         return self.o_proj(out.reshape(batch, -1, self.heads_local * d))

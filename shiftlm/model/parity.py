@@ -53,21 +53,22 @@ def layout_outputs(
     batch: int = 2,
     seq_len: int = 16,
     param_grads: bool = False,
+    cp: int = 1,
 ) -> Outputs:
     """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors."""
     from shiftlm.model import build_model
     from shiftlm.model.grads import sync_tp_replicated_grads
+    from shiftlm.model.ring_attention import sequence_indices, unzigzag
     from shiftlm.model.weights import gather_full
 
     config = ModelConfig.from_hf(model_dir)
-    parallel = ParallelConfig(tp=tp, sp=sp, sequence_parallel=sequence_parallel)
+    parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=sequence_parallel)
     parallel.check_sequence(seq_len)
     mesh = Mesh(parallel)
     model = build_model(config, mesh, checkpoint=model_dir)
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
-    local = seq_len // sp
-    start = mesh.sp.rank * local
-    ids_local, targets_local = ids[:, start : start + local], targets[:, start : start + local]
+    index = torch.from_numpy(sequence_indices(seq_len, cp, mesh.cp.rank, sp, mesh.sp.rank))
+    ids_local, targets_local = ids[:, index], targets[:, index]
 
     captured = {}
 
@@ -83,11 +84,11 @@ def layout_outputs(
 
     with torch.no_grad():
         whole = gather_replicated(logits, mesh.tp, dim=-1)[..., : config.vocab_size]
-        whole = gather_replicated(whole, mesh.sp, dim=1)
+        whole = unzigzag(gather_replicated(gather_replicated(whole, mesh.sp, dim=1), mesh.cp, dim=1), cp)
         grad = captured["embedding"].grad
         if model.sequence_parallel:
             grad = gather_replicated(grad, mesh.tp, dim=1)
-        grad = gather_replicated(grad, mesh.sp, dim=1)
+        grad = unzigzag(gather_replicated(gather_replicated(grad, mesh.sp, dim=1), mesh.cp, dim=1), cp)
     sync_tp_replicated_grads(model)
     grads = gather_full(model, grads=True) if param_grads else None
     return Outputs(whole, grad, grads)

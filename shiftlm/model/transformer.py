@@ -3,8 +3,9 @@
 Parameter names are the Hugging Face names (`model.layers.3.mlp.up_proj.weight`), layers keep their
 global index, so a pipeline stage holding layers [4, 8) names them `model.layers.4` ... `model.layers.7`.
 
-Data layout: tokens are [batch, seq]; activations [batch, seq, hidden]. With Ulysses SP each rank holds
-the contiguous sequence slice `sp`; with Megatron sequence parallelism the activations between the
+Data layout: tokens are [batch, seq]; activations [batch, seq, hidden]. With context parallelism each
+cp rank holds two zigzag chunks of the sequence (model/ring_attention.py); with Ulysses SP each rank
+holds the contiguous slice `sp` of those tokens; with Megatron sequence parallelism the activations between the
 TP regions are further split over the TP group (and gathered back before the LM head).
 """
 
@@ -21,6 +22,7 @@ from shiftlm.model.attention import Attention
 from shiftlm.model.deferred import linear
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
 from shiftlm.model.sharding import padded_vocab
 
@@ -41,10 +43,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: CommGroup, sp: CommGroup, sequence_parallel: bool):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: CommGroup,
+        sp: CommGroup,
+        sequence_parallel: bool,
+        cp: CommGroup | None = None,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp, sp, sequence_parallel)
+        self.self_attn = Attention(config, tp, sp, sequence_parallel, cp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp, sequence_parallel)
 
@@ -99,7 +108,10 @@ class Transformer(nn.Module):
                 self.vocab_start, vocab_local, config.hidden_size, tp, self.sequence_parallel
             )
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(config, tp, sp, self.sequence_parallel) for i in range(first, last)}
+            {
+                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp)
+                for i in range(first, last)
+            }
         )
         if self.with_head:
             self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -117,9 +129,12 @@ class Transformer(nn.Module):
         return self.model.embed_tokens.weight
 
     def positions(self, batch: int, tokens_local: int) -> torch.Tensor:
-        """Global positions of this rank's sequence slice (Ulysses slice `sp`)."""
-        start = self.mesh.sp.rank * tokens_local
-        return torch.arange(start, start + tokens_local).unsqueeze(0).expand(batch, -1)
+        """Global positions of this rank's tokens: the zigzag chunks of cp rank `cp`, then their
+        Ulysses slice `sp` (`ring_attention.sequence_indices`; contiguous when cp = 1)."""
+        cp, sp = self.mesh.cp, self.mesh.sp
+        seq_len = tokens_local * sp.size * cp.size
+        index = sequence_indices(seq_len, cp.size, cp.rank, sp.size, sp.rank)
+        return torch.from_numpy(index).unsqueeze(0).expand(batch, -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.with_embedding:

@@ -1,9 +1,10 @@
-"""`shiftlm verify`: check that TP x SP layouts compute what Hugging Face `transformers` computes.
+"""`shiftlm verify`: check that TP x SP x CP layouts compute what Hugging Face `transformers` computes.
 
     shiftlm verify                                   # a tiny built-in llama (GQA), several layouts
     shiftlm verify --model ./my-llama --tp 1,2 --sp 1,2 --json
+    shiftlm verify --cp 1,2 --sp 1,2                 # context parallelism (ring attention) with Ulysses
 
-For each layout it starts tp*sp local gloo ranks on the CPU, runs a fixed batch forward and backward
+For each layout it starts tp*sp*cp local gloo ranks on the CPU, runs a fixed batch forward and backward
 in fp32, and compares the logits and the loss gradient of the input embeddings with `transformers`
 on the same checkpoint. Exit code 1 if any layout is above the tolerance.
 """
@@ -32,13 +33,14 @@ def _int_list(text: str) -> list[int]:
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "verify",
-        help="check TP x SP layouts against Hugging Face transformers",
+        help="check TP x SP x CP layouts against Hugging Face transformers",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="HF checkpoint directory (default: a tiny built-in llama with GQA)")
     parser.add_argument("--tp", type=_int_list, help="tensor-parallel degrees, e.g. 1,2,4")
     parser.add_argument("--sp", type=_int_list, help="Ulysses sequence-parallel degrees, e.g. 1,2")
+    parser.add_argument("--cp", type=_int_list, help="context-parallel (ring attention) degrees, e.g. 1,2")
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron sequence-parallel norm regions"
     )
@@ -51,10 +53,11 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _layouts(args) -> list[tuple[int, int]]:
-    if args.tp is None and args.sp is None:
-        return DEFAULT_LAYOUTS
-    return [(tp, sp) for tp in (args.tp or [1]) for sp in (args.sp or [1])]
+def _layouts(args) -> list[tuple[int, int, int]]:
+    """(tp, sp, cp) triples: the product of the given degrees, or the default TP x SP set."""
+    if args.tp is None and args.sp is None and args.cp is None:
+        return [(tp, sp, 1) for tp, sp in DEFAULT_LAYOUTS]
+    return [(tp, sp, cp) for cp in (args.cp or [1]) for tp in (args.tp or [1]) for sp in (args.sp or [1])]
 
 
 def run(args) -> int:
@@ -73,8 +76,8 @@ def run(args) -> int:
     layouts = _layouts(args)
     try:
         config = ModelConfig.from_hf(model_dir)
-        for tp, sp in layouts:
-            parallel = ParallelConfig(tp=tp, sp=sp, sequence_parallel=args.sequence_parallel)
+        for tp, sp, cp in layouts:
+            parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel)
             parallel.check_model(config)
             parallel.check_sequence(args.seq_len)
     except ConfigError as err:
@@ -85,21 +88,23 @@ def run(args) -> int:
     print(f"reference: transformers {transformers.__version__} on {model_dir}", file=log)
     reference = reference_outputs(model_dir, args.batch, args.seq_len)
     rows = []
-    for tp, sp in layouts:
+    for tp, sp, cp in layouts:
         start = time.perf_counter()
+        name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "")
         try:
-            with LocalWorkers(tp * sp) as workers:
+            with LocalWorkers(tp * sp * cp) as workers:
                 ours = workers.run(
                     layout_outputs,
                     model_dir,
                     tp=tp,
                     sp=sp,
+                    cp=cp,
                     sequence_parallel=args.sequence_parallel,
                     batch=args.batch,
                     seq_len=args.seq_len,
                 )[0]
         except WorkerError as err:
-            print(f"shiftlm verify: layout tp={tp} sp={sp} failed:\n{err}", file=sys.stderr)
+            print(f"shiftlm verify: layout {name} failed:\n{err}", file=sys.stderr)
             return 1
         logits_abs, logits_rel = relative_error(ours.logits, reference.logits)
         grad_abs, grad_rel = relative_error(ours.embedding_grad, reference.embedding_grad)
@@ -107,7 +112,8 @@ def run(args) -> int:
             {
                 "tp": tp,
                 "sp": sp,
-                "ranks": tp * sp,
+                "cp": cp,
+                "ranks": tp * sp * cp,
                 "logits_max_abs": logits_abs,
                 "logits_max_rel": logits_rel,
                 "embedding_grad_max_abs": grad_abs,
@@ -118,7 +124,7 @@ def run(args) -> int:
         )
         row = rows[-1]
         print(
-            f"tp={tp} sp={sp}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
+            f"{name}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
             f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e} | {'ok' if row['ok'] else 'FAIL'} "
             f"({row['seconds']}s)",
             file=log,

@@ -175,7 +175,7 @@ def gather_full(model: Transformer, grads: bool = False) -> dict[str, torch.Tens
 def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     """Write this rank's stages into `directory` in HF format (collective; not atomic by itself).
 
-    One safetensors file per pipeline rank, written by its (dp=0, sp=0, tp=0) rank; global rank 0
+    One safetensors file per pipeline rank, written by its (dp=0, cp=0, sp=0, tp=0) rank; global rank 0
     writes `config.json` and, with several files, the index. A rank may hold several stages
     (interleaved and V schedules).
     """
@@ -185,7 +185,7 @@ def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     tensors = {n: t for stage in stages for n, t in gather_full(stage).items() if source_name(stage, n) == n}
     c, pp = mesh.coords, mesh.config.pp
     file = "model.safetensors" if pp == 1 else f"model-{c.pp + 1:05d}-of-{pp:05d}.safetensors"
-    writer = c.dp == 0 and c.sp == 0 and c.tp == 0
+    writer = c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0
     directory.mkdir(parents=True, exist_ok=True)
     if writer:
         save_file(

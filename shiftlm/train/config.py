@@ -37,10 +37,11 @@ class ParallelSection:
     pp: int = 1
     sp: int = 1
     tp: int = 1
+    cp: int = 1  # context parallelism: ring attention over a zigzag split of each sequence
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.sp * self.tp
+        return self.dp * self.pp * self.cp * self.sp * self.tp
 
 
 @dataclass

@@ -50,7 +50,7 @@ def save_moments(
         }
         full.update(gather_moments(stage, mine))
     c = stages[0].mesh.coords
-    if c.dp == 0 and c.sp == 0 and c.tp == 0:
+    if c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0:
         save_file(
             {k: v.contiguous() for k, v in full.items()}, directory / f"optimizer-{c.pp:05d}.safetensors"
         )

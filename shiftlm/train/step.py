@@ -19,6 +19,7 @@ import torch
 from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import Transformer, build_model, stage_layers
+from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.recompute import apply_recompute
 
@@ -51,10 +52,11 @@ def normalised_loss(
 
 
 def sequence_slice(array: np.ndarray, mesh: Mesh) -> torch.Tensor:
-    """This rank's contiguous Ulysses slice of a [batch, seq] array."""
-    sp = mesh.sp
-    width = array.shape[1] // sp.size
-    return torch.from_numpy(np.ascontiguousarray(array[:, sp.rank * width : (sp.rank + 1) * width]))
+    """This rank's tokens of a [batch, seq] array: its zigzag chunks over cp, then its contiguous
+    Ulysses slice over sp (the split the model's positions follow, `ring_attention.sequence_indices`)."""
+    cp, sp = mesh.cp, mesh.sp
+    index = sequence_indices(array.shape[1], cp.size, cp.rank, sp.size, sp.rank)
+    return torch.from_numpy(np.ascontiguousarray(array[:, index]))
 
 
 def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
