@@ -1,7 +1,9 @@
 """Configuration dataclasses: the model (read from a Hugging Face `config.json`) and the parallel layout.
 
-Errors raised here are `ConfigError`s whose message says what is wrong and how to fix it; the CLI
-prints them without a traceback.
+It also holds the one family of user errors. Every error a user can cause (a flag, a config value, a
+layout, a file, a checkpoint, a data source, a run that cannot fit) is a `ConfigError` or a subclass;
+its message says what is wrong and how to fix it, and its `exit_code` is what the `shiftlm` command
+exits with after printing that message as one line, without a traceback (`EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,52 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 class ConfigError(ValueError):
-    """A configuration, layout or checkpoint that cannot work, with the fix in the message."""
+    """A flag, configuration value or layout that cannot work, with the fix in the message."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint or model file that is missing, truncated, corrupt or does not fit the model."""
+
+    exit_code = 3
+
+
+class DataError(ConfigError):
+    """A data source that cannot be trained on."""
+
+    exit_code = 4
+
+
+class DoesNotFitError(ConfigError):
+    """A run whose estimated memory exceeds the device's."""
+
+    exit_code = 5
+
+
+class RunDirError(ConfigError):
+    """A run directory that holds another run (a fresh start without --overwrite, changed data shaping)."""
+
+    exit_code = 6
+
+
+# What the `shiftlm` command exits with (documented in docs/training.md, "Errors and exit codes").
+EXIT_CODES = {
+    0: "success (including a training run that was already complete)",
+    1: "an internal error: a bug, printed with its traceback",
+    2: "usage: an unknown or malformed flag, a bad configuration value or layout",
+    CheckpointError.exit_code: "a checkpoint or model file is missing, truncated or corrupt",
+    DataError.exit_code: "the data source cannot be trained on",
+    DoesNotFitError.exit_code: "the run does not fit in this device's memory (the estimate is printed)",
+    RunDirError.exit_code: "the run directory holds another run (use --overwrite or another log.dir)",
+    75: "a hung or dead rank was detected: restart (torchrun --max-restarts) resumes from the last checkpoint",
+    130: "interrupted (Ctrl-C)",
+}
 
 
 @dataclass(frozen=True)
@@ -129,10 +176,27 @@ class ModelConfig:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
-            raise ConfigError(
+            raise CheckpointError(
                 f"no config.json at {file}: point --model at a Hugging Face checkpoint directory"
             )
-        return cls.from_hf_dict(json.loads(file.read_text()))
+        try:
+            raw = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(
+                f"{file} is not valid JSON ({err}): restore it from the original checkpoint"
+            ) from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{file} holds a {type(raw).__name__}, not a JSON object: restore it")
+        try:
+            return cls.from_hf_dict(raw)
+        except KeyError as err:
+            raise CheckpointError(
+                f"{file} lacks the key {err.args[0]!r}: it is not a Llama-family config.json"
+            ) from None
+        except (TypeError, ValueError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise CheckpointError(f"{file} has a value of the wrong type ({err}): restore it") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The `config.json` that `transformers` reads back into the same model."""

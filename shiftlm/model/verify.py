@@ -63,10 +63,11 @@ def _layouts(args) -> list[tuple[int, int, int]]:
 def run(args) -> int:
     import transformers
 
-    from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+    from shiftlm.config import ModelConfig, ParallelConfig
     from shiftlm.launch import LocalWorkers, WorkerError
     from shiftlm.model.parity import layout_outputs, reference_outputs, relative_error
     from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.model.weights import check_checkpoint_files
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -74,15 +75,13 @@ def run(args) -> int:
     if model_dir is None:
         model_dir = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="shiftlm-verify-"), "llama-gqa"))
     layouts = _layouts(args)
-    try:
-        config = ModelConfig.from_hf(model_dir)
-        for tp, sp, cp in layouts:
-            parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel)
-            parallel.check_model(config)
-            parallel.check_sequence(args.seq_len)
-    except ConfigError as err:
-        print(f"shiftlm verify: {err}", file=sys.stderr)
-        return 2
+    # user errors (ConfigError and its subclasses) reach `shiftlm.cli.main`: one line and their exit code
+    config = ModelConfig.from_hf(model_dir)
+    check_checkpoint_files(model_dir)
+    for tp, sp, cp in layouts:
+        parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel)
+        parallel.check_model(config)
+        parallel.check_sequence(args.seq_len)
 
     log = sys.stderr if args.json else sys.stdout
     print(f"reference: transformers {transformers.__version__} on {model_dir}", file=log)

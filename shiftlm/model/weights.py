@@ -20,13 +20,27 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shiftlm.comm import all_gather, all_reduce
-from shiftlm.config import ConfigError
+from shiftlm.config import CheckpointError
 from shiftlm.model.sharding import ShardSpec, full_shape, shard_spec
 from shiftlm.model.transformer import Transformer
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint that does not fit the model (missing tensor, wrong shape, unreadable file)."""
+def open_safetensors(file: Path):
+    """`safe_open(file)`, with a truncated or corrupt file named as a `CheckpointError`."""
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} does not exist: the checkpoint is incomplete") from None
+    except Exception as err:  # safetensors raises its own SafetensorError (not an OSError)
+        raise CheckpointError(
+            f"{file} is truncated or corrupt ({err}): copy or export the checkpoint again"
+        ) from None
+
+
+def check_checkpoint_files(path: Path) -> None:
+    """Open every safetensors file of an HF checkpoint dir once (header and size), before any work."""
+    for file in sorted(set(_tensor_files(Path(path)).values())):
+        open_safetensors(file)
 
 
 def source_name(model: Transformer, name: str) -> str:
@@ -79,7 +93,12 @@ def init_weights(model: Transformer, seed: int = 0) -> None:
 def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(
+                f"{index} is corrupt ({err!r}): copy or export the checkpoint again"
+            ) from None
         return {name: path / file for name, file in weight_map.items()}
     single = path / "model.safetensors"
     if not single.exists():
@@ -87,7 +106,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
             f"no model.safetensors or model.safetensors.index.json in {path}: "
             "save the checkpoint with save_pretrained(..., safe_serialization=True)"
         )
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -108,7 +127,7 @@ def load_hf_checkpoint(model: Transformer, path: str | Path) -> None:
                     "matching config.json?"
                 )
             file = files[source]
-            handle = opened.get(file) or opened.setdefault(file, safe_open(file, framework="pt"))
+            handle = opened.get(file) or opened.setdefault(file, open_safetensors(file))
             tensor_slice = handle.get_slice(source)
             expected = list(full_shape(source, model.config))
             if list(tensor_slice.get_shape()) != expected:

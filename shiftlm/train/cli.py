@@ -1,9 +1,12 @@
 """`shiftlm train`, `shiftlm quickstart` and `shiftlm export`.
 
 shiftlm quickstart                                   # train the embedded default, export, sample
-shiftlm train --config plan.toml --nproc 4 --train.steps=200 --parallel.dp=2
-torchrun --nproc-per-node 4 -m shiftlm train --config plan.toml
+shiftlm train plan.toml --nproc 4 --train.steps=200 --parallel.dp=2
+torchrun --nproc-per-node 4 -m shiftlm train plan.toml
 shiftlm export --run runs/train --to-hf out/hf       # newest checkpoint -> HF dir
+
+User errors are `shiftlm.config.ConfigError`s (and subclasses); they propagate to `shiftlm.cli.main`,
+which prints them as one line with their exit code. Errors a `--nproc` worker raises come back the same.
 """
 
 from __future__ import annotations
@@ -15,36 +18,37 @@ import os
 import sys
 from pathlib import Path
 
+from shiftlm.config import ConfigError
 from shiftlm.train.config import TrainConfig
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     return [f"--{key}={value}" for key, value in vars(args).items() if "." in key and value is not None]
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    from shiftlm.config import ConfigError
-    from shiftlm.train.sources import DataError
-
-    return (ConfigError, DataError, FileNotFoundError)
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (the number of local ranks), got {value}")
+    return value
 
 
 def run_training(config_dict: dict, quiet: bool = False) -> dict:
-    """One rank's training run (also the entry point of `--nproc` workers); returns a summary."""
+    """One rank's training run (also the entry point of `--nproc` workers); returns a summary.
+
+    A user error comes back as {"user_error": ...} rather than a traceback, so that the launching
+    process reports it as one line with its exit code."""
     from shiftlm.train.config import config_from_dict
     from shiftlm.train.trainer import train
 
-    result = train(config_from_dict(config_dict), quiet=quiet)
-    return {
-        "steps": result.last_step,
-        "losses": result.losses,
-        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-    }
+    try:
+        result = train(config_from_dict(config_dict), quiet=quiet)
+    except ConfigError as err:
+        return {"user_error": {"message": str(err), "exit_code": err.exit_code, "type": type(err).__name__}}
+    return result.summary()
 
 
 def _launch(config: TrainConfig, nproc: int, quiet: bool) -> dict:
@@ -55,7 +59,11 @@ def _launch(config: TrainConfig, nproc: int, quiet: bool) -> dict:
         from shiftlm.launch import LocalWorkers
 
         with LocalWorkers(nproc, timeout=24 * 3600) as workers:
-            return workers.run(run_training, config.to_dict(), quiet)[0]
+            results = workers.run(run_training, config.to_dict(), quiet)
+        failed = next((r["user_error"] for r in results if "user_error" in r), None)
+        if failed is not None:
+            raise ConfigError(failed["message"], failed["exit_code"])
+        return results[0]
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun
         import torch
 
@@ -64,21 +72,46 @@ def _launch(config: TrainConfig, nproc: int, quiet: bool) -> dict:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     summary = run_training(config.to_dict(), quiet)
+    if "user_error" in summary:
+        raise ConfigError(summary["user_error"]["message"], summary["user_error"]["exit_code"])
     return summary if not dist.is_initialized() or dist.get_rank() == 0 else {}
+
+
+def _check_world(config: TrainConfig, nproc: int) -> None:
+    """`--nproc` (or torchrun's WORLD_SIZE) must start exactly the ranks the layout needs."""
+    p = config.parallel
+    needed = p.world_size
+    layout = f"dp*pp*sp*tp = {p.dp}*{p.pp}*{p.sp}*{p.tp} = {needed}"
+    torchrun_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torchrun_world > 1:
+        if nproc > 1:
+            raise ConfigError(
+                "--nproc starts local workers; under torchrun leave it out (torchrun starts them)"
+            )
+        return  # the trainer checks WORLD_SIZE against the layout, with the fix
+    if nproc != needed:
+        raise ConfigError(
+            f"the layout needs {needed} ranks ({layout}) but --nproc is {nproc}: "
+            f"use --nproc {needed} (or torchrun --nproc-per-node {needed}), or change the layout"
+        )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shiftlm.launch import WorkerError
     from shiftlm.train.config import load_config
 
+    if args.config_file and args.config and args.config_file != args.config:
+        raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
+    from shiftlm.train.setup import model_shape
+
+    config = load_config(args.config_file or args.config, _overrides(args))
+    model_shape(config)  # the layout against the model, before the world size
+    _check_world(config, args.nproc)
     try:
-        config = load_config(args.config, _overrides(args))
         summary = _launch(config, args.nproc, quiet=args.json)
-    except _user_errors() as err:
-        return _fail(str(err))
     except WorkerError as err:
-        lines = [line for line in str(err).splitlines() if line.strip()]
-        return _fail(lines[-1])  # the workers' exception, e.g. "ConfigError: ..."
+        print(f"shiftlm train: a rank failed (a bug, not a bad input):\n{err}", file=sys.stderr)
+        return 1
     if args.json and summary:
         print(json.dumps(summary))
     return 0
@@ -87,10 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shiftlm.train.export import export_checkpoint
 
-    try:
-        out = export_checkpoint(Path(args.run), Path(args.to_hf), args.checkpoint)
-    except _user_errors() as err:
-        return _fail(str(err))
+    out = export_checkpoint(Path(args.run), Path(args.to_hf), args.checkpoint)
     print(json.dumps({"exported": str(out)}) if args.json else f"exported {out}")
     return 0
 
@@ -98,10 +128,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from shiftlm.train.quickstart import quickstart
 
-    try:
-        summary = quickstart(Path(args.out), args.steps, quiet=args.json)
-    except _user_errors() as err:
-        return _fail(str(err))
+    summary = quickstart(Path(args.out), args.steps, quiet=args.json)
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -112,10 +139,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train on any dp x pp x sp x tp layout",
         allow_abbrev=False,
-        description="Train. Any config key can be overridden: --section.key=value.",
+        description=(
+            "Train on any dp x pp x sp x tp layout and pipeline schedule, on --nproc local CPU ranks or "
+            "under torchrun. The config is a TOML file (the format `shiftlm plan train` writes); any key "
+            "can be overridden with --section.key=value. docs/training.md describes every key."
+        ),
     )
-    train.add_argument("--config", help="TOML file (the format `shiftlm plan train` writes)")
-    train.add_argument("--nproc", type=int, default=1, help="start this many local gloo workers (CPU)")
+    train.add_argument("config_file", nargs="?", metavar="CONFIG", help="TOML config file")
+    train.add_argument("--config", help="TOML config file (same as the positional CONFIG)")
+    train.add_argument(
+        "--nproc", type=_positive_int, default=1, help="local gloo worker processes (CPU ranks) to start"
+    )
     train.add_argument("--json", action="store_true", help="print one JSON summary, no step lines")
     defaults = TrainConfig()
     for section in dataclasses.fields(defaults):
@@ -125,23 +159,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 dest=f"{section.name}.{key.name}",
                 metavar=key.type.upper(),
                 default=None,
-                help=f"default {getattr(getattr(defaults, section.name), key.name)!r}",
+                help=f"(default: {getattr(getattr(defaults, section.name), key.name)!r})",
             )
     train.set_defaults(func=cmd_train)
 
-    export = subparsers.add_parser("export", help="write a training checkpoint as a Hugging Face model dir")
-    export.add_argument("--run", default="runs/train", help="the run's log.dir (default runs/train)")
+    export = subparsers.add_parser(
+        "export",
+        help="write a training checkpoint as a Hugging Face model dir",
+        description="Copy a training checkpoint's model (HF safetensors, config.json, tokenizer) to a "
+        "standalone Hugging Face model directory, atomically.",
+    )
+    export.add_argument("--run", default="runs/train", help="the run's log.dir")
     export.add_argument("--checkpoint", help="a specific checkpoint dir (default: the newest of the run)")
     export.add_argument(
         "--to-hf", required=True, help="output dir (config.json, model.safetensors, tokenizer)"
     )
-    export.add_argument("--json", action="store_true")
+    export.add_argument("--json", action="store_true", help="print one JSON object")
     export.set_defaults(func=cmd_export)
 
     quick = subparsers.add_parser(
-        "quickstart", help="train the embedded default on 2 CPU ranks, export, sample"
+        "quickstart",
+        help="train the embedded default on 2 CPU ranks, export, sample",
+        description="Train the embedded default (a tiny Llama on the Python standard library's source, "
+        "byte-level BPE tokenizer) on 2 local CPU ranks, export it to OUT/hf and print samples.",
     )
     quick.add_argument("--out", default="runs/quickstart", help="run dir; the HF model goes to OUT/hf")
-    quick.add_argument("--steps", type=int, default=None, help="training steps (default: fits ~2 minutes)")
-    quick.add_argument("--json", action="store_true")
+    quick.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: 200)")
+    quick.add_argument("--json", action="store_true", help="print one JSON summary")
     quick.set_defaults(func=cmd_quickstart)

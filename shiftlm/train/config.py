@@ -18,12 +18,11 @@ from typing import Any
 
 import tomllib
 
+from shiftlm.config import ConfigError  # the one user-error type (re-exported for callers)
+
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message says what is wrong and how to fix it."""
+ZERO_STAGES = (0, 1)  # the ZeRO stages the trainer implements (a stage that lands is added here)
 
 
 @dataclass
@@ -220,8 +219,10 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"train.bucket_mb = {train.bucket_mb} must be > 0 (MiB per all-reduce bucket)")
     if train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype = {train.dtype!r}; use one of {', '.join(DTYPES)}")
-    if train.zero not in (0, 1):
-        raise ConfigError(f"train.zero = {train.zero}; shiftlm implements ZeRO stage 0 and 1")
+    if train.zero not in ZERO_STAGES:
+        raise ConfigError(
+            f"train.zero = {train.zero}; shiftlm implements ZeRO stages {', '.join(map(str, ZERO_STAGES))}"
+        )
     per_step = train.micro_batch * config.parallel.dp
     if train.global_batch % per_step:
         raise ConfigError(

@@ -110,6 +110,14 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
     return parallel
 
 
+def model_shape(config: TrainConfig) -> ModelConfig:
+    """The model's shape before any rank starts (the embedded models take data.vocab_size, which the
+    embedded tokenizer has); checks the layout against it, so a bad layout fails in the first second."""
+    model, _ = _model_config(config.model.name, config.data.vocab_size, 0)
+    check_layout(config, model, config.parallel.world_size)
+    return model
+
+
 def resolve_inputs(config: TrainConfig) -> RunInputs:
     """Tokenizer, model config and token shards; built on one process per machine, read by all."""
     data = config.data

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shiftlm.config import DataError
 from shiftlm.train.corpus import cache_dir, corpus_fingerprint, stdlib_corpus
 from shiftlm.train.tokenizer import END_OF_TEXT, load_tokenizer
 
@@ -24,10 +25,6 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 RECORD_SUFFIXES = {".jsonl", ".parquet"}
 SHARD_SUFFIX = ".bin"
 _DOCS_PER_BATCH = 256
-
-
-class DataError(ValueError):
-    """A data source that cannot be trained on; the message says why and how to fix it."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -57,7 +54,12 @@ def _documents(files: list[Path], text_key: str) -> Iterator[str]:
             for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(
+                        f"{file}:{number} is not a JSON record ({err}); fix or remove it"
+                    ) from None
                 if text_key not in record:
                     raise DataError(f"{file}:{number} has no '{text_key}' field; set data.text_key")
                 yield record[text_key]

@@ -11,12 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.transformer import Transformer
-from shiftlm.model.weights import CheckpointError, gather_to_full, source_name, take_shard
+from shiftlm.model.weights import CheckpointError, gather_to_full, open_safetensors, source_name, take_shard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -64,7 +63,7 @@ def load_moments(stages: list[Transformer], directory: Path) -> dict[str, dict[s
         raise CheckpointError(f"no optimizer-*.safetensors in {directory}: the checkpoint is incomplete")
     where: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             where.update({key: file for key in handle.keys()})
     tp = stages[0].mesh.tp
     out: dict[str, dict[str, torch.Tensor]] = {moment: {} for moment in MOMENTS}
@@ -76,7 +75,7 @@ def load_moments(stages: list[Transformer], directory: Path) -> dict[str, dict[s
             key = next((k for k in (f"{moment}.{name}", f"{moment}.{source}") if k in where), None)
             if key is None:
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for {name!r}")
-            with safe_open(where[key], framework="pt") as handle:
+            with open_safetensors(where[key]) as handle:
                 full = handle.get_tensor(key)
             out[moment][name] = take_shard(full, shard_spec(source, model.config, tp.rank, tp.size)).to(
                 param.dtype

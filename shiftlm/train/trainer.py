@@ -57,7 +57,25 @@ from shiftlm.train.zero import ShardedAdamW, global_grad_norm
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
     last_step: int = 0
-    checkpoint: Path | None = None
+    checkpoint: Path | None = None  # the newest checkpoint (written by this run, or found complete)
+    resumed_from: Path | None = None
+    already_complete: bool = False  # the newest checkpoint had reached train.steps: nothing to do
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
+    metrics: Path | None = None  # rank 0: metrics.jsonl
+    loss_plot: Path | None = None  # rank 0: loss.png
+
+    def summary(self) -> dict:
+        """What `shiftlm train --json` prints (paths as strings)."""
+        return {
+            "steps": self.last_step,
+            "losses": self.losses,
+            "val_losses": self.val_losses,
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "already_complete": self.already_complete,
+            "metrics": str(self.metrics) if self.metrics else None,
+            "loss_plot": str(self.loss_plot) if self.loss_plot else None,
+        }
 
 
 def flat_name(name: str, replica: int) -> str:

@@ -89,7 +89,8 @@ def test_a_corrupt_checkpoint_is_named_and_refused(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt"):
         read_trainer_state(latest_checkpoint(tmp_path / "checkpoints"))
     result = _cli(["train", *BASE, f"--log.dir={tmp_path}"])
-    assert result.returncode == 2 and "corrupt" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 3 and "corrupt" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_export_without_a_checkpoint_fails_and_writes_nothing(tmp_path):
