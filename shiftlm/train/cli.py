@@ -81,7 +81,7 @@ def _check_world(config: TrainConfig, nproc: int) -> None:
     """`--nproc` (or torchrun's WORLD_SIZE) must start exactly the ranks the layout needs."""
     p = config.parallel
     needed = p.world_size
-    layout = f"dp*pp*sp*tp = {p.dp}*{p.pp}*{p.sp}*{p.tp} = {needed}"
+    layout = f"dp*pp*cp*sp*tp = {p.dp}*{p.pp}*{p.cp}*{p.sp}*{p.tp} = {needed}"
     torchrun_world = int(os.environ.get("WORLD_SIZE", "1"))
     if torchrun_world > 1:
         if nproc > 1:
