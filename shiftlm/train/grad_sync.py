@@ -31,7 +31,11 @@ class GradSync:
         group: CommGroup,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
+        count_accumulations: bool = True,
     ):
+        """`count_accumulations=False`: ignore autograd's accumulate hooks, only `parameters_ready`
+        completes a parameter (the pipeline executor: its I pass fires a weight's hook without a
+        gradient, whose W comes later)."""
         self.flat, self.group = flat, group
         self.overlap = overlap and group.size > 1
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the flat buffer
@@ -39,9 +43,10 @@ class GradSync:
         self._build_buckets(bucket_bytes // 4)
         self._expected = 0
         self._arrivals = [0] * len(flat.parameters)
+        self._done = [False] * len(flat.parameters)
         self._pending = [0] * len(self.buckets)  # parameters still to arrive, per bucket
         self._handles: dict[int, dist.Work | None] = {}
-        if self.overlap:
+        if self.overlap and count_accumulations:
             for index, param in enumerate(flat.parameters):
                 param.register_post_accumulate_grad_hook(lambda _, index=index: self._arrived(index))
 
@@ -62,6 +67,7 @@ class GradSync:
         """Arm the hooks: each parameter will receive `micro_batches` gradient contributions."""
         self._expected = micro_batches
         self._arrivals = [0] * len(self.flat.parameters)
+        self._done = [False] * len(self.flat.parameters)
         self._pending = [0] * len(self.buckets)
         for bucket in self._bucket_of:
             self._pending[bucket] += 1
@@ -73,6 +79,9 @@ class GradSync:
             self._complete(index)
 
     def _complete(self, index: int) -> None:
+        if self._done[index]:
+            return
+        self._done[index] = True
         bucket = self._bucket_of[index]
         self._pending[bucket] -= 1
         if self._pending[bucket] == 0:

@@ -117,7 +117,9 @@ class Trainer:
         )
         overlap = config.train.overlap_grad_sync
         bucket_bytes = int(config.train.bucket_mb * 2**20)
-        self.grad_sync = GradSync(self.flat, data_group, bucket_bytes, overlap)
+        self.grad_sync = GradSync(
+            self.flat, data_group, bucket_bytes, overlap, count_accumulations=config.parallel.pp == 1
+        )
         decay = self.flat.mask(lambda name, shape: len(shape) >= 2)  # no decay on norms and biases
         self.optimizer = ShardedAdamW(
             self.flat, data_group, config.optim, decay, shard=config.train.zero == 1
