@@ -1,118 +1,146 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, Prometheus metrics.
 
-    app = build_app(AsyncEngine(engine), tokenizer, model_name="tiny")
+    app = build_app(AsyncEngine(engine), tokenizer, ApiOptions(model_name="tiny"))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Every request is validated before it reaches the engine, so a bad one gets its own error (400 bad
-parameter, 404 unknown model, 413 prompt too long, 429 too many requests in flight, 503 engine down)
-and never disturbs the others. Streams are Server-Sent Events ending in `data: [DONE]`; the last
-chunk carries `usage` (or, with `stream_options.include_usage`, a final chunk with no choices does,
-as OpenAI sends it).
+Every request is validated before it reaches the engine, so a bad one gets its own OpenAI-shaped
+error (400 bad parameter or unimplemented field, 401 API key, 404 unknown model or route, 413 body or
+prompt too long, 429 too many requests in flight, 500 its step failed, 503 engine down) and never
+disturbs the others. Text is tokenized on a worker thread, after a length check that needs no
+tokenizer, so a 10 MB prompt neither blocks `/health` nor costs gigabytes. A non-streaming request
+whose client disconnects is aborted, as a stream is. Streams are Server-Sent Events ending in
+`data: [DONE]`; the last chunk carries `usage` (or, with `stream_options.include_usage`, a final
+chunk with no choices does, as OpenAI sends it).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from shiftlm.serve.async_engine import AsyncEngine, EngineDead, Overloaded
+from shiftlm.serve.async_engine import AsyncEngine, EngineDead, Overloaded, StepFailed
 from shiftlm.serve.engine import PromptTooLong
-from shiftlm.serve.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingFields,
-    new_id,
-    now,
-    usage,
-)
+from shiftlm.serve.middleware import GuardMiddleware
+from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from shiftlm.serve.responses import Choices, merged, render_response, render_stream
 from shiftlm.serve.sequence import InvalidRequest, SamplingParams
 from shiftlm.serve.text import Tokenizer
 
-
-def _error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+log = logging.getLogger("shiftlm.serve")
 
 
-def build_app(
-    engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, default_max_tokens: int = 16
-) -> FastAPI:
+@dataclass(frozen=True)
+class ApiOptions:
+    model_name: str
+    default_max_tokens: int = 16
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 2**20
+    chat_template: str | None = None  # overrides the tokenizer's own
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The longest token's text: a prompt longer than max_model_len times this cannot fit, so it is
+    refused before tokenizing. Byte-level vocabularies spell one byte per character, an upper bound."""
+    try:
+        return max(8, max(len(token) for token in tokenizer.get_vocab()))
+    except (AttributeError, TypeError, ValueError):
+        return 64
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) -> FastAPI:
     app = FastAPI(title="shiftlm")
+    model_name = options.model_name
+    max_chars = engine.engine.max_model_len * max_chars_per_token(tokenizer)
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shiftlm-tokenize")
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-        return _error_response(error)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            return await _api_error(
+                _, ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
+            )
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        return _error_response(
-            ApiError(400, f"invalid request body: {where}: {first.get('msg')}", where or None)
+        message = (
+            f"invalid request body: {where}: {first.get('msg')}"
+            if where
+            else f"invalid request body: {first.get('msg')}"
         )
+        return await _api_error(_, ApiError(400, message, where or None))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return await _api_error(_, ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception) -> JSONResponse:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
+        return await _api_error(request, ApiError(500, f"internal error: {type(error).__name__}"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.error is not None:
-            return _error_response(ApiError(503, f"the engine stopped: {engine.error!r}"))
+            raise ApiError(503, f"the engine stopped: {engine.error}")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "shiftlm",
-            "max_model_len": engine.engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "shiftlm"}
+        return {"object": "list", "data": [{**card, "max_model_len": engine.engine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        scheduler = engine.engine.scheduler
-        gauges = {
-            "num_requests_running": ("Sequences in the running batch.", len(scheduler.running)),
-            "num_requests_waiting": ("Sequences waiting to be scheduled.", len(scheduler.waiting)),
-            "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", scheduler.blocks.allocator.usage),
-        }
-        counters = {
-            "mode_switches": (
-                "Steps whose parallel mode differs from the previous step's.",
-                scheduler.stats.mode_switches,
-            ),
-            "preemptions": (
-                "Sequences preempted (to be recomputed) for lack of KV blocks.",
-                scheduler.stats.preemptions,
-            ),
-            "prefix_cache_hit_tokens": (
-                "Prompt tokens whose K/V came from the prefix cache.",
-                scheduler.blocks.prefix_hits,
-            ),
-        }
-        counters.update(
-            {
-                f"steps_{mode}": (f"Engine steps run in {mode} mode.", count)
-                for mode, count in scheduler.stats.steps_per_mode.items()
-            }
-        )
-        return PlainTextResponse(
-            engine.engine.metrics.render(gauges, counters), media_type="text/plain; version=0.0.4"
-        )
+        from shiftlm.serve.metrics import render_engine_metrics
 
-    def admit(body: _SamplingFields, prompt_ids: list[int], default_tokens: int) -> SamplingParams:
+        return PlainTextResponse(render_engine_metrics(engine), media_type="text/plain; version=0.0.4")
+
+    async def tokenize(work, size: int, param: str) -> list[int]:
+        if size > max_chars:
+            raise ApiError(
+                413,
+                f"the {param} has {size} characters, more than the context of {engine.engine.max_model_len} "
+                "tokens can hold; shorten it",
+                param,
+            )
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work)
+        except ApiError:
+            raise
+        except UnicodeEncodeError:
+            raise ApiError(400, f"the {param} is not valid Unicode (a lone surrogate?)", param) from None
+        except Exception as err:  # noqa: BLE001 - the tokenizer's own error, as one line
+            raise ApiError(400, f"the {param} could not be tokenized: {type(err).__name__}", param) from None
+
+    def admit(
+        body: _SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs
+    ):
         if body.model != model_name:
             raise ApiError(
                 404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model"
             )
-        params = body.sampling_params(default_tokens)
+        if (field := body.unsupported_field()) is not None:
+            raise ApiError(400, f"{field!r} is not supported by shiftlm; remove it from the request", field)
         try:
-            engine.check(prompt_ids, params)
+            params = body.sampling_params(default_tokens, logprobs, prompt_logprobs)
+            for token_id, _ in params.logit_bias:
+                if not 0 <= token_id < engine.engine.vocab_size:
+                    raise InvalidRequest(
+                        f"logit_bias token {token_id} is not in [0, {engine.engine.vocab_size})", "logit_bias"
+                    )
+            for i, prompt_ids in enumerate(prompts):
+                engine.check(prompt_ids, params, extra=i)
         except PromptTooLong as err:
             raise ApiError(413, str(err), err.param) from None
         except InvalidRequest as err:
@@ -123,98 +151,102 @@ def build_app(
             raise ApiError(429 if isinstance(err, Overloaded) else 503, str(err)) from None
         return params
 
+    async def run(
+        request: Request, body: _SamplingFields, prompts, texts, params: SamplingParams, choices: Choices
+    ):
+        streams = [engine.generate(ids, params) for ids in prompts]
+        if body.stream:
+            return StreamingResponse(render_stream(merged(streams), choices), media_type="text/event-stream")
+        task = asyncio.ensure_future(_consume(merged(streams), choices))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # the streams' finally blocks abort the requests in the engine
+                log.info("client of %s went away; aborted", choices.response_id)
+                return JSONResponse({}, status_code=499)
+        task.result()
+        return render_response(choices)
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        prompt_ids = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
-        params = admit(body, prompt_ids, default_max_tokens)
-        return await _respond(engine, body, prompt_ids, params, chat=False)
+    async def completions(request: Request, body: CompletionRequest):
+        max_tokens_zero = body.max_tokens == 0
+        if max_tokens_zero and not body.echo:
+            raise ApiError(400, "max_tokens must be >= 1 (0 is allowed only with echo)", "max_tokens")
+        if max_tokens_zero:  # lm-eval's loglikelihood: score the prompt, generate nothing
+            body.max_tokens, body.min_tokens = 1, 0
+        texts = body.prompts()
+        if not texts:
+            raise ApiError(400, "the prompt list is empty", "prompt")
+        prompts = []
+        for text in texts:
+            if isinstance(text, str):
+                prompts.append(await tokenize(lambda t=text: tokenizer.encode(_utf8(t)), len(text), "prompt"))
+            else:
+                prompts.append(list(text))
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+        params = admit(body, prompts, options.default_max_tokens, logprobs, prompt_logprobs)
+        choices = Choices(
+            "cmpl",
+            body,
+            params,
+            prompts,
+            texts,
+            tokenizer,
+            chat=False,
+            echo=body.echo,
+            drop_output=max_tokens_zero,
+        )
+        return await run(request, body, prompts, texts, params, choices)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, f"model {model_name!r} has no chat template; use /v1/completions", "messages")
-        messages = [message.model_dump() for message in body.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        params = admit(body, prompt_ids, max(1, engine.engine.max_model_len - len(prompt_ids) - 1))
-        return await _respond(engine, body, prompt_ids, params, chat=True)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        template = options.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ApiError(
+                400,
+                f"model {model_name!r} has no chat template; use /v1/completions or --chat-template",
+                "messages",
+            )
+        messages = [{"role": m.role, "content": _utf8(m.text(), "messages")} for m in body.messages]
 
-    return app
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template=template,
+            )
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        prompt_ids = await tokenize(render, sum(len(m["content"]) for m in messages), "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        default = max(1, engine.engine.max_model_len - len(prompt_ids) - 1)
+        params = admit(body, [prompt_ids], default, logprobs, None)
+        choices = Choices("chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True)
+        return await run(request, body, [prompt_ids], None, params, choices)
+
+    return GuardMiddleware(app, options.max_request_bytes, options.api_key)
 
 
-async def _respond(
-    engine: AsyncEngine, body: _SamplingFields, prompt_ids: list[int], params: SamplingParams, chat: bool
-):
-    response_id = new_id("chatcmpl" if chat else "cmpl")
-    header = {"id": response_id, "created": now(), "model": body.model}
-    outputs = engine.generate(prompt_ids, params)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(outputs, header, chat, params.n, include_usage), media_type="text/event-stream"
-        )
-    texts, reasons, tokens = [""] * params.n, [None] * params.n, [0] * params.n
+def _utf8(text: str, param: str = "prompt") -> str:
+    """`text` if it is valid Unicode; JSON can carry lone surrogates ("\\ud800"), which no tokenizer takes."""
     try:
-        async for out in outputs:
-            texts[out.index] += out.text
-            reasons[out.index] = out.finish_reason
-            tokens[out.index] = out.completion_tokens
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(
+            400, "the text contains a lone surrogate (invalid Unicode); send valid UTF-8 text", "prompt"
+        ) from None
+    return text
+
+
+async def _consume(outputs, choices: Choices) -> None:
+    try:
+        async for prompt_index, out in outputs:
+            choices.add(prompt_index, out, render=False)
+    except StepFailed as err:
+        raise ApiError(500, str(err)) from None
     except EngineDead as err:
         raise ApiError(503, str(err)) from None
-    if chat:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": None,
-                "finish_reason": reasons[i],
-            }
-            for i in range(params.n)
-        ]
-    else:
-        choices = [
-            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
-            for i in range(params.n)
-        ]
-    obj = "chat.completion" if chat else "text_completion"
-    return {**header, "object": obj, "choices": choices, "usage": usage(len(prompt_ids), sum(tokens))}
-
-
-async def _sse(
-    outputs: AsyncIterator, header: dict, chat: bool, n: int, include_usage: bool
-) -> AsyncIterator[str]:
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    tokens, finished, started = [0] * n, 0, set()
-    prompt_tokens = 0
-    try:
-        async for out in outputs:
-            tokens[out.index] = out.completion_tokens
-            prompt_tokens = out.prompt_tokens
-            finished += out.finish_reason is not None
-            if chat:
-                delta = {"content": out.text}
-                if out.index not in started:
-                    delta["role"] = "assistant"
-                    started.add(out.index)
-                choice = {
-                    "index": out.index,
-                    "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": out.finish_reason,
-                }
-            else:
-                choice = {
-                    "index": out.index,
-                    "text": out.text,
-                    "logprobs": None,
-                    "finish_reason": out.finish_reason,
-                }
-            chunk = {**header, "object": obj, "choices": [choice]}
-            if finished == n and not include_usage:
-                chunk["usage"] = usage(prompt_tokens, sum(tokens))
-            yield f"data: {json.dumps(chunk)}\n\n"
-        if include_usage:
-            yield f"data: {json.dumps({**header, 'object': obj, 'choices': [], 'usage': usage(prompt_tokens, sum(tokens))})}\n\n"
-    except EngineDead as err:
-        yield f"data: {json.dumps(ApiError(503, str(err)).body())}\n\n"
-    yield "data: [DONE]\n\n"

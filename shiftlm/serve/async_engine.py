@@ -3,21 +3,35 @@
 The HTTP side validates a request (so a bad one fails alone, before anything is queued), then posts it
 to the engine thread, which owns the engine: it admits new requests and aborts between steps and
 steps while there is work. Outputs go back to each request's asyncio queue with
-`call_soon_threadsafe`. If a step raises, the engine is marked dead, every waiting request gets the
-error and `/health` turns 503.
+`call_soon_threadsafe`.
+
+Failures, by where they happen (issue 13.1/13.2):
+- An exception in a step on rank 0 alone (sampling, detokenization, a one-rank forward): the requests
+  of that step get a 500 `StepFailed`, logged with their ids and the traceback; the engine goes on.
+- An exception from the model runner when the model spans several ranks: the ranks may now disagree
+  on which collective comes next, so nothing can run safely. The engine is marked dead (`fail()`):
+  every request gets a 503 naming the failure, `/health` turns 503 and `on_fatal` (the server) exits
+  the process non-zero for its supervisor to restart it.
+- A step that does not return (a stalled or dead rank blocks a collective): the server's rank monitor
+  sees `step_running_for()` pass its bound, or a rank's heartbeat stop, and calls `fail()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from shiftlm.serve.engine import Engine, RequestOutput
 from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+
+log = logging.getLogger("shiftlm.serve")
 
 
 class Overloaded(RuntimeError):
@@ -25,7 +39,11 @@ class Overloaded(RuntimeError):
 
 
 class EngineDead(RuntimeError):
-    """The engine loop stopped after an error; the server cannot serve (HTTP 503)."""
+    """The engine stopped (a rank failed, or the server is shutting down); HTTP 503."""
+
+
+class StepFailed(RuntimeError):
+    """The step running this request raised; only its requests fail (HTTP 500)."""
 
 
 @dataclass
@@ -34,18 +52,50 @@ class _Sink:
     queue: asyncio.Queue
 
 
+class _RecordingRunner:
+    """Wraps the engine's runner to know which plan a failed step ran and whether the runner raised."""
+
+    def __init__(self, runner):
+        self.runner, self.plan, self.raised = runner, None, False
+
+    def execute(self, plan):
+        self.plan = plan
+        try:
+            return self.runner.execute(plan)
+        except BaseException:
+            self.raised = True
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
 class AsyncEngine:
     """Thread-safe front of an `Engine`: `generate()` yields outputs as the engine produces them."""
 
-    def __init__(self, engine: Engine, max_pending: int = 512):
+    def __init__(
+        self,
+        engine: Engine,
+        max_pending: int = 512,
+        multi_rank: bool = False,
+        on_fatal: Callable[[str], None] | None = None,
+    ):
         self.engine = engine
         self.max_pending = max_pending
-        self.error: BaseException | None = None
+        self.multi_rank = multi_rank  # a runner exception then desynchronizes the ranks: fatal
+        self.on_fatal = on_fatal
+        self.error: str | None = None
+        self._runner = _RecordingRunner(engine.runner)
+        engine.runner = self._runner
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
+        self._step_started: float | None = None
+        self.failed_steps = 0
+        self._aborted: set[str] = set()
+        self.diagnose: Callable[[], str | None] | None = None  # names a failed rank (the rank monitor)
         self._thread = threading.Thread(target=self._loop, name="shiftlm-engine", daemon=True)
         self._thread.start()
 
@@ -53,20 +103,28 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._sinks)
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest / PromptTooLong / Overloaded / EngineDead without queueing anything."""
+    def step_running_for(self) -> float:
+        """Seconds the current step has been running (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, extra: int = 0) -> None:
+        """Raise InvalidRequest / PromptTooLong / Overloaded / EngineDead without queueing anything;
+        `extra`: requests about to be added besides this one (a list of prompts)."""
         if self.error is not None:
-            raise EngineDead(f"the engine stopped after an error: {self.error!r}; restart the server")
+            raise EngineDead(f"the engine stopped: {self.error}")
         self.engine.check_request(prompt_ids, params)
-        if self.num_pending >= self.max_pending:
+        if self.num_pending + extra >= self.max_pending:
             raise Overloaded(
                 f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
             )
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Yield every output of one request until all of its samples finish; abort it if cancelled."""
         self.check(prompt_ids, params)
-        request_id = f"req-{next(self._ids)}"
+        request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._sinks[request_id] = sink
         self._post(("add", request_id, prompt_ids, params))
@@ -82,10 +140,30 @@ class AsyncEngine:
             if self._sinks.pop(request_id, None) is not None and finished < params.n:
                 self._post(("abort", request_id))
 
-    def shutdown(self) -> None:
+    def fail(self, reason: str) -> None:
+        """The engine cannot go on (a rank died or stalled): fail every request, then `on_fatal`."""
+        if self.error is not None:
+            return
+        self.error = reason
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+        for request_id in list(self._sinks):
+            self._deliver(request_id, EngineDead(f"the engine stopped: {reason}"))
+
+    def shutdown(self, reason: str = "the server is shutting down") -> int:
+        """Stop the loop after its current step; in-flight requests get a 503 naming `reason`.
+        Returns how many requests were aborted so far by shutdowns (it may be called twice)."""
+        self._stop = True
+        self._wake.set()
+        if self.error is None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        pending = [request_id for request_id in self._sinks if request_id not in self._aborted]
+        for request_id in pending:
+            self._aborted.add(request_id)
+            self._deliver(request_id, EngineDead(reason))
+        return len(self._aborted)
 
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
@@ -94,7 +172,10 @@ class AsyncEngine:
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         sink = self._sinks.get(request_id)
         if sink is not None:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+            try:
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed (shutdown): nobody is waiting any more
+                pass
 
     def _loop(self) -> None:
         while not self._stop:
@@ -103,15 +184,57 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._runner.plan, self._runner.raised = None, False
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
-            except BaseException as err:  # a broken runner must not hang every client
-                self.error = err
-                for request_id in list(self._sinks):
-                    self._deliver(request_id, EngineDead(f"the engine failed: {err!r}"))
-                return
+            except Exception as err:
+                self._step_started = None
+                if self.error is not None:
+                    return  # already failed by the rank monitor
+                if self._runner.raised and self.multi_rank:
+                    log.error("engine step failed in the model runner:\n%s", traceback.format_exc())
+                    self.fail(self._name_failure(f"the model runner failed ({type(err).__name__}: {err})"))
+                    return
+                self._fail_step(err)
+                continue
+            self._step_started = None
             for output in outputs:
                 self._deliver(output.request_id, output)
+
+    def _name_failure(self, reason: str, wait: float = 3.0) -> str:
+        """A collective failed: give the rank monitor a moment to say which rank is behind it."""
+        deadline = time.monotonic() + wait
+        while self.diagnose is not None and time.monotonic() < deadline:
+            named = self.diagnose()
+            if named is not None:
+                return f"{named}; {reason}"
+            time.sleep(0.1)
+        return f"{reason}; a rank may be down"
+
+    def _fail_step(self, err: Exception) -> None:
+        """Fail only the requests of the step that raised, and go on."""
+        plan, scheduler = self._runner.plan, self.engine.scheduler
+        if plan is not None:
+            seqs = [scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
+        else:  # raised before the runner ran: the sequences it was scheduling are the running ones
+            seqs = list(scheduler.running)
+        request_ids = sorted({seq.request_id for seq in seqs if seq is not None})
+        self.failed_steps += 1
+        log.error(
+            "engine step failed; failing its requests %s and going on:\n%s",
+            ", ".join(request_ids) or "(none)",
+            traceback.format_exc(),
+        )
+        for request_id in request_ids:
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the request is failed anyway; keep the engine going
+                log.exception("aborting %s after a failed step also failed", request_id)
+            self._deliver(
+                request_id,
+                StepFailed(f"internal error while running request {request_id}: {type(err).__name__}: {err}"),
+            )
 
     def _drain_commands(self) -> None:
         while True:
@@ -127,3 +250,8 @@ class AsyncEngine:
                 self.engine.add_request(request_id, prompt_ids, params)
             except (InvalidRequest, ValueError) as err:  # raced past check(); fail this request only
                 self._deliver(request_id, err)
+            except Exception as err:  # noqa: BLE001 - a broken request must not stop the loop
+                log.exception("adding request %s failed", request_id)
+                self._deliver(
+                    request_id, StepFailed(f"internal error while adding request {request_id}: {err}")
+                )

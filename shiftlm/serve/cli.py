@@ -1,6 +1,6 @@
 """`shiftlm serve` (OpenAI-compatible server) and `shiftlm bench serve` (trace replay).
 
-    shiftlm serve --model DIR --tp 2 --sp 1 --shift-threshold 64 --port 8000 [--step-log steps.jsonl]
+    shiftlm serve DIR --tensor-parallel-size 2 --sp 1 --shift-threshold 64 --port 8000 [--api-key KEY]
     shiftlm bench serve --trace azure_code --url http://127.0.0.1:8000 \\
         --max-requests 100 --rate 2 --max-input 256 --max-output 32 --json
 """
@@ -14,10 +14,14 @@ from shiftlm.config import ConfigError
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from shiftlm.serve.server import ServeOptions, run_server
+    from shiftlm.serve.options import ServeOptions
+    from shiftlm.serve.server import run_server
 
-    if args.tp < 1 or args.sp < 1:
-        return _fail("--tp and --sp must be >= 1")
+    if args.model_positional and args.model and args.model_positional != args.model:
+        return _fail(f"two models given ({args.model_positional!r} and --model {args.model!r}); give one")
+    args.model = args.model_positional or args.model
+    if not args.model:
+        return _fail("give the model directory: shiftlm serve DIR (or --model DIR)")
     try:
         return run_server(ServeOptions.from_args(args))
     except ConfigError as err:
@@ -40,10 +44,10 @@ def _fail(message: str) -> int:
 
 def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     """The engine options, shared by `serve` and `bench serve --model` (which starts its own server)."""
+    parser.add_argument("--model", required=False, help="Hugging Face checkpoint directory (with tokenizer)")
     parser.add_argument(
-        "--model", required=model_required, help="Hugging Face checkpoint directory (with tokenizer)"
+        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel degree"
     )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
     parser.add_argument(
         "--mode",
@@ -65,14 +69,68 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="OpenAI-compatible server with Shift Parallelism")
+    serve = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible server with Shift Parallelism",
+        description="OpenAI-compatible server (vLLM's flags) with Shift Parallelism.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument(
+        "model_positional", nargs="?", metavar="MODEL", help="checkpoint directory (as --model)"
+    )
     add_serve_arguments(serve)
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: what the model and cache hold)",
+    )
+    serve.add_argument(
+        "--dtype", default="auto", help="weights and KV cache: auto (float32), float32, bfloat16, float16"
+    )
+    serve.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling (per process)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (printed)")
     serve.add_argument(
         "--step-log", default=None, help="write one JSON line per engine step (mode, tokens, seconds) here"
     )
-    serve.add_argument("--model-name", default=None, help="name in /v1/models (default: the directory name)")
+    serve.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="served_model_name",
+        default=None,
+        help="name in /v1/models (default: config.json's _name_or_path, else MODEL as given)",
+    )
+    serve.add_argument(
+        "--chat-template", default=None, help="Jinja chat template: a file or the template itself"
+    )
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or set SHIFTLM_API_KEY)"
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=int, default=16 * 2**20, help="largest request body (413 above)"
+    )
+    serve.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a worker heartbeat before it counts as stalled",
+    )
+    serve.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an engine step may run before a rank counts as stalled",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGINT/SIGTERM, seconds to drain in-flight requests",
+    )
+    serve.add_argument(
+        "--log-interval", type=float, default=10.0, help="seconds between throughput log lines (0: none)"
+    )
     serve.set_defaults(func=_serve)
 
     bench = subparsers.add_parser("bench", help="benchmarks")
@@ -83,7 +141,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     replay.add_argument("--url", default="http://127.0.0.1:8000", help="server to replay against")
     add_serve_arguments(replay, model_required=False)  # with --model: start a local server instead
-    replay.add_argument("--model-name", default=None, help="model name to send (default: the server's first)")
+    replay.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="model_name",
+        default=None,
+        help="model name to send (default: the server's first)",
+    )
     replay.add_argument("--start", type=int, default=0, help="first trace row to replay")
     replay.add_argument("--max-requests", type=int, default=100, help="replay at most this many requests")
     replay.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival gaps by this")

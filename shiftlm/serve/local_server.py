@@ -27,6 +27,24 @@ _LISTENING = re.compile(r"shiftlm serve: .* on (http://[\w.:\[\]-]+:\d+) ")
 class LocalServer:
     url: str  # "http://127.0.0.1:PORT"
     pid: int  # rank 0: HTTP, scheduler and one model shard
+    process: subprocess.Popen | None = None
+    log_path: str | None = None
+
+    def worker_pids(self) -> list[int]:
+        """The local worker ranks (rank 0's child processes, in start order)."""
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        pids = [int(pid) for pid in children.read_text().split()] if children.exists() else []
+        # spawn also starts a resource tracker: the ranks are the children that run spawn_main
+        return [
+            pid for pid in pids if b"spawn_main" in _cmdline(pid) and b"resource_tracker" not in _cmdline(pid)
+        ]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 class ServerStartError(RuntimeError):
@@ -84,9 +102,10 @@ def local_server(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
         )
         try:
-            yield LocalServer(wait_healthy(proc, Path(log_path), timeout), proc.pid)
+            yield LocalServer(wait_healthy(proc, Path(log_path), timeout), proc.pid, proc, log_path)
         finally:
-            proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully and rank 0 stops the workers
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully and rank 0 stops the workers
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

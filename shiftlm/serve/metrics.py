@@ -110,3 +110,66 @@ class ServingMetrics:
                 for mode, count in sorted(self.step_tokens.items())
             ]
         return "\n".join(lines) + "\n"
+
+
+def render_engine_metrics(engine) -> str:
+    """The /metrics page of an `AsyncEngine`: its metrics plus gauges and counters read now."""
+    scheduler = engine.engine.scheduler
+    gauges = {
+        "num_requests_running": ("Sequences in the running batch.", len(scheduler.running)),
+        "num_requests_waiting": ("Sequences waiting to be scheduled.", len(scheduler.waiting)),
+        "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", scheduler.blocks.allocator.usage),
+    }
+    counters = {
+        "mode_switches": (
+            "Steps whose parallel mode differs from the previous step's.",
+            scheduler.stats.mode_switches,
+        ),
+        "preemptions": (
+            "Sequences preempted (to be recomputed) for lack of KV blocks.",
+            scheduler.stats.preemptions,
+        ),
+        "prefix_cache_hit_tokens": (
+            "Prompt tokens whose K/V came from the prefix cache.",
+            scheduler.blocks.prefix_hits,
+        ),
+        "failed_steps": ("Engine steps that raised (their requests got a 500).", engine.failed_steps),
+    }
+    counters.update(
+        {
+            f"steps_{mode}": (f"Engine steps run in {mode} mode.", count)
+            for mode, count in scheduler.stats.steps_per_mode.items()
+        }
+    )
+    return engine.engine.metrics.render(gauges, counters)
+
+
+class StatsLogger:
+    """vLLM's periodic line: prompt and generation throughput, running / waiting, KV-cache usage.
+    `tick()` logs one line when anything happened since the last one (idle servers stay quiet)."""
+
+    def __init__(self, engine, log, clock=None):
+        import time
+
+        self.engine, self.log, self.clock = engine, log, clock or time.monotonic
+        self._last = (self.clock(), 0, 0)
+
+    def tick(self) -> str | None:
+        metrics, scheduler = self.engine.engine.metrics, self.engine.engine.scheduler
+        with metrics.lock:
+            prompt, generation = metrics.prompt_tokens, metrics.generation_tokens
+        now = self.clock()
+        last_time, last_prompt, last_generation = self._last
+        self._last = (now, prompt, generation)
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        if prompt == last_prompt and generation == last_generation and not running and not waiting:
+            return None
+        seconds = max(now - last_time, 1e-9)
+        line = (
+            f"throughput: prompt {(prompt - last_prompt) / seconds:.1f} tokens/s, "
+            f"generation {(generation - last_generation) / seconds:.1f} tokens/s; "
+            f"running {running}, waiting {waiting}; "
+            f"KV cache usage {100 * scheduler.blocks.allocator.usage:.1f}%"
+        )
+        self.log.info(line)
+        return line

@@ -1,8 +1,13 @@
-"""The OpenAI wire format: request bodies (pydantic), error bodies, and response chunks.
+"""The OpenAI wire format: request bodies (pydantic), error bodies, and response pieces.
 
-Only the fields shiftlm acts on are declared; unknown fields are ignored, as OpenAI-compatible servers
-commonly do. `top_k` and `ignore_eos` are the usual vLLM extensions (the trace replay forces output
-lengths with `ignore_eos`). A prompt may be text or a list of token ids.
+The fields of OpenAI's completions and chat APIs that shiftlm implements are declared here, with
+vLLM's usual extensions (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`). A field shiftlm
+does not implement (tools, response_format, ...) is refused with a 400 that names it, never silently
+ignored: a client that relies on it must learn at once. Only fields that change nothing about the
+output (`user`, `metadata`, ...) are accepted and ignored.
+
+A completion prompt may be a string, a list of strings, a list of token ids, or a list of such lists
+(one choice set per prompt, as OpenAI and vLLM answer them).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.sampling import SEED_MODULUS
+from shiftlm.serve.sequence import InvalidRequest, SamplingParams
 
 
 class ApiError(Exception):
@@ -21,9 +27,11 @@ class ApiError(Exception):
 
     TYPES = {
         400: "invalid_request_error",
+        401: "invalid_request_error",
         404: "not_found_error",
         413: "invalid_request_error",
         429: "rate_limit_exceeded",
+        500: "server_error",
         503: "service_unavailable",
     }
 
@@ -38,12 +46,17 @@ class ApiError(Exception):
         }
 
 
+# Accepted and ignored: they do not change what is generated.
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id"}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None)
@@ -51,43 +64,115 @@ class _SamplingFields(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     n: int = 1
+    best_of: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def unsupported_field(self) -> str | None:
+        """The first field the client sent that shiftlm does not implement (None if all are)."""
+        for name, value in (self.model_extra or {}).items():
+            if name not in IGNORED_FIELDS and value is not None:
+                return name
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        if self.stop_token_ids:
+            return "stop_token_ids"
+        return None
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise InvalidRequest(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+            bias.append((int(key), value))
+        return tuple(bias)
+
+    def sampling_params(
+        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            # any integer is a seed: reduced to what torch.Generator.manual_seed accepts
+            seed=None if self.seed is None else self.seed % SEED_MODULUS,
             stop=stop,
             ignore_eos=self.ignore_eos,
             n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            min_tokens=self.min_tokens,
         )
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(item, int) for item in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def unsupported_field(self) -> str | None:
+        for message in self.messages:
+            for name, value in (message.model_extra or {}).items():
+                if value is not None and name != "name":
+                    return f"messages.{name}"
+        return super().unsupported_field()
+
+    def sampling_params(
+        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs)
 
 
 def new_id(prefix: str) -> str:
@@ -103,4 +188,38 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(entries: list, decode, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for a list of `TokenLogprob | (token_id, None)`;
+    `offset` is the text offset of the first token."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, entry in entries:
+        text = decode(token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        token_logprobs.append(None if entry is None else entry.logprob)
+        top_logprobs.append(None if entry is None else {decode(i): lp for i, lp in entry.top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(entries: list, decode) -> dict[str, Any]:
+    """The chat `logprobs` object ({"content": [...]}) for a list of TokenLogprob."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {
+        "content": [
+            {**item(entry.token_id, entry.logprob), "top_logprobs": [item(i, lp) for i, lp in entry.top]}
+            for entry in entries
+        ]
     }

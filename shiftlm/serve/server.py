@@ -1,51 +1,42 @@
 """`shiftlm serve`: start the ranks, load the model into the SP x TP layout, serve HTTP on rank 0.
 
-    shiftlm serve --model DIR --tp 2 --sp 2 --shift-threshold 64 --port 8000
+    shiftlm serve DIR --tp 2 --sp 2 --shift-threshold 64 --port 8000
 
-Without torchrun the command starts the other tp*sp - 1 ranks itself (local gloo processes); under
-`torchrun --nproc-per-node tp*sp -m shiftlm.cli serve ...` every process runs this same function and
-takes its rank from the environment. Rank 0 runs uvicorn, the scheduler and sampling; the others run
-`ModelRunner.serve_steps` until rank 0 shuts down.
+Without torchrun the command starts the other tp*sp - 1 ranks itself (local gloo processes, their
+rendezvous store listening on loopback only); under `torchrun --nproc-per-node tp*sp -m shiftlm.cli
+serve ...` every process runs this same function and takes its rank from the environment. Rank 0 runs
+uvicorn, the scheduler and sampling; the others run `ModelRunner.serve_steps` until rank 0 stops them.
+
+Exit codes: 0 after SIGINT/SIGTERM (in-flight requests drain for --shutdown-timeout seconds, then are
+aborted; one line says so), 2 for a bad flag or checkpoint, 1 for a failed start, and
+`EXIT_RANK_FAILURE` (75, as training uses for a dead peer) when a rank died or stalled while serving,
+so that a supervisor restarts the server (docs/serving.md, "Operations").
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
+import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
-from dataclasses import dataclass
+import threading
+from pathlib import Path
 
 from shiftlm.config import ConfigError
+from shiftlm.serve.options import ServeOptions
 
 # A rank that dies during startup must fail the others within minutes. Waiting for the next plan while
-# the server idles uses the runner's own group, with a timeout of days (runner.PLAN_WAIT_TIMEOUT).
+# the server idles uses the runner's own group, with a timeout of days (runner.PLAN_WAIT_TIMEOUT); a
+# stalled rank is caught by the rank monitor (serve/ranks.py) in seconds instead.
 STARTUP_TIMEOUT = datetime.timedelta(minutes=5)
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    model: str
-    tp: int = 1
-    sp: int = 1
-    mode: str = "shift"
-    shift_threshold: int = 64
-    num_blocks: int = 256
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_tokens_per_step: int = 256
-    max_pending: int = 512
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str | None = None
-    step_log: str | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
-        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+EXIT_RANK_FAILURE = 75
+FAILED_HEALTH_SECONDS = 2.0  # after a rank failure, /health says 503 this long before the exit
+log = logging.getLogger("shiftlm.serve")
+_LISTENERS: list[socket.socket] = []
 
 
 def _init_distributed(rank: int, world_size: int, store=None) -> None:
@@ -61,33 +52,66 @@ def _init_distributed(rank: int, world_size: int, store=None) -> None:
 
 
 def _local_store(world_size: int, port: int = 0):
-    """The rendezvous store of the local ranks. Rank 0 (port 0) lets the OS pick a free port while
-    binding it, so no other server, test or HTTP socket can take it in between (no free_port race)."""
+    """The rendezvous store of the local ranks. Rank 0 binds a loopback socket itself (port 0: the OS
+    picks a free one while binding, so nothing can take it in between) and hands it to the store, which
+    would otherwise listen on every interface although only local processes ever connect."""
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=port == 0, timeout=STARTUP_TIMEOUT, wait_for_workers=False
+    kwargs = dict(timeout=STARTUP_TIMEOUT, wait_for_workers=False)
+    if port:
+        return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, **kwargs)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        world_size,
+        is_master=True,
+        master_listen_fd=listener.fileno(),
+        **kwargs,
     )
+    _LISTENERS.append(listener)  # the store serves on this fd: keep the socket object alive
+    return store
 
 
-def _worker_main(rank: int, world_size: int, store_port: int, options: ServeOptions) -> None:
+def _worker_main(
+    rank: int, world_size: int, store_port: int, options: ServeOptions, clock, parent: int
+) -> None:
+    from shiftlm.serve.ranks import start_heartbeat
+
+    # Ctrl-C reaches the whole process group: rank 0 alone decides when the workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["OMP_NUM_THREADS"] = "1"
+    start_heartbeat(clock, parent)
     try:
         _init_distributed(rank, world_size, _local_store(world_size, store_port))
         runner = _load_runner(options)
     except Exception as err:  # one clear line; rank 0 sees this rank exit and stops too
         print(f"error: shiftlm serve rank {rank} failed to start: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
-    runner.serve_steps()
+    try:
+        runner.serve_steps()
+    except Exception as err:  # a peer died: rank 0's monitor names the failure; say why this one stops
+        print(
+            f"shiftlm serve rank {rank}: stopping ({type(err).__name__}: {err})", file=sys.stderr, flush=True
+        )
+        sys.exit(1)
 
 
 def _load_runner(options: ServeOptions):
+    import torch
+
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.serve.runner import ModelRunner
 
+    if options.seed is not None:
+        torch.manual_seed(options.seed)
     mesh = Mesh(ParallelConfig(tp=options.tp, sp=options.sp))
-    return ModelRunner.load(options.model, mesh, options.num_blocks, options.block_size)
+    dtype = getattr(torch, options.torch_dtype())
+    return ModelRunner.load(options.model, mesh, options.num_blocks, options.block_size, dtype=dtype)
 
 
 def build_engine(runner, options: ServeOptions, tokenizer, step_log=None):
@@ -102,22 +126,11 @@ def build_engine(runner, options: ServeOptions, tokenizer, step_log=None):
         block_size=options.block_size,
         max_num_seqs=options.max_num_seqs,
         max_tokens_per_step=options.max_tokens_per_step,
-        max_model_len=min(config.max_position_embeddings, options.num_blocks * options.block_size),
+        max_model_len=options.context_length(config.max_position_embeddings),
         policy=ShiftPolicy.named(options.mode, options.shift_threshold),
     )
     eos_ids = {e for e in eos if e is not None}
     return Engine(runner, scheduler_config, tokenizer, eos_ids, config.vocab_size, step_log=step_log)
-
-
-def check_options(options: ServeOptions):
-    """Fail before any process starts: the checkpoint, the layout and the tokenizer. Returns the tokenizer."""
-    from shiftlm.config import ModelConfig, ParallelConfig
-    from shiftlm.serve.tokenizer import load_tokenizer
-
-    ParallelConfig(tp=options.tp, sp=options.sp).check_model(ModelConfig.from_hf(options.model))
-    if options.mode not in ("tp", "sp_tp", "shift"):
-        raise ConfigError(f"--mode {options.mode!r} is not one of tp, sp_tp, shift")
-    return load_tokenizer(options.model)
 
 
 def bind_http(host: str, port: int) -> socket.socket:
@@ -135,18 +148,19 @@ def bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_local_ranks(options: ServeOptions) -> list:
-    """Spawn ranks 1..P-1 as local processes and join them as rank 0."""
+def _start_local_ranks(options: ServeOptions) -> list[tuple[int, object, object]]:
+    """Spawn ranks 1..P-1 as local processes and join them as rank 0: [(rank, process, heartbeat)]."""
     world_size = options.tp * options.sp
     if world_size == 1:
         return []
     store = _local_store(world_size)
     ctx = mp.get_context("spawn")
-    workers = [
-        ctx.Process(target=_worker_main, args=(rank, world_size, store.port, options), daemon=True)
-        for rank in range(1, world_size)
-    ]
-    for proc in workers:
+    workers = []
+    for rank in range(1, world_size):
+        clock = ctx.Value("d", 0.0, lock=False)
+        args = (rank, world_size, store.port, options, clock, os.getpid())
+        workers.append((rank, ctx.Process(target=_worker_main, args=args, daemon=True), clock))
+    for _, proc, _ in workers:
         proc.start()
     _init_distributed(0, world_size, store)
     return workers
@@ -154,9 +168,10 @@ def _start_local_ranks(options: ServeOptions) -> list:
 
 def run_server(options: ServeOptions) -> int:
     """Start (or join) the ranks and serve until interrupted; returns the exit code."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun else 0
-    tokenizer = check_options(options) if rank == 0 else None
+    tokenizer = options.check() if rank == 0 else None
     http = bind_http(options.host, options.port) if rank == 0 else None
     workers = []
     try:
@@ -167,40 +182,102 @@ def run_server(options: ServeOptions) -> int:
         runner = _load_runner(options)
     except Exception as err:  # e.g. a rank died during rendezvous: say so in one line, stop the rest
         print(f"error: shiftlm serve failed to start: {err}", file=sys.stderr, flush=True)
-        _stop(workers)
+        _stop([proc for _, proc, _ in workers])
         return 1
     if rank != 0:
         runner.serve_steps()
         return 0
     with contextlib.ExitStack() as stack:
         step_log = stack.enter_context(open(options.step_log, "w")) if options.step_log else None
-        _serve_http(runner, options, tokenizer, http, step_log)
-    _stop(workers)
+        code = _serve_http(runner, options, tokenizer, http, step_log, workers)
+    _stop([proc for _, proc, _ in workers])
+    return code
+
+
+def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, step_log, workers) -> int:
+    from shiftlm.serve.api import ApiOptions, build_app
+    from shiftlm.serve.async_engine import AsyncEngine
+    from shiftlm.serve.metrics import StatsLogger
+    from shiftlm.serve.ranks import RankMonitor
+    from shiftlm.serve.uvicorn_server import QuietServer, uvicorn_config
+
+    failure: list[str] = []
+    world_size = options.tp * options.sp
+
+    def on_fatal(reason: str) -> None:
+        failure.append(reason)
+        log.error(
+            "%s; exiting with code %d so that a supervisor restarts the server", reason, EXIT_RANK_FAILURE
+        )
+        # /health answers 503 for a moment (probes see it, error responses flush), then the server
+        # stops; the engine thread may sit in a collective that never returns, so it is not waited for
+        threading.Timer(FAILED_HEALTH_SECONDS, lambda: setattr(server, "should_exit", True)).start()
+        threading.Timer(
+            FAILED_HEALTH_SECONDS + options.shutdown_timeout + 10, _hard_exit, args=(workers,)
+        ).start()
+
+    engine = AsyncEngine(
+        build_engine(runner, options, tokenizer, step_log),
+        max_pending=options.max_pending,
+        multi_rank=world_size > 1,
+        on_fatal=on_fatal,
+    )
+    api = ApiOptions(
+        model_name=options.served_name(),
+        api_key=options.resolved_api_key(),
+        max_request_bytes=options.max_request_bytes,
+        chat_template=options.chat_template_text(),
+    )
+    app = build_app(engine, tokenizer, api)
+    # On SIGINT/SIGTERM, requests still running after --shutdown-timeout are aborted (their clients
+    # get a 503 naming the shutdown), so uvicorn never has to cancel a request mid-response.
+    server = QuietServer(
+        uvicorn_config(app, options.shutdown_timeout + 10),
+        on_signal=lambda: threading.Timer(options.shutdown_timeout, engine.shutdown).start(),
+    )
+    monitor = RankMonitor(
+        workers, engine.step_running_for, engine.fail, options.rank_timeout, options.step_timeout
+    )
+    engine.diagnose = monitor.check
+    monitor.start()
+    stats = StatsLogger(engine, log)
+    ticker = threading.Thread(target=_tick, args=(stats, options.log_interval, server), daemon=True)
+    ticker.start()
+    host, port = http.getsockname()[:2]
+    print(
+        f"shiftlm serve: {api.model_name} on http://{host}:{port} "
+        f"(tp={options.tp} sp={options.sp} mode={options.mode} threshold={options.shift_threshold} "
+        f"max_model_len={engine.engine.max_model_len})",
+        flush=True,
+    )
+    server.run(sockets=[http])
+    monitor.stop()
+    if failure:
+        engine.shutdown(f"the engine stopped: {failure[0]}")
+        _hard_exit(workers)
+    aborted = engine.shutdown()
+    runner.stop_workers()
+    names = "/".join(signal.Signals(s).name for s in server.captured_signals) or "shutdown"
+    print(f"shiftlm serve: stopped on {names}; {aborted} in-flight requests aborted", flush=True)
     return 0
 
 
-def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, step_log) -> None:
-    import uvicorn
+def _tick(stats, interval: float, server) -> None:
+    if interval <= 0:
+        return
+    stop = threading.Event()
+    while not stop.wait(interval) and not server.should_exit:
+        stats.tick()
 
-    from shiftlm.serve.api import build_app
-    from shiftlm.serve.async_engine import AsyncEngine
 
-    engine = AsyncEngine(build_engine(runner, options, tokenizer, step_log), max_pending=options.max_pending)
-    name = options.model_name or os.path.basename(os.path.normpath(options.model))
-    host, port = http.getsockname()[:2]
-    print(
-        f"shiftlm serve: {name} on http://{host}:{port} "
-        f"(tp={options.tp} sp={options.sp} mode={options.mode} threshold={options.shift_threshold})",
-        flush=True,
-    )
-    try:
-        uvicorn.Server(uvicorn.Config(app=build_app(engine, tokenizer, name), log_level="warning")).run(
-            sockets=[http]
-        )
-    finally:
-        engine.shutdown()
-        if engine.error is None:
-            runner.stop_workers()
+def _hard_exit(workers) -> None:
+    """Kill the workers and leave now with EXIT_RANK_FAILURE (threads may be stuck in collectives)."""
+    for _, proc, _ in workers:
+        with contextlib.suppress(Exception):
+            proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_RANK_FAILURE)
 
 
 def _stop(workers: list) -> None:
@@ -208,3 +285,14 @@ def _stop(workers: list) -> None:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
+
+
+def default_served_name(model: str) -> str:
+    """vLLM's default: the checkpoint's `_name_or_path` if its config.json has one, else `model` as given."""
+    import json
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        name = json.loads((Path(model) / "config.json").read_text()).get("_name_or_path")
+        if isinstance(name, str) and name.strip():
+            return name.strip()
+    return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,14 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory) -> LocalServer:
+def model_dir(tmp_path_factory) -> Path:
     model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL, "llama-gqa")
     write_char_tokenizer(model_dir, vocab_size=250)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def live(model_dir) -> LocalServer:
     # 24 blocks of 8 tokens hold ~8 of the load test's 200 requests, so it must preempt
     args = [
         "--model",
@@ -38,8 +44,10 @@ def live(tmp_path_factory) -> LocalServer:
         "64",
         "--max-pending",
         "400",
+        "--served-model-name",
+        MODEL,
     ]
-    with local_server(args, log_path=str(tmp_path_factory.mktemp("log") / "server.log")) as live:
+    with local_server(args, log_path=str(model_dir.parent / "server.log")) as live:
         yield live
 
 
@@ -223,3 +231,127 @@ def test_metrics_expose_latency_histograms_and_mode_switches(server):
         'shiftlm_step_tokens_total{mode="sp_tp"}',
     ):
         assert name in text
+
+
+def test_echo_logprobs_of_the_prompt_match_hf_transformers(client, model_dir):
+    """lm-eval's loglikelihood request: echo=True, logprobs=1, max_tokens=0 scores the prompt only."""
+    import torch
+    import transformers
+
+    prompt = [5, 17, 42, 99, 3, 200, 7, 64, 128, 11, 12, 13]  # 12 tokens > threshold 8: SP x TP prefill
+    out = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = out.choices[0]
+    assert out.usage.completion_tokens == 0 and len(choice.logprobs.token_logprobs) == len(prompt)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs[1:], expected)) < 1e-4
+    top = choice.logprobs.top_logprobs[1]
+    assert len(top) == 1 and abs(next(iter(top.values())) - logprobs[0].max().item()) < 1e-4
+
+
+def test_completion_logprobs_give_the_chosen_tokens_and_the_top_k(client):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="logprobs",
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(top) == 3 for top in lp.top_logprobs)
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert abs(value - max(top.values())) < 1e-6  # greedy picks the most likely token
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+
+
+def test_a_list_of_prompts_gets_n_choices_per_prompt_in_order(client):
+    prompts = ["first prompt", "second"]
+    kwargs = dict(model=MODEL, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt=prompts, n=2, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    assert [c.text for c in out.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kwargs)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_logit_bias_forces_a_token(client, model_dir):
+    import transformers
+
+    token = transformers.AutoTokenizer.from_pretrained(model_dir).decode([60])
+    kwargs = dict(model=MODEL, prompt="bias", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    forced = client.completions.create(logit_bias={"60": 100}, logprobs=0, **kwargs).choices[0]
+    assert forced.logprobs.tokens == [token] * 6
+    banned = client.completions.create(logit_bias={"60": -100}, logprobs=0, **kwargs).choices[0]
+    assert token not in banned.logprobs.tokens
+
+
+def test_greedy_with_frequency_and_presence_penalties_picks_the_best_penalised_token(client):
+    """Each chosen token maximises logprob - frequency * count - presence * [count > 0] over the top 20
+    (logprobs are the model's raw ones; the penalties are additive, so the order is the logits')."""
+    frequency, presence = 1.5, 0.5
+    out = client.completions.create(
+        model=MODEL, prompt="aaaa", max_tokens=16, temperature=0, logprobs=20, frequency_penalty=frequency,
+        presence_penalty=presence, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp, counts, overridden = out.choices[0].logprobs, Counter(), 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+
+        def score(t, raw):
+            return raw - frequency * counts[t] - presence * (counts[t] > 0)
+
+        assert all(score(token, value) >= score(t, raw) - 1e-4 for t, raw in top.items())
+        overridden += value < max(top.values()) - 1e-6
+        counts[token] += 1
+    plain = client.completions.create(
+        model=MODEL, prompt="aaaa", max_tokens=16, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    ).choices[0]
+    if len(set(plain.logprobs.tokens)) < 16:  # plain greedy repeats itself: the penalties must show
+        assert overridden > 0 and len(set(lp.tokens)) > len(set(plain.logprobs.tokens))
+    rep = client.completions.create(
+        model=MODEL, prompt="aaaa", max_tokens=4, extra_body={"ignore_eos": True, "repetition_penalty": 1.3}
+    )
+    assert rep.usage.completion_tokens == 4
+
+
+def test_min_tokens_holds_back_eos(client, model_dir):
+    eos = 2  # write_char_tokenizer's </s>
+    out = client.completions.create(
+        model=MODEL, prompt="e", max_tokens=5, temperature=0, logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 3},
+    )  # fmt: skip
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_unimplemented_or_out_of_range_fields_are_400s_naming_the_field(server, extra, param):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, **extra}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param

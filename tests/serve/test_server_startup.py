@@ -33,3 +33,49 @@ def test_local_server_reports_the_servers_own_error_when_it_exits_early(tmp_path
     with pytest.raises(ServerStartError, match=r"exited with code 2(.|\n)*error: .*config.json"):
         with local_server(["--model", str(tmp_path / "missing")], timeout=60):
             pass
+
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
+
+
+def test_vllm_style_command_line_api_key_default_name_and_chat_template(tmp_path, monkeypatch):
+    """`shiftlm serve MODEL` (positional), SHIFTLM_API_KEY guarding /v1 (401 without it, /health
+    open), the served name from the model argument (vLLM's default), and --chat-template as a string."""
+    import httpx
+    import openai
+
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
+    write_char_tokenizer(model_dir, vocab_size=250)
+    monkeypatch.setenv("SHIFTLM_API_KEY", "sekrit")
+    with local_server([str(model_dir), "--tensor-parallel-size", "1", "--chat-template", TEMPLATE]) as server:
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        denied = httpx.get(f"{server.url}/v1/models", timeout=30)
+        assert denied.status_code == 401 and denied.json()["error"]["message"]
+        wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekrit", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [str(model_dir)]
+        out = client.chat.completions.create(
+            model=str(model_dir), messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+        )
+        assert out.usage.prompt_tokens == len("[user]hi[assistant]")
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--max-model-len", "100000"], "--max-model-len 100000 must be in [2, 256]"),
+        (["--dtype", "int8"], "--dtype 'int8' is not one of"),
+        (["--model", "/elsewhere"], "two models given"),
+    ],
+    ids=["max-model-len", "dtype", "two-models"],
+)
+def test_bad_serve_flags_are_one_line_errors_with_exit_code_2(tmp_path, flags, message):
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
+    write_char_tokenizer(model_dir, vocab_size=250)
+    command = [sys.executable, "-m", "shiftlm.cli", "serve", str(model_dir), "--port", "0", *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and message in line

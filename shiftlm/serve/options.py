@@ -1,0 +1,114 @@
+"""The options of `shiftlm serve`, named as vLLM names them, and their checks before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shiftlm.config import ConfigError
+
+DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}  # fmt: skip
+API_KEY_ENV = "SHIFTLM_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str
+    tp: int = 1
+    sp: int = 1
+    mode: str = "shift"
+    shift_threshold: int = 64
+    num_blocks: int = 256
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_tokens_per_step: int = 256
+    max_pending: int = 512
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    step_log: str | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    chat_template: str | None = None
+    seed: int | None = None
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 2**20
+    rank_timeout: float = 10.0
+    step_timeout: float = 60.0
+    shutdown_timeout: float = 5.0
+    log_interval: float = 10.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__ if hasattr(args, name)})
+
+    def torch_dtype(self) -> str:
+        """The weights' and cache's dtype; `auto` is float32 (the CPU/gloo engine's parity dtype)."""
+        return DTYPES[self.dtype]
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """--max-model-len, or what the model and the KV cache allow."""
+        fits = min(max_position_embeddings, self.num_blocks * self.block_size)
+        return self.max_model_len if self.max_model_len is not None else fits
+
+    def served_name(self) -> str:
+        from shiftlm.serve.server import default_served_name
+
+        return self.served_model_name or default_served_name(self.model)
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template: a file's contents, or the template itself (as vLLM reads it)."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        if path.is_file():
+            return path.read_text()
+        if "{" not in self.chat_template:
+            raise ConfigError(
+                f"--chat-template {self.chat_template!r} is neither a file nor a Jinja template"
+            )
+        return self.chat_template
+
+    def check(self):
+        """Fail before any process starts: the checkpoint, the layout, the limits, the tokenizer and
+        the chat template. Returns the tokenizer."""
+        from shiftlm.config import ModelConfig, ParallelConfig
+        from shiftlm.serve.tokenizer import load_tokenizer
+
+        if self.tp < 1 or self.sp < 1:
+            raise ConfigError("--tp and --sp must be >= 1")
+        config = ModelConfig.from_hf(self.model)
+        ParallelConfig(tp=self.tp, sp=self.sp).check_model(config)
+        if self.mode not in ("tp", "sp_tp", "shift"):
+            raise ConfigError(f"--mode {self.mode!r} is not one of tp, sp_tp, shift")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        fits = min(config.max_position_embeddings, self.num_blocks * self.block_size)
+        if self.max_model_len is not None and not 1 < self.max_model_len <= fits:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} must be in [2, {fits}] (the model's "
+                f"{config.max_position_embeddings} positions and the cache's {self.num_blocks} x "
+                f"{self.block_size} tokens); raise --num-blocks for more"
+            )
+        for name in ("rank_timeout", "step_timeout", "max_request_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        tokenizer = load_tokenizer(self.model)
+        template = self.chat_template_text()
+        if template is not None:
+            try:
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    chat_template=template,
+                )
+            except Exception as err:  # noqa: BLE001 - Jinja's own message, as one line
+                raise ConfigError(f"--chat-template does not render: {type(err).__name__}: {err}") from None
+        return tokenizer

@@ -1,0 +1,161 @@
+"""Engine outputs -> OpenAI response bodies and SSE chunks (completions and chat, n samples per prompt,
+several prompts per request, logprobs and echo).
+
+Choice `i` of a request with P prompts and n samples each belongs to prompt `i // n`, as OpenAI and
+vLLM number them. With `echo`, a completion's text starts with its prompt and its logprobs start with
+the prompt tokens' (the first has none: nothing predicts it); with `max_tokens=0` (lm-eval's
+loglikelihood requests) the one token generated to get there is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from shiftlm.serve.async_engine import EngineDead, StepFailed
+from shiftlm.serve.protocol import ApiError, chat_logprobs, completion_logprobs, new_id, now, usage
+
+
+class Choices:
+    """The growing state of every choice of one request."""
+
+    def __init__(self, prefix, body, params, prompts, texts, tokenizer, chat, echo=False, drop_output=False):
+        self.response_id, self.created, self.model = new_id(prefix), now(), body.model
+        self.chat, self.echo, self.drop_output = chat, echo, drop_output
+        self.n, self.prompts = params.n, prompts
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.want_logprobs = params.logprobs is not None
+        count = len(prompts) * self.n
+        self.text = [""] * count
+        self.logprobs: list[list] = [[] for _ in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.tokens = [0] * count
+        self.started = [False] * count
+        self.offsets = [0] * count
+        decode = functools.lru_cache(maxsize=65536)(lambda token: tokenizer.decode([token]))
+        self.decode = decode
+        self._echo_text = [
+            (text if isinstance(text, str) else tokenizer.decode(ids)) if echo else ""
+            for text, ids in zip(texts or prompts, prompts)
+        ]
+
+    @property
+    def num_finished(self) -> int:
+        return sum(reason is not None for reason in self.finish)
+
+    def add(self, prompt_index: int, out, render: bool = True) -> dict[str, Any] | None:
+        """Record one engine output; return its choice as a stream chunk shows it (if `render`)."""
+        i = prompt_index * self.n + out.index
+        first = not self.started[i]
+        self.started[i] = True
+        text = "" if self.drop_output else out.text
+        entries: list = []
+        if first and self.echo:
+            text = self._echo_text[prompt_index] + text
+            if out.prompt_logprobs is not None:
+                entries += list(zip(self.prompts[prompt_index], out.prompt_logprobs))
+        if self.want_logprobs and out.logprobs is not None and not self.drop_output:
+            entries.append((out.logprobs.token_id, out.logprobs))
+        self.text[i] += text
+        self.logprobs[i] += entries
+        self.finish[i] = out.finish_reason
+        self.tokens[i] = 0 if self.drop_output else out.completion_tokens
+        return self._choice(i, text, entries, out.finish_reason, first) if render else None
+
+    def _logprobs(self, i: int, entries: list) -> dict[str, Any] | None:
+        if not entries and not (self.want_logprobs or self.echo):
+            return None
+        if self.chat:
+            return chat_logprobs([entry for _, entry in entries if entry is not None], self.decode)
+        body = completion_logprobs(entries, self.decode, self.offsets[i])
+        self.offsets[i] += sum(len(token) for token in body["tokens"])
+        return body
+
+    def _choice(self, i: int, text: str, entries: list, finish: str | None, first: bool) -> dict[str, Any]:
+        logprobs = self._logprobs(i, entries) if (self.want_logprobs or entries) else None
+        if self.chat:
+            delta = {"content": text, **({"role": "assistant"} if first else {})}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def usage(self) -> dict[str, int]:
+        return usage(sum(len(p) for p in self.prompts), sum(self.tokens))
+
+    def header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+
+
+def render_response(choices: Choices) -> dict[str, Any]:
+    """The non-streaming body once every choice finished."""
+    items = []
+    for i, text in enumerate(choices.text):
+        choices.offsets[i] = 0
+        entries = choices.logprobs[i]
+        logprobs = choices._logprobs(i, entries) if (choices.want_logprobs or entries) else None
+        if choices.chat:
+            message = {"role": "assistant", "content": text}
+            items.append(
+                {"index": i, "message": message, "logprobs": logprobs, "finish_reason": choices.finish[i]}
+            )
+        else:
+            items.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": choices.finish[i]})
+    obj = "chat.completion" if choices.chat else "text_completion"
+    return {**choices.header(obj), "choices": items, "usage": choices.usage()}
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, output) from several request streams as they come; closing this closes them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+            await queue.put((index, done))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((index, err))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def render_stream(outputs: AsyncIterator, choices: Choices) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if choices.chat else "text_completion"
+    try:
+        async for prompt_index, out in outputs:
+            chunk = {**choices.header(obj), "choices": [choices.add(prompt_index, out)]}
+            if choices.num_finished == len(choices.finish) and not choices.include_usage:
+                chunk["usage"] = choices.usage()
+            yield f"data: {json.dumps(chunk)}\n\n"
+        if choices.include_usage:
+            yield f"data: {json.dumps({**choices.header(obj), 'choices': [], 'usage': choices.usage()})}\n\n"
+    except StepFailed as err:
+        yield f"data: {json.dumps(ApiError(500, str(err)).body())}\n\n"
+    except EngineDead as err:
+        yield f"data: {json.dumps(ApiError(503, str(err)).body())}\n\n"
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,66 @@
+"""An exception inside an engine step fails only that step's requests (500) and the engine goes on;
+a runner exception with several ranks (they may now disagree on the next collective) stops the engine
+and calls the server's fatal hook (issue 13.1/13.2). In-process: an AsyncEngine over the fake runner."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shiftlm.serve.async_engine import AsyncEngine, EngineDead, StepFailed
+from shiftlm.serve.engine import Engine
+from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.sequence import SamplingParams
+from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner
+
+POISON = 13  # a prompt holding this token makes the fake runner raise
+
+
+class PoisonRunner(SlotRunner):
+    def execute(self, plan):
+        if any(POISON in chunk.token_ids for chunk in plan.chunks):
+            raise RuntimeError("boom: poisoned step")
+        return super().execute(plan)
+
+
+def _async_engine(multi_rank: bool, fatal: list) -> AsyncEngine:
+    config = SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64, policy=ShiftPolicy(8))
+    engine = Engine(PoisonRunner(32, 4), config, LetterTokenizer(), eos_token_ids={EOS}, vocab_size=VOCAB)
+    return AsyncEngine(engine, multi_rank=multi_rank, on_fatal=fatal.append)
+
+
+async def _collect(engine: AsyncEngine, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    return [t for out in [o async for o in engine.generate(prompt, params)] for t in out.token_ids]
+
+
+def test_a_failing_step_fails_its_request_with_500_and_the_engine_goes_on():
+    fatal: list = []
+    engine = _async_engine(multi_rank=False, fatal=fatal)
+
+    async def main():
+        with pytest.raises(StepFailed, match="boom"):
+            await _collect(engine, [1, POISON, 2])
+        return await asyncio.wait_for(_collect(engine, [1, 2, 3]), timeout=30)
+
+    try:
+        assert len(asyncio.run(main())) == 5
+        assert engine.error is None and engine.failed_steps == 1 and not fatal
+        assert engine.engine.scheduler.blocks.allocator.num_free == 32  # the failed request freed its blocks
+    finally:
+        engine.shutdown()
+
+
+def test_a_runner_failure_across_ranks_stops_the_engine_and_calls_the_fatal_hook():
+    fatal: list = []
+    engine = _async_engine(multi_rank=True, fatal=fatal)
+
+    async def main():
+        with pytest.raises(EngineDead, match="model runner failed"):
+            await asyncio.wait_for(_collect(engine, [POISON]), timeout=30)
+
+    asyncio.run(main())
+    assert engine.error is not None and len(fatal) == 1
+    with pytest.raises(EngineDead):
+        engine.check([1], SamplingParams())
