@@ -24,8 +24,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _fail("give the model directory: shiftlm serve DIR (or --model DIR)")
     try:
         return run_server(ServeOptions.from_args(args))
-    except ConfigError as err:
-        return _fail(str(err))
+    except ConfigError as err:  # exit code by kind: 2 flags, 3 checkpoint (shiftlm.config)
+        return _fail(str(err), err.exit_code)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -37,9 +37,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
         return _fail(str(err))
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:

@@ -30,7 +30,7 @@ def test_a_taken_http_port_is_a_one_line_error_with_exit_code_2(tmp_path):
 
 
 def test_local_server_reports_the_servers_own_error_when_it_exits_early(tmp_path):
-    with pytest.raises(ServerStartError, match=r"exited with code 2(.|\n)*error: .*config.json"):
+    with pytest.raises(ServerStartError, match=r"exited with code 3(.|\n)*error: .*config.json"):
         with local_server(["--model", str(tmp_path / "missing")], timeout=60):
             pass
 
