@@ -104,17 +104,62 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
     from shiftlm.train.setup import model_shape
 
-    config = load_config(args.config_file or args.config, _overrides(args))
+    overrides = _overrides(args)
+    if args.overwrite:
+        overrides += ["--checkpoint.resume=false", "--checkpoint.overwrite=true"]
+    config = load_config(args.config_file or args.config, overrides)
+    if args.overwrite and args.__dict__.get("checkpoint.resume") not in (None, "false", "False", "0"):
+        raise ConfigError("--overwrite starts afresh; it cannot go with --checkpoint.resume=true: drop one")
     model_shape(config)  # the layout against the model, before the world size
     _check_world(config, args.nproc)
+    _check_run_dir(config)
     try:
         summary = _launch(config, args.nproc, quiet=args.json)
     except WorkerError as err:
         print(f"shiftlm train: a rank failed (a bug, not a bad input):\n{err}", file=sys.stderr)
         return 1
-    if args.json and summary:
+    if not summary:  # a torchrun rank other than 0
+        return 0
+    if args.json:
         print(json.dumps(summary))
+    else:
+        print(end_of_run(summary))
     return 0
+
+
+def _check_run_dir(config: TrainConfig) -> None:
+    """The run-dir checks the trainer repeats, done here first so a refusal costs no worker start."""
+    from shiftlm.train.checkpoint import (
+        check_data_shaping,
+        check_fresh_start,
+        latest_checkpoint,
+        read_trainer_state,
+    )
+
+    log_dir, ckpt = Path(config.log.dir), config.checkpoint
+    check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)
+    latest = latest_checkpoint(log_dir / "checkpoints") if ckpt.resume else None
+    if latest is not None:
+        check_data_shaping(latest, read_trainer_state(latest), config.to_dict())
+
+
+def end_of_run(summary: dict) -> str:
+    """The lines a run ends with: where its checkpoint, metrics and loss plot are."""
+    paths = [
+        f"  checkpoint  {summary['checkpoint']}",
+        f"  metrics     {summary['metrics']}",
+        f"  loss plot   {summary['loss_plot']}",
+    ]
+    if summary.get("already_complete"):
+        head = f"run already complete at step {summary['steps']}: nothing to train (raise --train.steps to go on)"
+    else:
+        losses = summary["losses"]
+        last = losses[max(losses)] if losses else float("nan")
+        head = f"trained to step {summary['steps']}, final loss {last:.4f}"
+        if summary.get("val_losses"):
+            val = summary["val_losses"]
+            head += f", validation loss {val[max(val)]:.4f}"
+    return "\n".join([head, *paths])
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -151,6 +196,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--nproc", type=_positive_int, default=1, help="local gloo worker processes (CPU ranks) to start"
     )
     train.add_argument("--json", action="store_true", help="print one JSON summary, no step lines")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in log.dir, deleting the checkpoints and metrics of the run there",
+    )
     defaults = TrainConfig()
     for section in dataclasses.fields(defaults):
         for key in dataclasses.fields(getattr(defaults, section.name)):

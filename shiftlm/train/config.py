@@ -85,6 +85,7 @@ class CheckpointSection:
     every: int = 0  # save every N steps; 0: only at the end
     keep: int = 2  # checkpoints kept on disk (oldest deleted first)
     resume: bool = True  # continue from the newest checkpoint in <log.dir>/checkpoints if one exists
+    overwrite: bool = False  # with resume = false: delete another run's checkpoints and metrics in log.dir
 
 
 @dataclass
@@ -209,7 +210,7 @@ def validate(config: TrainConfig) -> None:
     for section in (config.parallel, config.train, config.checkpoint):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            minimum = 0 if f.name in ("zero", "every", "seed") else 1
+            minimum = 0 if f.name in ("zero", "every", "seed", "freq") else 1
             if f.type == "int" and value < minimum:
                 raise ConfigError(f"{f.name} = {value} must be >= {minimum}")
     train, optim = config.train, config.optim

@@ -33,6 +33,7 @@ def quickstart_config(out: Path, steps: int):
             f"--checkpoint.every={max(steps // 2, 1)}",
             f"--log.dir={out}",
             "--checkpoint.resume=false",
+            "--checkpoint.overwrite=true",  # OUT is quickstart's own run dir: each run starts afresh
         ],
     )
 

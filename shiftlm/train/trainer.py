@@ -32,7 +32,11 @@ from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_file
 from shiftlm.monitor import Watchdog, connect_store, faults
 from shiftlm.pipeline.tied import sync_tied_embedding_grads
 from shiftlm.train.checkpoint import (
+    check_data_shaping,
+    check_fresh_start,
+    clear_run,
     commit,
+    fsync_tree,
     latest_checkpoint,
     load_rng,
     read_trainer_state,
@@ -126,11 +130,13 @@ class Trainer:
         )
         self.norm_mask = self._norm_mask(owned)
         dataset = TokenDataset(self.inputs.shards, config.train.seq_len)
+        self.dataset_samples = len(dataset)
         plan = BatchPlan(config.train.global_batch, config.train.micro_batch, config.parallel.dp)
         self.reader = BatchReader(dataset, plan, self.mesh.coords.dp, config.train.seed)
         self.runner = StepRunner(self.stages, self.mesh, config, self._stage_grads_ready if overlap else None)
         self.checkpoints = Path(config.log.dir) / "checkpoints"
         self.start_step = 0
+        self.resumed_from: Path | None = None
         self.log = (
             RunLog(Path(config.log.dir), config.train.steps, config.log.progress, quiet)
             if self.mesh.rank == 0
@@ -183,6 +189,7 @@ class Trainer:
         write_hf_files(self.replicas[0], staging / "model")  # BitPipe: one copy, replica 0's
         save_moments(self.replicas[0], self.optimizer.full_state(), staging)
         save_rng(staging, self.mesh.rank)
+        fsync_tree(staging)  # each rank makes what it wrote durable (rank 0 again before the rename)
         _barrier()
         final = None
         if self.mesh.rank == 0:
@@ -193,16 +200,30 @@ class Trainer:
                 "optimizer_step": self.optimizer.step_count,
                 "layout": self.config.to_dict()["parallel"],
                 "config": self.config.to_dict(),
+                "dataset_samples": self.dataset_samples,
             }
             final = commit(staging, state, self.config.checkpoint.keep)
         _barrier()
         return final
 
-    def maybe_resume(self) -> None:
+    def prepare_run_dir(self) -> None:
+        """A fresh start (resume = false) into a used log.dir: refused, or (overwrite) the old run deleted."""
+        ckpt = self.config.checkpoint
+        log_dir = Path(self.config.log.dir)
+        check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)  # same answer on every rank
+        if not ckpt.resume and ckpt.overwrite:
+            _barrier()
+            if self.mesh.rank == 0:
+                clear_run(log_dir)
+            _barrier()
+
+    def maybe_resume(self) -> Path | None:
+        """Load the newest checkpoint of log.dir if asked; returns its path (None: a fresh start)."""
         latest = latest_checkpoint(self.checkpoints) if self.config.checkpoint.resume else None
         if latest is None:
-            return
+            return None
         state = read_trainer_state(latest)
+        check_data_shaping(latest, state, self.config.to_dict(), self.dataset_samples)
         for stage in self.stages:
             load_hf_checkpoint(stage, latest / "model")
         moments: dict[str, dict[str, torch.Tensor]] = {moment: {} for moment in MOMENTS}
@@ -213,6 +234,8 @@ class Trainer:
         if state["layout"] == self.config.to_dict()["parallel"]:
             load_rng(latest, self.mesh.rank)
         self.start_step = state["step"]
+        self.resumed_from = latest
+        return latest
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -238,8 +261,12 @@ class Trainer:
         ).start()
 
     def _run(self, stop_after: int | None) -> TrainResult:
-        result = TrainResult(last_step=self.start_step)
         cfg = self.config.train
+        result = TrainResult(last_step=self.start_step, resumed_from=self.resumed_from)
+        if self.resumed_from is not None and self.start_step >= cfg.steps:
+            result.already_complete, result.checkpoint = True, self.resumed_from
+        elif self.resumed_from is not None and self.log is not None and not self.log.quiet:
+            print(f"resumed from step {self.start_step} ({self.resumed_from})", flush=True)
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         peak = device_peak_flops(device_name, "bf16" if self.runner.autocast_dtype else "fp32")
         started = time.perf_counter()
@@ -285,7 +312,8 @@ class Trainer:
             if stop_after is not None and step + 1 >= stop_after:
                 break
         if self.log is not None:
-            self.log.finish()
+            result.loss_plot = self.log.finish()
+            result.metrics = self.log.metrics_file if self.log.metrics_file.is_file() else None
         return result
 
     def _global_target_tokens(self, micro_batches) -> int:
@@ -306,5 +334,6 @@ def _memory_gb() -> float:
 def train(config: TrainConfig, stop_after: int | None = None, quiet: bool = False) -> TrainResult:
     """Train per `config` on this process's rank (resuming from the newest checkpoint if asked)."""
     trainer = Trainer(config, quiet=quiet)
+    trainer.prepare_run_dir()
     trainer.maybe_resume()
     return trainer.run(stop_after)
