@@ -77,7 +77,9 @@ def switch_cost(model_dir: str, repeats: int) -> dict[str, float] | None:
 
     mesh = Mesh(ParallelConfig(tp=1, sp=2))
     runner = ModelRunner.load(model_dir, mesh, num_blocks=64, block_size=16)
-    chunks = tuple(ScheduledChunk(i, (5,), 100, tuple(range(7 * i, 7 * i + 7)), True) for i in range(8))
+    chunks = tuple(
+        ScheduledChunk(i, (5,), 100, tuple(range(7 * i, 7 * i + 7)), True, row=i) for i in range(8)
+    )
     pairs = [(before, after) for before in Mode for after in Mode] * repeats
     random.Random(0).shuffle(pairs)  # the same order on both ranks
     times: dict[str, list[float]] = {}

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftlm.comm import CommGroup, copy_to_group, gather_along
+from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_group
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
-from shiftlm.model.attention import Attention
+from shiftlm.model.attention import Attention, AttentionBackend, FullTP, view_linear
 from shiftlm.model.deferred import linear
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -37,9 +37,22 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)
         self.down_proj = RowParallelLinear(f, h, tp, sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, full_tp: FullTP | None = None) -> torch.Tensor:
+        if full_tp is not None:  # sub-slice `part` of this TP shard's FFN columns, summed over all P ranks
+            gate, up, down = self.full_tp_views(full_tp)
+            hidden = F.silu(view_linear(x, gate)) * view_linear(x, up)
+            return reduce_from_group(view_linear(hidden, down), full_tp.group)
         x = self.gate_proj.enter(x)
         return self.down_proj(F.silu(self.gate_proj(x, entered=True)) * self.up_proj(x, entered=True))
+
+    def full_tp_views(self, full_tp: FullTP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ffn = self.gate_proj.weight.shape[0] // full_tp.parts
+        start = full_tp.part * ffn
+        return (
+            self.gate_proj.weight.narrow(0, start, ffn),
+            self.up_proj.weight.narrow(0, start, ffn),
+            self.down_proj.weight.narrow(1, start, ffn),
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -50,16 +63,24 @@ class DecoderLayer(nn.Module):
         sp: CommGroup,
         sequence_parallel: bool,
         cp: CommGroup | None = None,
+        layer_index: int = 0,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp, sp, sequence_parallel, cp)
+        self.self_attn = Attention(config, tp, sp, sequence_parallel, cp, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend | None = None,
+        full_tp: FullTP | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, full_tp)
+        return x + self.mlp(self.post_attention_layernorm(x), full_tp)
 
 
 class _Body(nn.Module):
@@ -109,7 +130,7 @@ class Transformer(nn.Module):
             )
         self.model.layers = nn.ModuleDict(
             {
-                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp)
+                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp, i)
                 for i in range(first, last)
             }
         )
@@ -137,6 +158,24 @@ class Transformer(nn.Module):
         return torch.from_numpy(index).unsqueeze(0).expand(batch, -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(x, positions)
+        if not self.with_head:
+            return hidden
+        return self.head(hidden)
+
+    def full_tp(self) -> FullTP:
+        """Shift Parallelism's latency mode on this rank: P-way TP over the mesh's shift group."""
+        return FullTP(self.mesh.shift, self.mesh.coords.sp, self.mesh.sp.size)
+
+    def hidden_states(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        backend: AttentionBackend | None = None,
+        full_tp: FullTP | None = None,
+    ) -> torch.Tensor:
+        """The layers' output (before the final norm): training's forward, or serving's with a paged
+        `backend` and, for full TP, every rank on all tokens (`full_tp`, see attention.FullTP)."""
         if self.with_embedding:
             batch, tokens = x.shape
             hidden = self.model.embed_tokens(x)
@@ -148,10 +187,8 @@ class Transformer(nn.Module):
             positions = self.positions(batch, tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
         for layer in self.model.layers.values():
-            hidden = layer(hidden, cos, sin)
-        if not self.with_head:
-            return hidden
-        return self.head(hidden)
+            hidden = layer(hidden, cos, sin, backend, full_tp)
+        return hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + vocab-parallel LM head; padding columns are -inf so they never win or weigh."""

@@ -149,3 +149,4 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed = 0
+        seq.num_blocks_sent = 0

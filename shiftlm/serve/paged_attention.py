@@ -1,29 +1,45 @@
-"""The paged KV cache and attention over a flattened, variable-length batch.
+"""The paged KV cache and batched attention over a flattened, variable-length step.
 
 A step's tokens (prefill chunks and decode tokens of every sequence) are concatenated into one row of
 N tokens (`FlatBatch`). The cache of one rank is one tensor allocated once,
 [layers, 2 (K, V), num_blocks * block_size slots, kv heads of head block j, head_dim]; a token's K/V go
 to slot `block * block_size + offset` and never move. The rank's head block j and its KV heads are the
 same in full-TP and SP x TP mode, so both modes read and write the very same tensor (KV invariance).
+
+Attention is batched (PagedAttention's idea, Kwon et al., SOSP 2023, with stock PyTorch ops): per layer
+one `index_select` gathers the context blocks of every sequence of a group into [seqs, context, kv, D]
+and one `scaled_dot_product_attention` call attends all of them, with a mask that is causal and cuts
+each sequence at its own length. A step has at most two groups, decode rows (one query each) and
+prefill chunks (padded to the longest chunk), so that a long prefill does not pad every decode. Query
+heads sharing a KV head are folded into the query axis (GQA without repeating K/V). The masks and the
+gather indices are built once per step and shared by all layers; no Python loop runs over sequences.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from shiftlm.serve.scheduler import StepPlan
 
+@dataclass
+class AttentionGroup:
+    """Sequences attended by one SDPA call: `queries` of each padded to Q, contexts padded to C."""
 
-@dataclass(frozen=True)
-class ChunkView:
-    """Where one sequence's chunk sits in the flat batch, and the slots of its whole context."""
+    query_rows: torch.Tensor  # [S, Q] rows of the flat batch (padding repeats a real row)
+    query_valid: torch.Tensor | None  # [S, Q] False on padding; None when nothing is padded
+    mask: torch.Tensor  # [S, 1, Q, C] True where query i may read key position c
+    block_index: torch.Tensor  # [S * C / block_size] physical blocks, sequence-major
+    _folded: dict[int, torch.Tensor] = field(default_factory=dict)  # mask per GQA group size
 
-    offset: int  # first row of the chunk in the flat batch
-    positions: torch.Tensor  # [len] positions of the chunk's tokens
-    context_slots: torch.Tensor  # [start + len] slots of positions 0 .. start + len - 1
+    def folded_mask(self, groups: int) -> torch.Tensor:
+        """The mask for queries folded as (query, head of the KV group): [S, 1, Q * groups, C]."""
+        if groups not in self._folded:
+            s, _, q, c = self.mask.shape
+            mask = self.mask if q == 1 else self.mask.unsqueeze(3).expand(s, 1, q, groups, c)
+            self._folded[groups] = mask.reshape(s, 1, -1 if q > 1 else 1, c)
+        return self._folded[groups]
 
 
 @dataclass(frozen=True)
@@ -31,37 +47,9 @@ class FlatBatch:
     token_ids: torch.Tensor  # [N_padded]
     positions: torch.Tensor  # [N_padded]
     slots: torch.Tensor  # [N_padded], -1 for padding rows
-    chunks: tuple[ChunkView, ...]
+    chunks: tuple[AttentionGroup, ...]  # the step's attention groups (decode rows, prefill chunks)
     sample_rows: torch.Tensor  # rows whose logits are wanted, in plan order (ScheduledChunk.num_logits_rows)
     num_tokens: int  # N before padding
-
-
-def flatten_plan(plan: StepPlan, block_size: int, pad_to_multiple: int = 1) -> FlatBatch:
-    """Build the step's tensors from the plan; every rank computes the same thing from the same plan."""
-    token_ids, positions, slots, chunks, sample_rows = [], [], [], [], []
-    for chunk in plan.chunks:
-        end = chunk.start + len(chunk.token_ids)
-        blocks = torch.tensor(chunk.block_ids, dtype=torch.long)
-        context = torch.arange(end)
-        context_slots = blocks[context // block_size] * block_size + context % block_size
-        chunks.append(ChunkView(len(token_ids), context[chunk.start :], context_slots))
-        token_ids += chunk.token_ids
-        positions += range(chunk.start, end)
-        slots += context_slots[chunk.start :].tolist()
-        if chunk.all_logits:
-            sample_rows += range(len(token_ids) - len(chunk.token_ids), len(token_ids))
-        elif chunk.sample:
-            sample_rows.append(len(token_ids) - 1)
-    num_tokens = len(token_ids)
-    padding = -num_tokens % pad_to_multiple
-    return FlatBatch(
-        token_ids=torch.tensor(token_ids + [0] * padding, dtype=torch.long),
-        positions=torch.tensor(positions + [0] * padding, dtype=torch.long),
-        slots=torch.tensor(slots + [-1] * padding, dtype=torch.long),
-        chunks=tuple(chunks),
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long),
-        num_tokens=num_tokens,
-    )
 
 
 class PagedKVCache:
@@ -78,31 +66,60 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ):
         self.block_size = block_size
+        self.num_blocks = num_blocks
         shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V [N, kv_heads, head_dim] of the real (slot >= 0) rows, in place."""
-        real = slots >= 0
-        self.storage[layer, 0].index_copy_(0, slots[real], k[real])
-        self.storage[layer, 1].index_copy_(0, slots[real], v[real])
+        """Store K/V [N, kv_heads, head_dim] of the rows `slots` names (no padding rows), in place."""
+        self.storage[layer, 0].index_copy_(0, slots, k)
+        self.storage[layer, 1].index_copy_(0, slots, v)
 
-    def attend(
-        self, layer: int, q: torch.Tensor, batch: FlatBatch, sliding_window: int | None
-    ) -> torch.Tensor:
-        """Causal attention of q [N, Hq, D] over each sequence's cached context -> [N, Hq, D]."""
+    def blocks(self, layer: int, kv: int) -> torch.Tensor:
+        """K (kv=0) or V (kv=1) of `layer` as [num_blocks, block_size * kv_heads * head_dim] (a view)."""
+        return self.storage[layer, kv].view(self.num_blocks, -1)
+
+
+class PagedAttention:
+    """The attention backend of one step (`model.attention.AttentionBackend`): writes the step's K/V
+    into the cache, then attends every query over its sequence's cached context."""
+
+    def __init__(self, cache: PagedKVCache, batch: FlatBatch):
+        self.cache, self.batch = cache, batch
+        real = batch.num_tokens
+        self._rows = None if real == batch.slots.numel() else torch.arange(real)
+        self._slots = batch.slots[:real]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [1, N, Hq, D], k/v: [1, N, Hkv, D] of this rank's head block -> [1, N, Hq, D]."""
+        q, k, v = q[0], k[0], v[0]
+        if self._rows is not None:  # padding rows (Ulysses) are not written
+            k, v = k[: self.batch.num_tokens], v[: self.batch.num_tokens]
+        self.cache.write(layer, self._slots, k, v)
+        groups = self.batch.chunks
+        if len(groups) == 1 and groups[0].query_valid is None and groups[0].query_rows.shape[1] == 1:
+            rows = groups[0].query_rows[:, 0]
+            if rows.numel() == q.shape[0]:  # a pure decode step: row i is sequence i
+                return self._attend(layer, q.unsqueeze(1), groups[0]).squeeze(1).unsqueeze(0)
         out = torch.zeros_like(q)
-        k_cache, v_cache = self.storage[layer, 0], self.storage[layer, 1]
-        for chunk in batch.chunks:
-            rows = slice(chunk.offset, chunk.offset + chunk.positions.numel())
-            k, v = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-            key_positions = torch.arange(chunk.context_slots.numel())
-            distance = chunk.positions.unsqueeze(1) - key_positions.unsqueeze(0)
-            mask = distance >= 0
-            if sliding_window is not None:
-                mask &= distance < sliding_window
-            attended = F.scaled_dot_product_attention(  # GQA: query head h reads KV head h // groups
-                q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
-            )
-            out[rows] = attended.transpose(0, 1)
-        return out
+        for group in groups:
+            attended = self._attend(layer, q[group.query_rows], group)  # [S, Q, Hq, D]
+            if group.query_valid is None:
+                out[group.query_rows.flatten()] = attended.flatten(0, 1)
+            else:
+                out[group.query_rows[group.query_valid]] = attended[group.query_valid]
+        return out.unsqueeze(0)
+
+    def _attend(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """q: [S, Q, Hq, D] -> [S, Q, Hq, D] over the group's gathered context."""
+        seqs, queries, heads, d = q.shape
+        kv_heads = self.cache.storage.shape[3]
+        groups = heads // kv_heads
+        k = self.cache.blocks(layer, 0).index_select(0, group.block_index)
+        v = self.cache.blocks(layer, 1).index_select(0, group.block_index)
+        k = k.view(seqs, -1, kv_heads, d).transpose(1, 2)  # [S, Hkv, C, D]
+        v = v.view(seqs, -1, kv_heads, d).transpose(1, 2)
+        # fold the `groups` query heads of each KV head into the query axis: [S, Hkv, Q * groups, D]
+        folded = q.view(seqs, queries, kv_heads, groups, d).transpose(1, 2).reshape(seqs, kv_heads, -1, d)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.folded_mask(groups))
+        return out.view(seqs, kv_heads, queries, groups, d).transpose(1, 2).reshape(seqs, queries, heads, d)

@@ -1,4 +1,4 @@
-"""The model runner: rank 0 broadcasts each step plan, every rank runs it, logits come back to rank 0.
+"""The model runner: rank 0 sends each step plan as a tensor, every rank runs it, logits come back.
 
     runner = ModelRunner.load(model_dir, mesh, num_blocks=256, block_size=16)
     if mesh.rank == 0:
@@ -7,9 +7,10 @@
     else:
         runner.serve_steps()                  # loops until rank 0 stops it
 
-The plan is a few kilobytes of Python (token ids, positions via chunk starts, block tables, mode) and
-goes out with `broadcast_object_list`; each rank then builds the same flat batch from it. Logits come
-back with one `gather` of the block each rank owns (`logits.py`).
+The plan travels as one int64 tensor (`plan_codec`: a fixed 5-int header broadcast, then the payload it
+sizes), not as a pickle; every rank decodes it with tensor ops into the same flat batch and applies its
+block-table deltas to its own copy of the tables. Logits come back with one `gather` of the block each
+rank owns (`logits.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
 from shiftlm.serve.logits import gather_logits
-from shiftlm.serve.paged_attention import PagedKVCache, flatten_plan
+from shiftlm.serve.paged_attention import PagedKVCache
+from shiftlm.serve.plan_codec import (
+    HEADER,
+    STOP_CHUNKS,
+    BlockTables,
+    decode_plan,
+    encode_plan,
+    payload_size,
+    stop_message,
+)
 from shiftlm.serve.scheduler import StepPlan
 from shiftlm.serve.shift_model import ShiftModel
 
@@ -42,6 +52,7 @@ class ModelRunner:
         self.shift_model = shift_model
         self.mesh = mesh
         self.cache = shift_model.cache
+        self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks)
         group = mesh.shift
         # new_group is collective: every rank builds the runner, in the same order
         self._plan_group = (
@@ -66,27 +77,50 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""
-        self._broadcast(plan)
-        return self.run_step(plan)[:, : self.model_config.vocab_size]
+        message = encode_plan(plan)
+        self._send(message)
+        return self._run(message)[:, : self.model_config.vocab_size]
 
     def serve_steps(self) -> None:
-        """Ranks > 0: run every plan rank 0 broadcasts, until it broadcasts None."""
-        while (plan := self._broadcast(None)) is not None:
-            self.run_step(plan)
+        """Ranks > 0: run every plan rank 0 sends, until it sends the stop message."""
+        while (message := self._receive()) is not None:
+            self._run(message)
 
     def stop_workers(self) -> None:
-        self._broadcast(None)
+        self._send(stop_message())
 
-    def _broadcast(self, plan: StepPlan | None) -> StepPlan | None:
-        if self._plan_group is None:
-            return plan
-        box = [plan]
-        dist.broadcast_object_list(box, src=self.mesh.shift.ranks[0], group=self._plan_group)
-        return box[0]
+    def _send(self, message: torch.Tensor) -> None:
+        if self._plan_group is not None:
+            src = self.mesh.shift.ranks[0]
+            dist.broadcast(message[:HEADER].clone(), src=src, group=self._plan_group)
+            if message.numel() > HEADER:
+                dist.broadcast(message[HEADER:].clone(), src=src, group=self._plan_group)
+
+    def _receive(self) -> torch.Tensor | None:
+        src = self.mesh.shift.ranks[0]
+        header = torch.empty(HEADER, dtype=torch.long)
+        dist.broadcast(header, src=src, group=self._plan_group)
+        if int(header[2]) == STOP_CHUNKS:
+            return None
+        payload = torch.empty(payload_size(header), dtype=torch.long)
+        if payload.numel():
+            dist.broadcast(payload, src=src, group=self._plan_group)
+        return torch.cat((header, payload))
 
     def run_step(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run `plan` without broadcasting it (every rank must pass the same plan, as in SPMD code);
+        """Run `plan` without sending it (every rank must pass the same plan, as in SPMD code);
         the sampled logits [samples, padded_vocab] on rank 0, None elsewhere."""
-        batch = flatten_plan(plan, self.cache.block_size, pad_to_multiple=self.mesh.config.sp)
-        mine = self.shift_model.forward(batch, plan.mode)
-        return gather_logits(mine, batch, plan.mode, self.mesh, self.shift_model.vocab_per_tp)
+        return self._run(encode_plan(plan))
+
+    def _run(self, message: torch.Tensor) -> torch.Tensor | None:
+        _, mode, batch = decode_plan(
+            message,
+            self.tables,
+            self.cache.block_size,
+            pad_to_multiple=self.mesh.config.sp,
+            sliding_window=self.model_config.sliding_window,
+        )
+        mine = self.shift_model.forward(batch, mode)
+        if self.mesh.shift.size == 1:  # one rank owns every row and column
+            return mine
+        return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp)

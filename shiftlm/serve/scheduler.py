@@ -15,6 +15,7 @@ imports no torch: the serving simulator runs this same scheduler with a cost-mod
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,14 +68,21 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens [start, start + len(token_ids)) of one sequence; `sample`: the last row's logits are
-    wanted (a token is drawn); `all_logits`: every row's logits are wanted (prompt logprobs)."""
+    wanted (a token is drawn); `all_logits`: every row's logits are wanted (prompt logprobs).
+
+    The block table travels incrementally: `row` is the sequence's batch row (stable while it runs),
+    `new_blocks` the physical blocks appended to its table since its previous chunk, at logical index
+    `first_block` (everything, from 0, on a sequence's first chunk after admission). The runner keeps
+    the tables as one tensor and applies these deltas, so no step rebuilds a table from a list."""
 
     seq_id: int
     token_ids: tuple[int, ...]
     start: int
-    block_ids: tuple[int, ...]
+    new_blocks: tuple[int, ...]
     sample: bool
     all_logits: bool = False
+    first_block: int = 0
+    row: int = 0
 
     @property
     def num_logits_rows(self) -> int:
@@ -118,6 +126,17 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._by_id: dict[int, Sequence] = {}
         self._last_mode: Mode | None = None
+        self._free_rows: list[int] = []  # batch rows given back, reused lowest first
+        self._num_rows = 0
+
+    def _take_row(self, seq: Sequence) -> None:
+        seq.row = heapq.heappop(self._free_rows) if self._free_rows else self._num_rows
+        self._num_rows = max(self._num_rows, seq.row + 1)
+
+    def _give_row(self, seq: Sequence) -> None:
+        if seq.row >= 0:
+            heapq.heappush(self._free_rows, seq.row)
+            seq.row = -1
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.config.max_model_len:
@@ -129,6 +148,7 @@ class Scheduler:
         """Start sample `child` of parent's request, sharing the parent's full prompt blocks."""
         self.blocks.share_prompt(parent, child)
         child.status = SequenceStatus.RUNNING
+        self._take_row(child)
         self._by_id[child.seq_id] = child
         self.running.append(child)
 
@@ -142,6 +162,7 @@ class Scheduler:
         """Mark `seq` finished and give back its blocks (wherever it is queued)."""
         seq.finish(reason)
         self.blocks.release(seq)
+        self._give_row(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -182,6 +203,7 @@ class Scheduler:
             self.blocks.allocate(seq, seq.num_computed + num_new)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            self._take_row(seq)
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_new))
             budget -= num_new
@@ -201,19 +223,23 @@ class Scheduler:
         return sampled
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
-        start = seq.num_computed
+        start, sent = seq.num_computed, seq.num_blocks_sent
+        seq.num_blocks_sent = len(seq.block_ids)
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start : start + num_new]),
             start=start,
-            block_ids=tuple(seq.block_ids),
+            new_blocks=tuple(seq.block_ids[sent:]),
             sample=start + num_new == seq.num_tokens,
             all_logits=seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids),
+            first_block=sent,
+            row=seq.row,
         )
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        self._give_row(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.preemptions += 1

@@ -134,10 +134,21 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    row: int = -1  # the scheduler's batch row while running (the runner's block-table row), else -1
+    num_blocks_sent: int = 0  # leading entries of block_ids the runner already has in its table
+    _all_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """prompt + output as one list, extended in place as outputs are appended: O(new tokens) per
+        call, never a copy of the context (read-only for callers)."""
+        missing = len(self.prompt_ids) + len(self.output_ids) - len(self._all_ids)
+        if missing > 0:
+            if len(self._all_ids) < len(self.prompt_ids):
+                self._all_ids[:] = self.prompt_ids
+                missing = len(self.output_ids)
+            self._all_ids.extend(self.output_ids[len(self.output_ids) - missing :])
+        return self._all_ids
 
     @property
     def num_tokens(self) -> int:

@@ -38,21 +38,25 @@ class SlotRunner:
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.plans: list[StepPlan] = []
+        self.tables: dict[int, list[int]] = {}  # batch row -> block table, kept from the plans' deltas
 
-    def slot(self, block_ids: tuple[int, ...], position: int) -> int:
+    def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         self.plans.append(plan)
         for chunk in plan.chunks:
+            table = self.tables.setdefault(chunk.row, [])
+            table[chunk.first_block :] = chunk.new_blocks
+        for chunk in plan.chunks:
             for offset, token in enumerate(chunk.token_ids):
-                self.slots[self.slot(chunk.block_ids, chunk.start + offset)] = token
+                self.slots[self.slot(self.tables[chunk.row], chunk.start + offset)] = token
         rows = []
         for chunk in plan.chunks:
             if chunk.sample:
                 end = chunk.start + len(chunk.token_ids)
                 rows.append(
-                    next_token_scores([self.slots[self.slot(chunk.block_ids, p)] for p in range(end)])
+                    next_token_scores([self.slots[self.slot(self.tables[chunk.row], p)] for p in range(end)])
                 )
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 

@@ -68,11 +68,16 @@ def run_modes_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
         runner.serve_steps()
         return None
     cache_ptr = runner.cache.storage.untyped_storage().data_ptr()
-    shift = runner.shift_model
+    model = runner.shift_model.model
+    full_tp = model.full_tp()
+
+    def same_storage(view, weight) -> bool:
+        return view.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+
     views_share_storage = all(
-        full.q.untyped_storage().data_ptr() == shard.q.untyped_storage().data_ptr()
-        and full.down.untyped_storage().data_ptr() == shard.down.untyped_storage().data_ptr()
-        for full, shard in zip(shift.full_tp_weights, shift.sp_tp_weights)
+        same_storage(layer.self_attn.full_tp_views(full_tp).q, layer.self_attn.q_proj.weight)
+        and same_storage(layer.mlp.full_tp_views(full_tp)[2], layer.mlp.down_proj.weight)
+        for layer in model.model.layers.values()
     )
     results = {}
     for name, policy in POLICIES.items():

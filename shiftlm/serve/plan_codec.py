@@ -1,0 +1,139 @@
+"""A step plan as one fixed-layout int64 tensor, and the step's batch tensors decoded from it.
+
+Rank 0 encodes the scheduler's `StepPlan` (Python) once; the tensor is what travels to the other ranks
+(two gloo broadcasts: the fixed 5-int header, then the payload whose size the header gives; instead of
+pickling the plan), and every rank, rank 0 included, decodes the same tensor with tensor ops only, so
+no rank does Python work per token or per block of context:
+
+    header   [step, mode (0 tp, 1 sp_tp), C chunks, N tokens, M new blocks]
+    chunks   [C, 7]: row, start, length, sample, all_logits, first_block, number of new blocks
+    tokens   [N]     the chunks' token ids, in plan order
+    blocks   [M]     the chunks' new physical blocks, in plan order
+
+Block tables live on every rank as one tensor [rows, max blocks] (`BlockTables`) that the plan's deltas
+update in place (vLLM's persistent batch); the scheduler names a sequence's row and only the blocks
+appended since its previous chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shiftlm.serve.paged_attention import AttentionGroup, FlatBatch
+from shiftlm.serve.scheduler import Mode, StepPlan
+
+HEADER = 5
+CHUNK_FIELDS = 7
+MODES = (Mode.TP, Mode.SP_TP)
+STOP_CHUNKS = -1  # header[2] of the message that stops the workers
+
+
+def encode_plan(plan: StepPlan) -> torch.Tensor:
+    """The plan as one int64 tensor (layout in the module docstring)."""
+    chunks, tokens, blocks = [], [], []
+    for c in plan.chunks:
+        chunks += (c.row, c.start, len(c.token_ids), c.sample, c.all_logits, c.first_block, len(c.new_blocks))
+        tokens += c.token_ids
+        blocks += c.new_blocks
+    header = [plan.step, MODES.index(plan.mode), len(plan.chunks), len(tokens), len(blocks)]
+    return torch.tensor(header + chunks + tokens + blocks, dtype=torch.long)
+
+
+def stop_message() -> torch.Tensor:
+    return torch.tensor([0, 0, STOP_CHUNKS, 0, 0], dtype=torch.long)
+
+
+def payload_size(header: torch.Tensor) -> int:
+    _, _, chunks, tokens, blocks = header.tolist()
+    return chunks * CHUNK_FIELDS + tokens + blocks
+
+
+class BlockTables:
+    """Every running sequence's block table as rows of one tensor, updated in place from plan deltas.
+    Entries past a sequence's own blocks hold stale but valid block ids: the attention mask hides them."""
+
+    def __init__(self, max_blocks_per_seq: int, rows: int = 64):
+        self.table = torch.zeros(rows, max_blocks_per_seq, dtype=torch.long)
+
+    def update(self, rows: torch.Tensor, first: torch.Tensor, counts: torch.Tensor, blocks: torch.Tensor):
+        """Write `blocks` (grouped per chunk, counts[i] of them) at table[rows[i], first[i] + j]."""
+        if int(rows.max()) >= self.table.shape[0]:  # more rows than ever before: grow (metadata only)
+            grown = torch.zeros(2 * int(rows.max()) + 1, self.table.shape[1], dtype=torch.long)
+            grown[: self.table.shape[0]] = self.table
+            self.table = grown
+        if blocks.numel() == 0:
+            return
+        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)
+        index_in_chunk = torch.arange(blocks.numel()) - (torch.cumsum(counts, 0) - counts)[owner]
+        self.table[rows[owner], first[owner] + index_in_chunk] = blocks
+
+
+def decode_plan(
+    message: torch.Tensor,
+    tables: BlockTables,
+    block_size: int,
+    pad_to_multiple: int = 1,
+    sliding_window: int | None = None,
+) -> tuple[int, Mode, FlatBatch]:
+    """Apply the plan's block deltas to `tables`; build the step's flat batch and attention groups."""
+    step, mode, num_chunks, num_tokens, _ = message[:HEADER].tolist()
+    end_chunks = HEADER + num_chunks * CHUNK_FIELDS
+    chunks = message[HEADER:end_chunks].view(num_chunks, CHUNK_FIELDS)
+    rows, starts, lengths, sample, all_logits, first_block, new_counts = chunks.unbind(1)
+    token_ids = message[end_chunks : end_chunks + num_tokens]
+    tables.update(rows, first_block, new_counts, message[end_chunks + num_tokens :])
+
+    offsets = torch.cumsum(lengths, 0) - lengths  # first row of each chunk in the flat batch
+    owner = torch.repeat_interleave(torch.arange(num_chunks), lengths, output_size=num_tokens)
+    in_chunk = torch.arange(num_tokens) - offsets[owner]
+    positions = starts[owner] + in_chunk
+    seq_rows = rows[owner]
+    slots = tables.table[seq_rows, positions // block_size] * block_size + positions % block_size
+    wanted = all_logits[owner].bool() | (sample[owner].bool() & (in_chunk == lengths[owner] - 1))
+    sample_rows = wanted.nonzero().flatten()
+
+    decode = lengths == 1
+    groups = []
+    if bool(decode.any()):
+        groups.append(_group(decode, rows, starts, lengths, offsets, tables, block_size, sliding_window))
+    if not bool(decode.all()):
+        groups.append(_group(~decode, rows, starts, lengths, offsets, tables, block_size, sliding_window))
+    padding = -num_tokens % pad_to_multiple
+    if padding:
+        token_ids = _pad(token_ids, padding, 0)
+        positions = _pad(positions, padding, 0)
+        slots = _pad(slots, padding, -1)
+    batch = FlatBatch(token_ids, positions, slots, tuple(groups), sample_rows, num_tokens)
+    return step, MODES[mode], batch
+
+
+def _pad(values: torch.Tensor, count: int, fill: int) -> torch.Tensor:
+    return torch.cat((values, values.new_full((count,), fill)))
+
+
+def _group(
+    which: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    tables: BlockTables,
+    block_size: int,
+    sliding_window: int | None,
+) -> AttentionGroup:
+    """The chunks selected by `which` as one padded SDPA call: queries [S, Q], context [S, C]."""
+    starts, lengths, offsets = starts[which], lengths[which], offsets[which]
+    longest, context = int(lengths.max()), int((starts + lengths).max())
+    num_blocks = -(-context // block_size)
+    step = torch.arange(longest)
+    valid = step < lengths.unsqueeze(1)  # [S, Q]
+    query_rows = offsets.unsqueeze(1) + torch.minimum(step, lengths.unsqueeze(1) - 1)
+    query_pos = starts.unsqueeze(1) + torch.minimum(step, lengths.unsqueeze(1) - 1)
+    key_pos = torch.arange(num_blocks * block_size)
+    distance = query_pos.unsqueeze(-1) - key_pos  # [S, Q, C]
+    mask = distance >= 0  # causal, which also cuts each sequence at its own length
+    if sliding_window is not None:
+        mask &= distance < sliding_window
+    mask = mask.unsqueeze(1)  # [S, 1, Q, C]
+    block_index = tables.table[rows[which], :num_blocks].flatten()
+    return AttentionGroup(query_rows, None if bool(valid.all()) else valid, mask, block_index)
