@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shiftlm.serve.sampling import SEED_MODULUS
 from shiftlm.serve.sequence import InvalidRequest, SamplingParams
@@ -57,6 +57,14 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """`"temperature": null` means the default, as OpenAI's API treats it (clients send nulls)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     model: str
     max_tokens: int | None = Field(default=None)

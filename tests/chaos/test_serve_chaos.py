@@ -134,7 +134,7 @@ def _aborted(url: str) -> float:
 def test_a_non_streaming_request_whose_client_left_is_aborted(live):
     before = _aborted(live.url)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 240 tokens are done
-        _complete(live.url, timeout=1.5, max_tokens=240, ignore_eos=True, temperature=0)
+        _complete(live.url, timeout=0.8, max_tokens=240, ignore_eos=True, temperature=0)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and _aborted(live.url) == before:
         time.sleep(0.2)

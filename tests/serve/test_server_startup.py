@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,7 +48,17 @@ def test_vllm_style_command_line_api_key_default_name_and_chat_template(tmp_path
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     write_char_tokenizer(model_dir, vocab_size=250)
     monkeypatch.setenv("SHIFTLM_API_KEY", "sekrit")
-    with local_server([str(model_dir), "--tensor-parallel-size", "1", "--chat-template", TEMPLATE]) as server:
+    log_path = tmp_path / "serve.log"
+    args = [
+        str(model_dir),
+        "--tensor-parallel-size",
+        "1",
+        "--chat-template",
+        TEMPLATE,
+        "--log-interval",
+        "0.5",
+    ]
+    with local_server(args, log_path=str(log_path)) as server:
         assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
         denied = httpx.get(f"{server.url}/v1/models", timeout=30)
         assert denied.status_code == 401 and denied.json()["error"]["message"]
@@ -60,6 +71,16 @@ def test_vllm_style_command_line_api_key_default_name_and_chat_template(tmp_path
             model=str(model_dir), messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
         )
         assert out.usage.prompt_tokens == len("[user]hi[assistant]")
+        nulls = {"model": str(model_dir), "prompt": "a", "max_tokens": 1, "temperature": None, "seed": None}
+        headers = {"authorization": "Bearer sekrit"}
+        assert (
+            httpx.post(f"{server.url}/v1/completions", json=nulls, headers=headers, timeout=60).status_code
+            == 200
+        )
+        time.sleep(1.0)
+    log = log_path.read_text()
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # the access log
+    assert "throughput: prompt" in log and "KV cache usage" in log  # the periodic line
 
 
 @pytest.mark.parametrize(
