@@ -160,6 +160,13 @@ def _register_simulate_validate(subparsers) -> None:
     parser.add_argument(
         "--no-single-node", action="store_true", help="skip the 1,440 vTrain single-node rows"
     )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("simulate_validate.png"),
+        help="log-log predicted-vs-measured scatter plot, one panel per dataset (default: %(default)s)",
+    )
+    parser.add_argument("--rows", action="store_true", help="also print every row")
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=_guarded(run_validate))
 

@@ -86,7 +86,13 @@ def p2p_links(hardware: Hardware, efficiency: Efficiency) -> Links:
     sender's communication threads get a core (~2 ms here against ~0.1 ms for an idle ping-pong).
     Catalog GPUs use their collective links."""
     links, extra = Links.of(hardware, efficiency), hardware.extra
-    if "p2p_bandwidth" not in extra:  # not a calibrated profile
-        return links
+    if "p2p_bandwidth" not in extra:  # not a calibrated profile: add the hand-off's fixed cost
+        latency = efficiency.handoff_latency
+        return Links(
+            links.intra_bandwidth,
+            links.inter_bandwidth,
+            links.intra_latency + latency,
+            links.inter_latency + latency,
+        )
     latency = extra.get("handoff_latency", extra.get("p2p_latency", links.intra_latency))
     return Links(extra["p2p_bandwidth"], extra["p2p_bandwidth"], latency, latency)

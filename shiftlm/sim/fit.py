@@ -7,8 +7,8 @@ the new stage costs (exact while the critical path is among them; a lower bound 
 re-simulated at the end of every sweep to collect the paths of the new point, and the returned
 objective is recomputed with full simulations, so the numbers reported are never the shortcut's.
 
-Parameters are `Efficiency` field names, or `intra_comm@<hardware name>` for one cluster's own
-NVLink factor (a named, fitted parameter like the others; see docs/simulator.md).
+Parameters are `Efficiency` field names, or `<field>@<hardware name>` for one cluster's own value
+of that field (named, fitted parameters like the others; see docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from shiftlm.sim.measured import Case
 from shiftlm.sim.train import build, pipeline_timing, stage_costs, step_overheads
 from shiftlm.sim.validate import is_fit_row, mape, on_cluster, replay
 
-BOUNDS = {"gemm": (0.4, 1.0), "intra_comm": (0.3, 1.0), "inter_comm": (0.3, 1.0)}
+BOUNDS = {
+    "gemm": (0.4, 1.0),
+    "intra_comm": (0.3, 1.0),
+    "inter_comm": (0.3, 1.0),
+    "host_op": (1e-6, 60e-6),
+    "kernel_overhead": (0.0, 40e-6),
+    "handoff_latency": (0.0, 2e-3),
+    "host_overlap": (1.0, 8.0),
+}
 CLUSTER_BOUNDS = (0.3, 2.0)  # a cluster's achieved NVLink rate may exceed what its README states
 DTYPE = "fp16"  # Megatron-era runs; as in `validate.replay`
 
@@ -31,7 +39,7 @@ DTYPE = "fp16"  # Megatron-era runs; as in `validate.replay`
 @dataclass(frozen=True)
 class FitResult:
     efficiency: Efficiency
-    cluster_intra_comm: dict[str, float]
+    clusters: dict[str, float]  # "parameter@hardware name" -> value
     objective_pct: float  # mean fit-split MAPE over tables, from full simulations
     evaluations: int  # objective evaluations on critical paths
     simulations: int  # pipeline simulations run to collect paths
@@ -39,7 +47,7 @@ class FitResult:
 
 def _split(point: Mapping[str, float], start: Efficiency) -> tuple[Efficiency, dict[str, float]]:
     shared = {name: value for name, value in point.items() if "@" not in name}
-    clusters = {name.split("@", 1)[1]: value for name, value in point.items() if "@" in name}
+    clusters = {name: value for name, value in point.items() if "@" in name}
     return replace(start, **shared), clusters
 
 
@@ -150,9 +158,9 @@ def fit(
     collect_paths()
     for _ in range(sweeps):
         for name in parameters:
-            low, high = BOUNDS.get(name, CLUSTER_BOUNDS)
+            low, high = _bounds(name)
             best = _golden_section(lambda value, n=name: objective({**point, n: value}), low, high, steps)
-            point[name] = round(best, 3)
+            point[name] = float(f"{best:.3g}")
         collect_paths()
     efficiency, clusters = _split(point, start)
     exact = [
@@ -160,6 +168,14 @@ def fit(
         for table, table_rows in rows.items()
     ]
     return FitResult(efficiency, clusters, sum(exact) / len(exact), evaluations, simulations)
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    """A shared parameter's bounds; a cluster's NVLink factor may exceed its README's rate."""
+    base = name.split("@", 1)[0]
+    if "@" in name and base == "intra_comm":
+        return CLUSTER_BOUNDS
+    return BOUNDS[base]
 
 
 def _start_value(name: str, start: Efficiency) -> float:

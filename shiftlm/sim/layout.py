@@ -31,6 +31,9 @@ class Layout:
     flash_attention: bool = True  # no s x s score matrix in memory; 2021-22 Megatron had none
     overlap_grad_sync: bool = True  # DP all-reduce under the last backward; 2021-22 Megatron did not
     rank_order: tuple[str, ...] = SHIFTLM_ORDER
+    # Megatron-LM 2021-22 hands activations off with blocking p2p (batch_isend_irecv, then
+    # torch.cuda.synchronize()): the sender waits for its transfer; shiftlm's executor uses isend
+    blocking_p2p: bool = False
 
     @property
     def gpus(self) -> int:

@@ -71,6 +71,7 @@ def _megatron_layout(row: dict, recompute: str, chunks: int, tp_sp: bool = False
         flash_attention=False,
         overlap_grad_sync=False,
         rank_order=MEGATRON_ORDER,
+        blocking_p2p=True,
     )
 
 

@@ -82,6 +82,9 @@ def stage_costs(
     activation_bytes = tokens / layout.sp * model.hidden * width / layout.tp  # scatter-gather p2p
     crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
     p2p = p2p_time(activation_bytes, crosses, p2p_links(hardware, efficiency)) if layout.pp > 1 else 0.0
+    if layout.blocking_p2p and p2p:  # each stage waits for its own send: forward out, gradient back
+        forward = [f + p2p for f in forward[:-1]] + forward[-1:]
+        backward_input = backward_input[:1] + [b + p2p for b in backward_input[1:]]
     return StageCosts(forward, backward_input, backward_weight, [comm_per_stage] * num_stages, p2p)
 
 

@@ -16,7 +16,12 @@ from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.measured import Case
 from shiftlm.sim.train import simulate_step
 
-FIT_STRIDE = {"megatron_2021_table1": 2, "korthikanti_2022_table5": 2, "vtrain_multi_node": 4}
+FIT_STRIDE = {
+    "megatron_2021_table1": 2,
+    "korthikanti_2022_table5": 2,
+    "vtrain_multi_node": 4,
+    "vtrain_single_node": 4,
+}
 
 
 def is_fit_row(table: str, index: int) -> bool:
@@ -32,23 +37,27 @@ class RowResult:
     fit_row: bool
     memory_gib: float
     fits_memory: bool
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
 
     @property
     def error(self) -> float:
         return self.predicted / self.measured - 1
 
 
-def on_cluster(
-    efficiency: Efficiency, hardware_name: str, cluster_intra_comm: Mapping[str, float]
-) -> Efficiency:
-    """`efficiency` with the intra-node link factor of `hardware_name`'s cluster, where one is fitted."""
-    if hardware_name in cluster_intra_comm:
-        return replace(efficiency, intra_comm=cluster_intra_comm[hardware_name])
-    return efficiency
+def on_cluster(efficiency: Efficiency, hardware_name: str, clusters: Mapping[str, float]) -> Efficiency:
+    """`efficiency` with the values of every "field@hardware_name" cluster parameter in `clusters`."""
+    own = {
+        name.split("@", 1)[0]: value
+        for name, value in clusters.items()
+        if name.split("@", 1)[1] == hardware_name
+    }
+    return replace(efficiency, **own) if own else efficiency
 
 
 def replay(
-    table: str, cases: Sequence[Case], efficiency: Efficiency, cluster_intra_comm: Mapping[str, float] = {}
+    table: str, cases: Sequence[Case], efficiency: Efficiency, clusters: Mapping[str, float] = {}
 ) -> list[RowResult]:
     """Simulate every case of `table` (Megatron-era kernels ran fp16)."""
     rows = []
@@ -57,7 +66,7 @@ def replay(
             case.model,
             case.layout,
             case.hardware,
-            on_cluster(efficiency, case.hardware.name, cluster_intra_comm),
+            on_cluster(efficiency, case.hardware.name, clusters),
             dtype="fp16",
         )
         rows.append(
@@ -68,6 +77,9 @@ def replay(
                 is_fit_row(table, index),
                 step.memory.total / 2**30,
                 step.memory.fits,
+                case.layout.tp,
+                case.layout.pp,
+                case.layout.dp,
             )
         )
     return rows
@@ -78,12 +90,40 @@ def mape(rows: Sequence[RowResult]) -> float:
     return 100 * sum(abs(r.error) for r in rows) / len(rows) if rows else math.nan
 
 
-def table_summary(rows: Sequence[RowResult]) -> dict[str, float]:
+FAMILIES = {"tp>1": lambda r: r.tp > 1, "pp>1": lambda r: r.pp > 1, "dp>1": lambda r: r.dp > 1}
+
+
+def percentile_abs_error(rows: Sequence[RowResult], q: float) -> float:
+    """The q-th percentile (0-100, linear interpolation) of |error| in percent; nan for no rows."""
+    errors = sorted(100 * abs(r.error) for r in rows)
+    if not errors:
+        return math.nan
+    position = (len(errors) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(errors) - 1)
+    return errors[low] + (errors[high] - errors[low]) * (position - low)
+
+
+def table_summary(rows: Sequence[RowResult], worst: int = 5) -> dict:
+    """MAPE over all rows and over the held-out rows, p90 and max |error| of the held-out rows,
+    held-out MAPE per layout family (a bad family cannot hide in the average), the worst rows."""
     held_out = [r for r in rows if not r.fit_row]
+    families = {}
+    for name, member in FAMILIES.items():
+        family = [r for r in held_out if member(r)]
+        if family:
+            families[name] = {"mape_held_out_pct": mape(family), "rows": len(family)}
     return {
         "mape_pct": mape(rows),
         "mape_held_out_pct": mape(held_out),
+        "p90_abs_error_held_out_pct": percentile_abs_error(held_out, 90),
+        "max_abs_error_held_out_pct": percentile_abs_error(held_out, 100),
         "max_abs_error_pct": 100 * max(abs(r.error) for r in rows),
         "rows": len(rows),
         "held_out_rows": len(held_out),
+        "families_held_out": families,
+        "worst_held_out": [
+            {"label": r.label, "measured": r.measured, "predicted": r.predicted, "error_pct": 100 * r.error}
+            for r in sorted(held_out, key=lambda r: -abs(r.error))[:worst]
+        ],
     }

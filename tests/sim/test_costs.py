@@ -120,3 +120,30 @@ def test_layer_passes_time_dgrad_and_wgrad_at_their_measured_rates(tmp_path):
         model, 1, 128, costs.Shard(dtype_bytes=4), "none", catalog, MEASURED, "fp32", 0.0
     )
     assert plain.backward_weight == pytest.approx(costs.kernels_time(gemms, catalog, MEASURED, "fp32"))
+
+
+def test_host_bound_layer_takes_the_host_time_and_a_large_one_the_device_time():
+    from dataclasses import replace
+
+    from shiftlm.sim.efficiency import FITTED
+    from shiftlm.sim.hardware import CATALOG
+
+    a100 = CATALOG["a100-80gb"]
+    slow_host = replace(FITTED, host_op=1e-3, host_overlap=8.0)  # 1 ms per op: the host dominates
+    small = costs.layer_pass_costs(
+        gpt_style(1024, 1, 16), 1, 1024, costs.Shard(tp=1), "none", a100, slow_host, "fp16", 0.0
+    )
+    assert small.forward == pytest.approx(costs.LAYER_OPS_FORWARD * 1e-3, rel=0.01)
+    big_model = gpt_style(12288, 1, 96)
+    big = costs.layer_pass_costs(big_model, 8, 2048, costs.Shard(tp=1), "none", a100, FITTED, "fp16", 0.0)
+    no_host = costs.layer_pass_costs(
+        big_model, 8, 2048, costs.Shard(tp=1), "none", a100, replace(FITTED, host_op=0.0), "fp16", 0.0
+    )
+    assert big.forward == pytest.approx(no_host.forward, rel=1e-3)
+
+
+def test_overlap_lies_between_the_longer_stream_and_the_sum():
+    assert costs.overlapped(3.0, 4.0, 1.0) == pytest.approx(7.0)
+    assert costs.overlapped(3.0, 4.0, 2.0) == pytest.approx(5.0)
+    assert 4.0 < costs.overlapped(3.0, 4.0, 5.24) < 4.3
+    assert costs.overlapped(3.0, 0.0, 2.0) == 3.0

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from shiftlm.pipeline.simulator import ActionCosts, simulate
 from shiftlm.sim.critical_path import critical_path
-from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, FITTED_CLUSTER_INTRA_COMM
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, FITTED_CLUSTER
 from shiftlm.sim.fit import fit
 from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.layout import Layout
@@ -19,26 +19,40 @@ from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.models import PRESETS
 from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
 from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
-from shiftlm.sim.validate import mape, replay
+from shiftlm.sim.validate import mape, percentile_abs_error, replay, table_summary
 
 
 @pytest.mark.parametrize(
-    "table, target",
+    "table, bound, p90_bound",
     [
-        ("korthikanti_2022_table5", 5.0),
-        ("vtrain_multi_node", 10.0),
+        # issue 17's goals are 4% (Megatron) and 7% (vTrain multi-node); today 5.25% and 7.47%: these
+        # bounds catch a regression from today, docs/simulator.md says which goals are not met
+        ("megatron_2021_table1", 5.5, None),
+        ("korthikanti_2022_table5", 3.0, None),
+        ("vtrain_multi_node", 7.7, None),
+        ("vtrain_single_node", 8.0, 15.0),
     ],
 )
-def test_fitted_model_meets_the_mape_target_on_held_out_rows(table, target):
-    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER_INTRA_COMM)
-    assert mape([row for row in rows if not row.fit_row]) <= target
+def test_fitted_model_stays_within_its_held_out_error(table, bound, p90_bound):
+    # only the rows the fit never saw (is_fit_row is False)
+    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER)
+    held_out = [row for row in rows if not row.fit_row]
+    assert held_out and mape(held_out) <= bound
+    if p90_bound is not None:
+        assert percentile_abs_error(held_out, 90) <= p90_bound
+
+
+@pytest.mark.parametrize("family", ["tp>1", "pp>1", "dp>1"])
+def test_no_layout_family_of_vtrain_single_node_hides_in_the_average(family):
+    table = "vtrain_single_node"
+    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER)
+    summary = table_summary(rows)["families_held_out"][family]
+    assert summary["rows"] > 50 and summary["mape_held_out_pct"] <= 9.0
 
 
 def test_every_megatron_table1_row_is_within_10_percent():
     table = "megatron_2021_table1"
-    for row in replay(
-        table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER_INTRA_COMM
-    ):
+    for row in replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER):
         assert abs(row.error) <= 0.10, row
 
 
