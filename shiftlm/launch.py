@@ -7,6 +7,11 @@ longer than `timeout`, fails the call with that rank's traceback instead of hang
 
     with LocalWorkers(4) as workers:
         results = workers.run(my_module.check_layout, tp=2, sp=2)   # one result per rank
+
+`run_ranks` is the other mode, for `shiftlm train --nproc N`: one function, once, on N fresh
+processes, supervised as torchrun's agent does: the first rank to fail is named with its own
+traceback, the others are stopped within seconds, and the exit code says whether to restart
+(`shiftlm.monitor.failure`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -118,3 +125,167 @@ class LocalWorkers:
 
     def __exit__(self, *exc: object) -> None:
         self.close(force=exc[0] is not None)
+
+
+# -- one job on N fresh processes, supervised (`shiftlm train --nproc`) ------------------------------
+
+
+class RankFailure(RuntimeError):
+    """A job on local ranks failed; `report` is the root cause, `exit_code` what the CLI returns."""
+
+    def __init__(self, report, others: list, stopped_s: float, describe: Callable[[int], str]):
+        self.report, self.others, self.stopped_s, self.describe = report, others, stopped_s, describe
+        super().__init__(self.headline())
+
+    @property
+    def exit_code(self) -> int:
+        return self.report.exit_code
+
+    def headline(self) -> str:
+        report = self.report
+        where = f"rank {report.rank} ({self.describe(report.rank)})"
+        if report.kind == "hang" and report.culprits:
+            blamed = ", ".join(f"rank {r} ({self.describe(r)})" for r in report.culprits)
+            return f"hang: {blamed} stopped communicating; seen by {where}: {report.message}"
+        if report.kind == "straggler":
+            return f"{report.message}; relaunching without it"
+        return f"{where} failed: {report.message}"
+
+    def text(self) -> str:
+        """The headline, the failed rank's own traceback, and what happened to the other ranks."""
+        lines = [f"[shiftlm] {self.headline()}"]
+        if self.report.traceback:
+            lines.append(f"[shiftlm] traceback of rank {self.report.rank}:")
+            lines.append(self.report.traceback.rstrip())
+        for other in self.others:
+            lines.append(f"[shiftlm]   then rank {other.rank} ({self.describe(other.rank)}): {other.message}")
+        lines.append(
+            f"[shiftlm] stopped every rank {self.stopped_s:.1f} s after the first failure; "
+            f"exit code {self.exit_code}"
+        )
+        return "\n".join(lines)
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn, env: dict[str, str], fn, args, usage) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from shiftlm.monitor import failure
+
+    failure.set_reporter(lambda report: conn.send(("failure", report.to_dict())))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=1800)
+        )
+        conn.send(("ok", fn(*args)))
+    except BaseException as err:  # noqa: BLE001 - every failure goes to the launcher, with its traceback
+        report = failure.report_exception(rank, err, usage)
+        conn.send(("failure", report.to_dict()))
+        code = report.exit_code
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: a peer may be gone and destroy_process_group can block
+
+
+def _stop(procs: list, grace_s: float) -> None:
+    """SIGTERM every live process, then SIGKILL what is still there after `grace_s`."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    describe: Callable[[int], str] = lambda rank: "",
+    usage: tuple[type[BaseException], ...] = (),
+    settle_s: float = 1.0,
+    grace_s: float = 3.0,
+) -> Any:
+    """Run `fn(*args)` once on `world_size` new gloo processes (as torchrun would); rank 0's result.
+
+    The supervisor watches every rank at once (pipes and process sentinels). At the first failure (an
+    exception, a process that died, a watchdog's hang report) it waits `settle_s` for the others'
+    reports, stops every rank (SIGTERM, SIGKILL after `grace_s`) and raises `RankFailure` with the
+    root cause: an exception over a death over a hang over a lost peer, earliest first."""
+    from multiprocessing.connection import wait
+
+    from shiftlm.monitor import failure
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    conns, procs = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_rank_main, args=(rank, world_size, port, child_conn, worker_env, fn, args, usage)
+        )
+        proc.start()
+        child_conn.close()
+        conns.append(parent_conn)
+        procs.append(proc)
+    results: dict[int, Any] = {}
+    reports: list = []
+    done: set[int] = set()
+    first_failure: float | None = None
+    try:
+        while len(done) < world_size:
+            if first_failure is not None and time.monotonic() - first_failure > settle_s:
+                break
+            waiting = [r for r in range(world_size) if r not in done]
+            handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
+            for handle in wait(handles, timeout=0.2):
+                rank = next(r for r in waiting if handle in (conns[r], procs[r].sentinel))
+                if rank in done:
+                    continue
+                message = None
+                if conns[rank].poll():
+                    try:
+                        message = conns[rank].recv()
+                    except (EOFError, OSError):
+                        message = None
+                if message is not None and message[0] == "ok":
+                    results[rank] = message[1]
+                    done.add(rank)
+                    continue
+                if message is not None:
+                    reports.append(failure.FailureReport(**message[1]))
+                elif procs[rank].is_alive():
+                    continue  # the pipe closed first; the sentinel follows
+                else:
+                    procs[rank].join()
+                    reports.append(failure.report_exit(rank, procs[rank].exitcode))
+                done.add(rank)
+                if first_failure is None:
+                    first_failure = time.monotonic()
+    finally:
+        _stop(procs, grace_s)
+    if not reports:
+        return results.get(0)
+    stopped = time.monotonic() - (first_failure or time.monotonic())
+    root = min(reports, key=lambda r: failure.KINDS.index(r.kind))
+    others = [r for r in reports if r is not root]
+    raise RankFailure(root, others, stopped, describe)

@@ -1,5 +1,6 @@
 """`shiftlm monitor report`: straggler and hang analysis of dumped collective ledgers.
 
+shiftlm monitor report runs/train               # a training run's dir (its ledgers/ folder)
 shiftlm monitor report runs/x/hang              # ledger-rank*.json written by the watchdog
 shiftlm monitor report runs/x/hang --json --min-delay-ms 5
 """
@@ -16,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     monitor = subparsers.add_parser("monitor", help="straggler and hang analysis of collective ledgers")
     actions = monitor.add_subparsers(dest="monitor_command", metavar="ACTION", required=True)
     report = actions.add_parser("report", help="analyse the ledger-rank*.json files of one job")
-    report.add_argument("ledger_dir", metavar="LEDGER_DIR", help="directory holding ledger-rank*.json")
+    report.add_argument(
+        "ledger_dir", metavar="RUN", help="a run's log.dir, or a directory holding ledger-rank*.json"
+    )
     report.add_argument("--window", type=int, default=50, help="collectives per rank to judge (default 50)")
     report.add_argument("--min-fraction", type=float, default=0.8, help="straggler: share of times last")
     report.add_argument("--min-delay-ms", type=float, default=10.0, help="straggler: median delay when last")
@@ -28,10 +31,16 @@ def _load(directory: Path):
     from shiftlm.comm.ledger import load_ledger
 
     if not directory.is_dir():
-        raise ValueError(f"{directory} is not a directory; pass the folder the watchdog dumped into")
+        raise ValueError(
+            f"{directory} is not a directory; pass a run's log.dir or the folder the watchdog dumped into"
+        )
     paths = sorted(directory.glob("ledger-rank*.json"))
+    if not paths and (directory / "ledgers").is_dir():  # a training run's log.dir
+        paths = sorted((directory / "ledgers").glob("ledger-rank*.json"))
     if not paths:
-        raise ValueError(f"no ledger-rank*.json files in {directory}; dump them with RankLedger.dump")
+        raise ValueError(
+            f"no ledger-rank*.json files in {directory} or its ledgers/; train with --monitor.straggler_every=N > 0 and a world > 1"
+        )
     try:
         return [load_ledger(path) for path in paths]
     except (ValueError, KeyError, TypeError) as err:

@@ -8,12 +8,19 @@ training loop last passed to `set_step` (0 until then).
     SHIFTLM_FAULT="slow:rank=1,ms=50"         rank 1 sleeps 50 ms before every op
     SHIFTLM_FAULT="hang:rank=3,step=5"        rank 3 blocks forever at its first op of step 5
     SHIFTLM_FAULT="exit:rank=3,step=5"        rank 3 exits (code 1) at its first op of step 5
+    SHIFTLM_FAULT="kill:rank=3,step=5"        rank 3 sends itself SIGKILL (kill -9) at step 5
+    SHIFTLM_FAULT="raise:rank=3,step=5"       rank 3 raises InjectedFault at its first op of step 5
     SHIFTLM_FAULT="hang:rank=1,step=3,attempt=0"   only in torchrun's first attempt (a restart drill)
+
+`rank` names a launch slot: the rank in the job's first attempt. After `shiftlm train --elastic`
+relaunched without some ranks, `$SHIFTLM_SLOTS` maps each new rank to its slot, so the fault stays
+with the (simulated) host it was put on, and is gone once that host is excluded.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 from shiftlm.comm.group import CommGroup
 from shiftlm.comm.ledger import CollectiveLedger, ledger
 
-KINDS = ("slow", "hang", "exit")
+KINDS = ("slow", "hang", "exit", "kill", "raise")
 ENV_VAR = "SHIFTLM_FAULT"
 _current_step = 0
 
@@ -30,6 +37,10 @@ def set_step(step: int) -> None:
     """Tell the fault injector which training step is running (the trainer calls this each step)."""
     global _current_step
     _current_step = step
+
+
+class InjectedFault(RuntimeError):
+    """What a `raise` fault raises: an ordinary exception in one rank's training step."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class Fault:
             raise ValueError("a slow fault needs ms > 0, e.g. slow:rank=1,ms=50")
 
     def __call__(self, op: str, group: CommGroup) -> None:
-        if group.global_rank != self.rank or _current_step < self.step:
+        if slot_of(group.global_rank) != self.rank or _current_step < self.step:
             return
         if (
             self.attempt is not None
@@ -59,9 +70,22 @@ class Fault:
         elif self.kind == "hang":
             while True:  # alive (its watchdog keeps publishing) but never enters again
                 time.sleep(3600)
+        elif self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "raise":
+            raise InjectedFault(f"injected fault on rank {self.rank} before {op} on {group.name}")
         else:
             print(f"[shiftlm.monitor.faults] rank {self.rank} exits before {op} on {group}", file=sys.stderr)
             os._exit(1)
+
+
+def slot_of(rank: int) -> int:
+    """The launch slot of `rank` ($SHIFTLM_SLOTS, set by the elastic launcher; else the rank)."""
+    slots = os.environ.get("SHIFTLM_SLOTS")
+    if not slots:
+        return rank
+    table = [int(s) for s in slots.split(",")]
+    return table[rank] if rank < len(table) else rank
 
 
 def parse_fault(text: str) -> Fault:

@@ -31,9 +31,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shiftlm.comm.ledger import CollectiveLedger, ledger
+from shiftlm.monitor import failure
 from shiftlm.monitor.hang import HangDiagnosis, Heartbeat, diagnose, pending_op
 
-HANG_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, worth a restart
+HANG_EXIT_CODE = failure.EXIT_TEMPFAIL  # 75, EX_TEMPFAIL (sysexits.h): a temporary failure, worth a restart
 HangHandler = Callable[[HangDiagnosis, Path], None]
 
 
@@ -56,6 +57,8 @@ def terminate(diagnosis: HangDiagnosis, dump: Path) -> None:
         file=sys.stderr,
         flush=True,
     )
+    culprits = list(diagnosis.root_causes) or sorted(diagnosis.missing)
+    failure.report(failure.FailureReport(diagnosis.rank, "hang", diagnosis.message(), "", culprits))
     os._exit(HANG_EXIT_CODE)
 
 

@@ -51,19 +51,14 @@ def run_training(config_dict: dict, quiet: bool = False) -> dict:
     return result.summary()
 
 
-def _launch(config: TrainConfig, nproc: int, quiet: bool) -> dict:
-    """Run on this process (torchrun, or one rank) or on `nproc` local gloo workers."""
+def _launch(config: TrainConfig, nproc: int, quiet: bool, elastic: bool = False, restarts: int = 0) -> dict:
+    """Run on this process (torchrun, or one rank) or on `nproc` supervised local gloo workers."""
     import torch.distributed as dist
 
-    if nproc > 1:
-        from shiftlm.launch import LocalWorkers
+    from shiftlm.train import elastic as supervised
 
-        with LocalWorkers(nproc, timeout=24 * 3600) as workers:
-            results = workers.run(run_training, config.to_dict(), quiet)
-        failed = next((r["user_error"] for r in results if "user_error" in r), None)
-        if failed is not None:
-            raise ConfigError(failed["message"], failed["exit_code"])
-        return results[0]
+    if nproc > 1 or elastic or restarts:
+        return supervised.launch_local(config, nproc, quiet, elastic, restarts)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun
         import torch
 
@@ -71,7 +66,9 @@ def _launch(config: TrainConfig, nproc: int, quiet: bool) -> dict:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
-    summary = run_training(config.to_dict(), quiet)
+        summary = supervised.run_rank(config, quiet)  # a failure: printed with its rank, RankFailure
+    else:
+        summary = run_training(config.to_dict(), quiet)
     if "user_error" in summary:
         raise ConfigError(summary["user_error"]["message"], summary["user_error"]["exit_code"])
     return summary if not dist.is_initialized() or dist.get_rank() == 0 else {}
@@ -97,8 +94,9 @@ def _check_world(config: TrainConfig, nproc: int) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shiftlm.launch import WorkerError
+    from shiftlm.launch import RankFailure
     from shiftlm.train.config import load_config
+    from shiftlm.train.elastic import resume_hint
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
@@ -114,10 +112,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_world(config, args.nproc)
     _check_run_dir(config)
     try:
-        summary = _launch(config, args.nproc, quiet=args.json)
-    except WorkerError as err:
-        print(f"shiftlm train: a rank failed (a bug, not a bad input):\n{err}", file=sys.stderr)
-        return 1
+        summary = _launch(config, args.nproc, args.json, args.elastic, args.max_restarts)
+    except RankFailure as err:  # the failed rank, its traceback, the others stopped, how to resume
+        if err.report.kind == "usage":  # a user error on a rank: one line, its exit code
+            raise ConfigError(err.report.message, err.report.code or 2) from None
+        print(
+            f"{err.text()}\n[shiftlm] {resume_hint(config, err.exit_code == 1)}", file=sys.stderr, flush=True
+        )
+        return err.exit_code
     if not summary:  # a torchrun rank other than 0
         return 0
     if args.json:
@@ -200,6 +202,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--overwrite",
         action="store_true",
         help="start afresh in log.dir, deleting the checkpoints and metrics of the run there",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="relaunch after a dead or hung rank (exit 75) up to this many times, as torchrun's",
+    )
+    train.add_argument(
+        "--elastic",
+        action="store_true",
+        help="relaunch without a rank named dead, hung or persistently slow (smaller dp, same global batch)",
     )
     defaults = TrainConfig()
     for section in dataclasses.fields(defaults):

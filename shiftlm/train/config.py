@@ -100,6 +100,9 @@ class MonitorSection:
     # dumps the ledgers to <log.dir>/ledgers and exits (code 75) so torchrun restarts from the last
     # checkpoint; 0 turns the watchdog off. Keep it below the process group's timeout.
     watchdog_s: float = 300.0
+    # every N steps rank 0 gathers the collective ledgers, names a persistently slow rank, and writes
+    # them to <log.dir>/ledgers for `shiftlm monitor report`; 0 turns it off
+    straggler_every: int = 20
 
 
 @dataclass

@@ -30,6 +30,7 @@ from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_files
 from shiftlm.monitor import Watchdog, connect_store, faults
+from shiftlm.monitor.live import straggler_watch
 from shiftlm.pipeline.tied import sync_tied_embedding_grads
 from shiftlm.train.checkpoint import (
     check_data_shaping,
@@ -241,6 +242,7 @@ class Trainer:
 
     def run(self, stop_after: int | None = None) -> TrainResult:
         watchdog = self._start_watchdog()
+        self.stragglers = straggler_watch(self.config, self.mesh, Path(self.config.log.dir) / "ledgers")
         fault = faults.inject_from_env()
         try:
             return self._run(stop_after)
@@ -307,10 +309,18 @@ class Trainer:
                     self.start_step + 1,
                 )
             every = self.config.checkpoint.every
-            if (every and (step + 1) % every == 0) or step + 1 == cfg.steps:
+            saved = (every and (step + 1) % every == 0) or step + 1 == cfg.steps
+            if saved:
                 result.checkpoint = self.save(step + 1)
+            exclude = self.stragglers.after_step(step + 1, elapsed) if self.stragglers else None
+            if exclude is not None:  # --elastic: relaunch without a persistently slow rank
+                if not saved:
+                    self.save(step + 1)
+                raise exclude
             if stop_after is not None and step + 1 >= stop_after:
                 break
+        if self.stragglers is not None:  # the last window, so `shiftlm monitor report RUN` sees it
+            self.stragglers.after_step(result.last_step, 0.0, final=True)
         if self.log is not None:
             result.loss_plot = self.log.finish()
             result.metrics = self.log.metrics_file if self.log.metrics_file.is_file() else None
