@@ -47,7 +47,7 @@ def test_an_exception_on_one_rank_prints_its_traceback_within_seconds(tmp_path):
 
 def test_a_hung_rank_is_named_and_the_launcher_exits_75(tmp_path):
     """The watchdog's message promises exit code 75; the local launcher now keeps that promise."""
-    hung = train(tmp_path / "run", "--train.steps=6", "--monitor.watchdog_s=4", fault="hang:rank=1,step=3")
+    hung = train(tmp_path / "run", "--train.steps=6", "--monitor.watchdog_s=15", fault="hang:rank=1,step=3")
     assert hung.returncode == 75, hung.stderr[-3000:]
     assert "hang: rank 1 (dp1 pp0 sp0 tp0) stopped communicating" in hung.stderr
     assert _stopped_within(hung.stderr) < 10
