@@ -22,7 +22,7 @@ def test_a_rank_that_dies_at_every_attempt_is_excluded_and_training_finishes(tmp
     elastic = train(run_dir, *steps, "--elastic", fault="kill:rank=1,step=5")  # slot 1 dies every time
     assert elastic.returncode == 0, elastic.stderr[-3000:]
     assert "[shiftlm.elastic] excluded rank 1 (dp1 pp0 sp0 tp0): process killed by SIGKILL" in elastic.stderr
-    assert "dp 2 -> 1, gradient accumulation 1 -> 2 (global batch 4 kept)" in elastic.stderr
+    assert "dp 2 -> 1, gradient accumulation 2 -> 4 (global batch 4 kept)" in elastic.stderr
     assert [(e["kind"], e["excluded"], e["dp"]) for e in _restarts(run_dir)] == [("died", [1], 1)]
     # resumed from the step-4 checkpoint: the same samples, the same global batch, another sum order
     losses, expected = elastic.losses(), reference.losses()
