@@ -80,7 +80,7 @@ def wait_healthy(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
 
 @contextlib.contextmanager
 def local_server(
-    serve_args: list[str], timeout: float = 120.0, log_path: str | None = None
+    serve_args: list[str], timeout: float = 300.0, log_path: str | None = None
 ) -> Iterator[LocalServer]:
     """`with local_server(["--model", d, "--tp", "2"]) as server:` -> `server.url`, `server.pid`."""
     command = [
