@@ -74,25 +74,6 @@ def _launch(config: TrainConfig, nproc: int, quiet: bool, elastic: bool = False,
     return summary if not dist.is_initialized() or dist.get_rank() == 0 else {}
 
 
-def _check_world(config: TrainConfig, nproc: int) -> None:
-    """`--nproc` (or torchrun's WORLD_SIZE) must start exactly the ranks the layout needs."""
-    p = config.parallel
-    needed = p.world_size
-    layout = f"dp*pp*cp*sp*tp = {p.dp}*{p.pp}*{p.cp}*{p.sp}*{p.tp} = {needed}"
-    torchrun_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if torchrun_world > 1:
-        if nproc > 1:
-            raise ConfigError(
-                "--nproc starts local workers; under torchrun leave it out (torchrun starts them)"
-            )
-        return  # the trainer checks WORLD_SIZE against the layout, with the fix
-    if nproc != needed:
-        raise ConfigError(
-            f"the layout needs {needed} ranks ({layout}) but --nproc is {nproc}: "
-            f"use --nproc {needed} (or torchrun --nproc-per-node {needed}), or change the layout"
-        )
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from shiftlm.launch import RankFailure
     from shiftlm.train.config import load_config
@@ -100,6 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
+    from shiftlm.train.preflight import check_memory, check_run_dir, check_world
     from shiftlm.train.setup import model_shape
 
     overrides = _overrides(args)
@@ -108,9 +90,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config_file or args.config, overrides)
     if args.overwrite and args.__dict__.get("checkpoint.resume") not in (None, "false", "False", "0"):
         raise ConfigError("--overwrite starts afresh; it cannot go with --checkpoint.resume=true: drop one")
-    model_shape(config)  # the layout against the model, before the world size
-    _check_world(config, args.nproc)
-    _check_run_dir(config)
+    model = model_shape(config)  # the layout against the model, before the world size
+    check_world(config, args.nproc)
+    check_run_dir(config)
+    if not args.skip_memory_check:
+        memory = check_memory(config, model, args.nproc)
+        if not args.json:
+            print(
+                f"memory estimate: {memory['total_gib']} GiB ({memory['ranks_sharing']} rank(s) x "
+                f"{memory['per_rank_gib']['total']} GiB); {memory['device']} has {memory['available_gib']} GiB"
+            )
     try:
         summary = _launch(config, args.nproc, args.json, args.elastic, args.max_restarts)
     except RankFailure as err:  # the failed rank, its traceback, the others stopped, how to resume
@@ -127,22 +116,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         print(end_of_run(summary))
     return 0
-
-
-def _check_run_dir(config: TrainConfig) -> None:
-    """The run-dir checks the trainer repeats, done here first so a refusal costs no worker start."""
-    from shiftlm.train.checkpoint import (
-        check_data_shaping,
-        check_fresh_start,
-        latest_checkpoint,
-        read_trainer_state,
-    )
-
-    log_dir, ckpt = Path(config.log.dir), config.checkpoint
-    check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)
-    latest = latest_checkpoint(log_dir / "checkpoints") if ckpt.resume else None
-    if latest is not None:
-        check_data_shaping(latest, read_trainer_state(latest), config.to_dict())
 
 
 def end_of_run(summary: dict) -> str:
@@ -198,6 +171,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--nproc", type=_positive_int, default=1, help="local gloo worker processes (CPU ranks) to start"
     )
     train.add_argument("--json", action="store_true", help="print one JSON summary, no step lines")
+    train.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even if the memory estimate (the simulator's model) exceeds this device",
+    )
     train.add_argument(
         "--overwrite",
         action="store_true",

@@ -106,6 +106,14 @@ class MonitorSection:
 
 
 @dataclass
+class ValidationSection:
+    # as torchtitan's [validation]: every `freq` steps (and at the last step) the loss on `steps` global
+    # batches held out from the end of the data (never trained on); 0 turns it off and holds out nothing
+    freq: int = 0
+    steps: int = 2
+
+
+@dataclass
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -115,6 +123,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
 
     @property
     def accumulation(self) -> int:
@@ -210,7 +219,7 @@ def config_from_dict(raw: dict[str, dict[str, Any]]) -> TrainConfig:
 
 def validate(config: TrainConfig) -> None:
     """Checks that need no model: positive sizes, known modes, a batch that divides evenly."""
-    for section in (config.parallel, config.train, config.checkpoint):
+    for section in (config.parallel, config.train, config.checkpoint, config.validation):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
             minimum = 0 if f.name in ("zero", "every", "seed", "freq") else 1

@@ -42,6 +42,30 @@ class TokenDataset:
         return np.asarray(self._shards[shard][offset : offset + self.seq_len + 1], dtype=np.int64)
 
 
+class SampleRange:
+    """Samples [start, stop) of a dataset, renumbered from 0: the training set and its held-out tail."""
+
+    def __init__(self, dataset: TokenDataset, start: int, stop: int):
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.dataset[self.start + index]
+
+
+def split_holdout(dataset: TokenDataset, holdout: int) -> tuple[SampleRange, SampleRange]:
+    """(training samples, the last `holdout` samples): the held-out tail is never trained on."""
+    total = len(dataset)
+    if holdout and holdout * 2 > total:
+        raise DataError(
+            f"validation holds out {holdout} samples (validation.steps x train.global_batch) but the "
+            f"dataset has only {total}: lower validation.steps, or add data"
+        )
+    return SampleRange(dataset, 0, total - holdout), SampleRange(dataset, total - holdout, total)
+
+
 class SampleOrder:
     """Global position -> sample index: a fresh seeded permutation of the dataset each epoch."""
 
@@ -83,7 +107,7 @@ class BatchPlan:
 class BatchReader:
     """Micro-batches of (inputs, targets) int64 arrays, shape [micro_batch, seq_len], for one DP rank."""
 
-    def __init__(self, dataset: TokenDataset, plan: BatchPlan, dp_rank: int, seed: int):
+    def __init__(self, dataset: TokenDataset | SampleRange, plan: BatchPlan, dp_rank: int, seed: int):
         self.dataset, self.plan, self.dp_rank = dataset, plan, dp_rank
         self.order = SampleOrder(len(dataset), seed)
 

@@ -61,6 +61,7 @@ class StepRecord:
     memory_gb: float
     step_time_s: float
     eta_s: float
+    val_loss: float | None = None  # the held-out loss, on the steps validation ran
 
 
 def _duration(seconds: float) -> str:
@@ -76,6 +77,7 @@ def format_step(record: StepRecord, total_steps: int) -> str:
         f"lr {record.lr:.2e} | grad norm {record.grad_norm:.3f} | {record.tokens_per_s:,.0f} tok/s | "
         f"{record.tflops_per_device:.3f} TFLOP/s | MFU {mfu} | mem {record.memory_gb:.2f} GB | "
         f"ETA {_duration(record.eta_s)}"
+        + ("" if record.val_loss is None else f" | val loss {record.val_loss:.4f}")
     )
 
 
@@ -89,11 +91,18 @@ class RunLog:
         self.records: list[StepRecord] = []
         self.bar = progress == "on" or (progress == "auto" and sys.stderr.isatty())
         self._started = time.perf_counter()
+        self.tensorboard = _tensorboard_writer(out_dir / "tensorboard", quiet)
 
     def step(self, record: StepRecord, first_step: int) -> None:
         self.records.append(record)
         with open(self.metrics_file, "a") as handle:
             handle.write(json.dumps(asdict(record)) + "\n")
+        if self.tensorboard is not None:
+            for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "memory_gb", "mfu"):
+                value = getattr(record, key)
+                if value is not None:
+                    self.tensorboard.add_scalar(f"train/{key}", value, record.step)
+            self.tensorboard.flush()
         if self.quiet:
             return
         if self.bar:
@@ -113,25 +122,46 @@ class RunLog:
         """Write loss.png from every step in metrics.jsonl (including earlier, resumed runs)."""
         if self.bar:
             sys.stderr.write("\n")
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if not self.metrics_file.is_file():
             return None
-        by_step = {}
+        by_step, val_by_step = {}, {}
         for line in self.metrics_file.read_text().splitlines():
             row = json.loads(line)
             by_step[row["step"]] = row["loss"]  # a resumed run re-logs steps: keep the latest
-        return plot_loss(sorted(by_step.items()), self.out_dir / "loss.png")
+            if row.get("val_loss") is not None:
+                val_by_step[row["step"]] = row["val_loss"]
+        return plot_loss(sorted(by_step.items()), self.out_dir / "loss.png", sorted(val_by_step.items()))
 
 
-def plot_loss(points: list[tuple[int, float]], path: Path) -> Path:
+def _tensorboard_writer(directory: Path, quiet: bool):
+    """A TensorBoard SummaryWriter if `tensorboard` is installed; else None, said once."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if not quiet:
+            print("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=str(directory))
+
+
+def plot_loss(
+    points: list[tuple[int, float]], path: Path, validation: list[tuple[int, float]] | None = None
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot([s for s, _ in points], [loss for _, loss in points], linewidth=1.2)
+    axes.plot([s for s, _ in points], [loss for _, loss in points], linewidth=1.2, label="training")
+    if validation:
+        axes.plot([s for s, _ in validation], [v for _, v in validation], "o-", label="held-out")
+        axes.legend()
     axes.set_xlabel("step")
-    axes.set_ylabel("training loss")
+    axes.set_ylabel("loss")
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -45,7 +45,7 @@ from shiftlm.train.checkpoint import (
     staging_dir,
 )
 from shiftlm.train.config import TrainConfig
-from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset
+from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset, split_holdout
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_sync import GradSync
 from shiftlm.train.metrics import RunLog, StepRecord, device_peak_flops, flops_per_token
@@ -130,10 +130,15 @@ class Trainer:
             self.flat, data_group, config.optim, decay, shard=config.train.zero == 1
         )
         self.norm_mask = self._norm_mask(owned)
-        dataset = TokenDataset(self.inputs.shards, config.train.seq_len)
+        validation = config.validation
+        holdout = validation.steps * config.train.global_batch if validation.freq else 0
+        dataset, held_out = split_holdout(TokenDataset(self.inputs.shards, config.train.seq_len), holdout)
         self.dataset_samples = len(dataset)
         plan = BatchPlan(config.train.global_batch, config.train.micro_batch, config.parallel.dp)
         self.reader = BatchReader(dataset, plan, self.mesh.coords.dp, config.train.seed)
+        self.val_reader = (
+            BatchReader(held_out, plan, self.mesh.coords.dp, config.train.seed) if holdout else None
+        )
         self.runner = StepRunner(self.stages, self.mesh, config, self._stage_grads_ready if overlap else None)
         self.checkpoints = Path(config.log.dir) / "checkpoints"
         self.start_step = 0
@@ -288,6 +293,10 @@ class Trainer:
             loss = all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
             result.losses[step + 1] = loss
             result.last_step = step + 1
+            freq = self.config.validation.freq
+            val_loss = None
+            if self.val_reader is not None and ((step + 1) % freq == 0 or step + 1 == cfg.steps):
+                val_loss = result.val_losses[step + 1] = self.validation_loss()
             elapsed = time.perf_counter() - tick
             if self.log is not None:
                 tokens_per_s = cfg.global_batch * cfg.seq_len / elapsed
@@ -305,6 +314,7 @@ class Trainer:
                         memory_gb=_memory_gb(),
                         step_time_s=elapsed,
                         eta_s=(time.perf_counter() - started) / done * (cfg.steps - step - 1),
+                        val_loss=val_loss,
                     ),
                     self.start_step + 1,
                 )
@@ -325,6 +335,21 @@ class Trainer:
             result.loss_plot = self.log.finish()
             result.metrics = self.log.metrics_file if self.log.metrics_file.is_file() else None
         return result
+
+    def validation_loss(self) -> float:
+        """Mean loss over the held-out batches (the same ones every time), computed by the training
+        step's own forward/backward on every layout, with the gradients dropped and no optimizer step."""
+        total = 0.0
+        steps = self.config.validation.steps
+        for index in range(steps):
+            self.flat.zero_grad()
+            micro_batches = self.val_reader.step(index)
+            self.grad_sync.begin_step(len(micro_batches))
+            loss = self.runner.run(micro_batches, self._global_target_tokens(micro_batches))
+            self._sum_grads()  # drains the buckets the backward started (same collectives on every rank)
+            total += all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
+        self.flat.zero_grad()
+        return total / steps
 
     def _global_target_tokens(self, micro_batches) -> int:
         """Target tokens (not -100) in the whole global batch: this DP rank's, summed over DP."""

@@ -1,0 +1,149 @@
+"""Checks `shiftlm train` runs before it starts a rank: layout vs world, run dir, and memory.
+
+The memory estimate is the simulator's model (`shiftlm.sim.memory.estimate_memory`: Rajbhandari et al.
+2020 for the weights, gradients and Adam state; Korthikanti et al. 2022 for the activations; the
+in-flight micro-batches of the real pipeline schedule), with shiftlm's own state sizes: it keeps fp32
+weights, fp32 gradients and fp32 Adam moments (4 + 4 + 8 bytes per parameter, the moments sharded over
+DP by ZeRO-1) where the simulator counts mixed-precision Megatron (2 + 2 + 12). On a GPU each rank has
+the device's memory; on the CPU every local rank shares the machine's available RAM, so the estimate is
+per rank x ranks on this machine. A run that cannot fit is refused with the numbers before any work.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from shiftlm.config import ConfigError, DoesNotFitError, ModelConfig
+from shiftlm.train.config import TrainConfig
+
+GIB = 2**30
+CPU_RUNTIME_BYTES = 0.4 * GIB  # Python + torch of one CPU rank (measured: ~0.35 GB RSS before the model)
+
+
+def check_world(config: TrainConfig, nproc: int) -> None:
+    """`--nproc` (or torchrun's WORLD_SIZE) must start exactly the ranks the layout needs."""
+    p = config.parallel
+    needed = p.world_size
+    layout = f"dp*pp*cp*sp*tp = {p.dp}*{p.pp}*{p.cp}*{p.sp}*{p.tp} = {needed}"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if nproc > 1:
+            raise ConfigError(
+                "--nproc starts local workers; under torchrun leave it out (torchrun starts them)"
+            )
+        return  # the trainer checks WORLD_SIZE against the layout, with the fix
+    if nproc != needed:
+        raise ConfigError(
+            f"the layout needs {needed} ranks ({layout}) but --nproc is {nproc}: "
+            f"use --nproc {needed} (or torchrun --nproc-per-node {needed}), or change the layout"
+        )
+
+
+def check_run_dir(config: TrainConfig) -> None:
+    """The run-dir checks the trainer repeats, done first so that a refusal costs no worker start."""
+    from shiftlm.train.checkpoint import (
+        check_data_shaping,
+        check_fresh_start,
+        latest_checkpoint,
+        read_trainer_state,
+    )
+
+    log_dir, ckpt = Path(config.log.dir), config.checkpoint
+    check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)
+    latest = latest_checkpoint(log_dir / "checkpoints") if ckpt.resume else None
+    if latest is not None:
+        check_data_shaping(latest, read_trainer_state(latest), config.to_dict())
+
+
+def _available_bytes() -> tuple[float, str, int]:
+    """(bytes one rank may use, a description of the device, local ranks sharing it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"one {props.name}", 1
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(available), "this machine's available RAM", 0
+
+
+def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
+    """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory."""
+    from shiftlm.sim.layout import Layout
+    from shiftlm.sim.memory import estimate_memory, stage_params
+    from shiftlm.sim.models import ModelSpec
+    from shiftlm.train.pipeline import resolved_chunks
+    from shiftlm.train.step import autocast_dtype
+
+    p, t = config.parallel, config.train
+    spec = ModelSpec(
+        name=config.model.name,
+        hidden=model.hidden_size,
+        layers=model.num_layers,
+        heads=model.num_heads,
+        kv_heads=model.num_kv_heads,
+        ffn=model.intermediate_size,
+        vocab=model.vocab_size,
+        tied_embeddings=model.tie_word_embeddings,
+    )
+    chunks = resolved_chunks(config)
+    layout = Layout(
+        dp=p.dp,
+        pp=p.pp,
+        tp=p.tp,
+        sp=p.sp * p.cp,  # both split every layer's tokens
+        micro_batch=t.micro_batch,
+        global_batch=t.global_batch,
+        seq_len=t.seq_len,
+        schedule=t.schedule,
+        chunks=chunks,
+        recompute=t.recompute,
+        zero=min(t.zero, 3),
+        tp_sequence_parallel=False,
+        flash_attention=True,  # PyTorch SDPA's fused causal path keeps no s x s scores
+    )
+    in_flight = 1
+    if p.pp > 1:
+        from shiftlm.sim.train import peak_in_flight
+
+        try:
+            in_flight = peak_in_flight(t.schedule, p.pp, layout.microbatches, chunks)
+        except Exception:  # noqa: BLE001 - a schedule the simulator does not build: assume all in flight
+            in_flight = layout.microbatches * chunks
+    capacity, device, sharing = _available_bytes()
+    activation_bytes = 2 if autocast_dtype(config) is not None else 4
+    memory = estimate_memory(spec, layout, in_flight, capacity, activation_bytes)
+    params = stage_params(spec, layout)
+    memory = replace(
+        memory,
+        weights=4 * params,
+        gradients=4 * params,
+        optimizer=8 * params / (p.dp * p.sp * p.cp if t.zero >= 1 else 1),
+        reserve=memory.reserve if sharing else CPU_RUNTIME_BYTES,
+    )
+    ranks = sharing or max(nproc, 1)
+    return {
+        "per_rank_gib": {k: v for k, v in memory.as_dict().items() if k not in ("capacity", "fits")},
+        "ranks_sharing": ranks,
+        "total_gib": round(ranks * memory.total / GIB, 2),
+        "available_gib": round(capacity / GIB, 2),
+        "device": device,
+        "fits": ranks * memory.total <= capacity,
+    }
+
+
+def check_memory(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
+    """Refuse (DoesNotFitError, with the numbers) a run whose estimate exceeds this device."""
+    result = estimate(config, model, nproc)
+    if not result["fits"]:
+        per = result["per_rank_gib"]
+        parts = ", ".join(
+            f"{k} {per[k]}" for k in ("weights", "gradients", "optimizer", "activations", "reserve")
+        )
+        raise DoesNotFitError(
+            f"{config.model.name} needs ~{result['total_gib']} GiB ({result['ranks_sharing']} rank(s) x "
+            f"{per['total']} GiB: {parts}) but {result['device']} has {result['available_gib']} GiB: use a "
+            "smaller model, shard it over more devices (pp, tp; zero=1 with dp shards Adam), lower "
+            "train.micro_batch or use train.recompute=full; --skip-memory-check runs it anyway"
+        )
+    return result
