@@ -100,6 +100,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # its other processes (vLLM's engine core) go too
                 tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{tail}")
             if url is None:
@@ -111,6 +112,7 @@ class Server:
                         self.url = url
                         return
             time.sleep(0.5)
+        self.stop()
         raise RuntimeError(f"{self.name} was not healthy within {timeout:.0f}s (log: {self.log})")
 
     def stop(self) -> None:
@@ -240,7 +242,8 @@ def hf_generate_baseline(model: Path, args: argparse.Namespace) -> dict:
 
 
 def step_sweep(model: Path, contexts: list[int], batches: list[int]) -> list[dict]:
-    """In-process decode-step time (one thread) by number of sequences and by context length."""
+    """In-process step time (one thread, min CPU time of 15) by number of decode sequences, by context
+    length, and for one sequence with as many new tokens as the largest decode batch."""
     import torch
 
     from shiftlm.config import ParallelConfig
@@ -249,13 +252,14 @@ def step_sweep(model: Path, contexts: list[int], batches: list[int]) -> list[dic
     from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 
     torch.set_num_threads(1)
-    runner = ModelRunner.load(model, Mesh(ParallelConfig()), num_blocks=4096, block_size=16)
+    runner = ModelRunner.load(model, Mesh(ParallelConfig()), num_blocks=8192, block_size=16)
     rows = []
-    cases = [(s, contexts[0]) for s in batches] + [(batches[-1], c) for c in contexts[1:]]
-    for seqs, context in cases:
-        blocks = context // 16 + 1
+    cases = [(s, 1, contexts[0]) for s in batches] + [(batches[-1], 1, c) for c in contexts[1:]]
+    cases.append((1, batches[-1], contexts[0]))  # one sequence, as many tokens as the largest batch
+    for seqs, tokens, context in cases:
+        blocks = (context + tokens) // 16 + 1
         chunks = tuple(
-            ScheduledChunk(i, (5,), context, tuple(range(i * blocks, (i + 1) * blocks)), True, row=i)
+            ScheduledChunk(i, (5,) * tokens, context, tuple(range(i * blocks, (i + 1) * blocks)), True, row=i)
             for i in range(seqs)
         )
         plan = StepPlan(0, Mode.TP, chunks)
@@ -270,13 +274,14 @@ def step_sweep(model: Path, contexts: list[int], batches: list[int]) -> list[dic
         rows.append(
             {
                 "seqs": seqs,
+                "tokens_per_seq": tokens,
                 "context": context,
                 "cpu_ms": 1e3 * min(cpu),
                 "wall_ms": 1e3 * statistics.median(wall),
             }
         )
         print(
-            f"  decode step: {seqs:3d} seqs x {context:4d} context  cpu {rows[-1]['cpu_ms']:7.2f} ms",
+            f"  step: {seqs:3d} seqs x {tokens:3d} new tokens after {context:4d}  cpu {rows[-1]['cpu_ms']:7.2f} ms",
             flush=True,
         )
     return rows
@@ -364,6 +369,12 @@ def main() -> int:
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="token budget of one step (both)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
     parser.add_argument("--step-sweep", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--only-step-sweep", action="store_true", help="time decode steps only (no servers)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="write (or reuse) the checkpoint here; vLLM's compile cache then hits",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = parser.parse_args()
@@ -373,6 +384,16 @@ def main() -> int:
         parser.error(f"unknown layout(s) {unknown}; choose from {', '.join(LAYOUTS)}")
     if shutil.which("taskset") is None:
         parser.error("taskset (util-linux) is needed to pin the servers to cores")
+    if args.only_step_sweep:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = Path(args.checkpoint_dir or Path(tmp) / "llama-h512")
+            if not (model / "config.json").exists():
+                make_checkpoint(model)
+            sweep = step_sweep(model, [160, 64, 512, 1024], [1, 8, 32, 64])
+        path = Path(args.out) / "vs_vllm_step_sweep.json"
+        path.write_text(json.dumps({"loadavg": os.getloadavg(), "decode_step_sweep": sweep}, indent=1))
+        print(json.dumps(sweep) if args.json else f"wrote {path}")
+        return 0
     vllm_python = find_vllm(args.vllm_python)
     single, double, client_cores = cpu_sets(args.cores)
     os.sched_setaffinity(0, {int(c) for c in client_cores.split(",")})
@@ -381,7 +402,9 @@ def main() -> int:
     load_before = os.getloadavg()
     rows, servers = [], {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        model = make_checkpoint(Path(tmp) / "llama-h512")
+        model = Path(args.checkpoint_dir or Path(tmp) / "llama-h512")
+        if not (model / "config.json").exists():
+            make_checkpoint(model)
         if vllm_python:
             print(f"starting vLLM ({vllm_python}) on cores {single} ...", flush=True)
             servers["vllm"] = start_vllm(vllm_python, model, args, single, Path(tmp))
