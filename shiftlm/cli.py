@@ -152,6 +152,9 @@ def build_parser(command: str | None = None) -> Parser:
     for action in subparsers._choices_actions:
         if action.dest in COMMANDS:
             action.help = COMMANDS[action.dest].help
+    for name, sub in subparsers.choices.items():  # every command's --help opens with what it does
+        if not sub.description and name in COMMANDS:
+            sub.description = COMMANDS[name].help
     return parser
 
 

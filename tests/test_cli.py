@@ -151,3 +151,15 @@ def test_subcommand_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "--train.steps INT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["monitor", "schedule", "quickstart", "export"])
+def test_every_command_help_opens_with_what_it_does(capsys, command):
+    from shiftlm.cli import COMMANDS
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.split("\n\n")[1].strip(), out  # the paragraph after the usage line
+    if command == "monitor":
+        assert COMMANDS["monitor"].help in out

@@ -1,4 +1,5 @@
-"""What a training run reports: one line per step, a progress bar on a terminal, JSONL, a loss plot.
+"""What a training run reports: one line per step, a progress bar on a terminal, JSONL, a loss plot
+(training and held-out validation loss), and TensorBoard scalars when `tensorboard` is installed.
 
 Model FLOPs per token follow PaLM (Chowdhery et al. 2022, Appendix B), as nanoGPT's `estimate_mfu`:
 6 N for the matmul parameters N (forward 2N, backward 4N; the input embedding is a lookup and does
