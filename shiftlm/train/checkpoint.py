@@ -18,6 +18,7 @@ Nothing in a checkpoint is unpickled: the RNG states are plain tensors in safete
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -111,12 +112,18 @@ def _fsync(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every directory, deepest first (root last)."""
+    """fsync every file under `root`, then every directory, deepest first (root last).
+
+    Ranks write into one staging dir at once, so a file listed here may be another rank's temporary file
+    that is renamed away before we open it: that rank fsyncs the renamed file itself, and rank 0 walks
+    the whole tree again after the barrier, when nothing moves any more.
+    """
     directories = []
     for directory, _, files in os.walk(root):
         directories.append(Path(directory))
         for name in files:
-            _fsync(Path(directory) / name)
+            with contextlib.suppress(FileNotFoundError):
+                _fsync(Path(directory) / name)
     for directory in sorted(directories, key=lambda p: len(p.parts), reverse=True):
         _fsync(directory)
 
