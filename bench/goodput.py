@@ -8,15 +8,16 @@ detection, restart and lost steps included (a step is useful once it is in the f
 scenario is a real `shiftlm train` CLI process on local gloo ranks (dp = N, the micro model):
 
     no fault            the reference
-    kill, restart       rank 1 is SIGKILLed at --kill-step in the first attempt only (a transient
+    kill + restart      rank 1 is SIGKILLed at --kill-step in the first attempt only (a transient
                         fault: the host comes back); --max-restarts 1 relaunches the same layout
-    kill, elastic       rank 1's slot is SIGKILLed at --kill-step in every attempt it runs in (a
+    kill + elastic      rank 1's slot is SIGKILLed at --kill-step in every attempt it runs in (a
                         broken host); --elastic relaunches without it (dp N -> N-1, same global batch)
-    kill, restart only  the same broken host with --max-restarts 2: every relaunch dies at the same
+    broken host + restart
+                        the same broken host with --max-restarts 2: every relaunch dies at the same
                         step; the job fails and only the checkpointed steps are useful
-    slow, elastic       rank 1 sleeps --slow-ms before every collective; --elastic excludes it once
+    slow + elastic      rank 1 sleeps --slow-ms before every collective; --elastic excludes it once
                         the straggler watch has named it in 3 consecutive checks
-    slow, no action     the same slow rank, left in
+    slow + no action    the same slow rank, left in
 
 Scenarios run one after the other, so the machine's load (shared, noisy) hits them unevenly: repeat
 with --repeats and read the spread. On one CPU host fewer ranks are not slower per step the way fewer
@@ -37,11 +38,11 @@ from pathlib import Path
 
 SCENARIOS = {
     "no fault": ([], None),
-    "kill, restart": (["--max-restarts=1"], "kill:rank=1,step={k},attempt=0"),
-    "kill, elastic": (["--elastic"], "kill:rank=1,step={k}"),
-    "kill, restart only": (["--max-restarts=2"], "kill:rank=1,step={k}"),
-    "slow, elastic": (["--elastic"], "slow:rank=1,ms={ms}"),
-    "slow, no action": ([], "slow:rank=1,ms={ms}"),
+    "kill + restart": (["--max-restarts=1"], "kill:rank=1,step={k},attempt=0"),
+    "kill + elastic": (["--elastic"], "kill:rank=1,step={k}"),
+    "broken host + restart": (["--max-restarts=2"], "kill:rank=1,step={k}"),
+    "slow + elastic": (["--elastic"], "slow:rank=1,ms={ms}"),
+    "slow + no action": ([], "slow:rank=1,ms={ms}"),
 }
 
 
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
                 if not args.json:
                     row = rows[-1]
                     print(
-                        f"{name:<20} exit {row['exit_code']:>3}  {row['useful_steps']:>3} steps in "
+                        f"{name:<22} exit {row['exit_code']:>3}  {row['useful_steps']:>3} steps in "
                         f"{row['wall_s']:6.1f} s = {row['goodput_steps_per_s']:.3f} steps/s  restarts "
                         f"{row['restarts']} excluded {row['excluded']} final world {row['final_world']}",
                         flush=True,
