@@ -22,7 +22,9 @@ accumulator that travels with the block and arrives home after CP hops (Liu et a
 backward; FlashAttention-2's block backward with the final output and log-sum-exp, Dao 2023 Alg. 2).
 
 GQA: K/V keep their own heads on the wire; query head h uses KV head h // (Hq/Hkv). Queries are
-folded to [B, Hkv, groups*T, D] so that each block is one matmul per KV head, never an expanded K/V.
+folded to [B, Hkv, groups*T, D] so that each block is one kernel call per KV head, never an expanded
+K/V. Block kernel: PyTorch's CPU flash kernel (it returns the log-sum-exp and its backward takes the
+final output and log-sum-exp) on CPU; plain fp32 matmuls over one block elsewhere.
 Sliding-window attention is not supported here (`ParallelConfig.check_model` refuses it with cp > 1).
 """
 
@@ -65,8 +67,57 @@ def unzigzag(gathered: torch.Tensor, cp: int, dim: int = 1) -> torch.Tensor:
     return gathered.index_select(dim, inverse)
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _use_flash(q: torch.Tensor) -> bool:
+    """PyTorch's CPU flash kernel returns the log-sum-exp and takes it back in its backward; on other
+    devices (and older torch) the plain-matmul block kernel below is used."""
+    return q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
+
+
 def _block_forward(q, k, v, causal: bool, scale: float):
-    """q: [B, Hkv, G, Tq, D] (fp32), k/v: [B, Hkv, Tk, D] -> out [B, Hkv, G, Tq, D], lse [B, Hkv, G, Tq]."""
+    """q: [B, Hkv, G, Tq, D] (fp32), k/v: [B, Hkv, Tk, D] -> out [B, Hkv, G, Tq, D], lse [B, Hkv, G, Tq].
+
+    Without a mask the G query heads of a KV head are folded into the rows (one kernel call per
+    block, K/V never expanded); the causal (diagonal) block runs one call per query group."""
+    b, hkv, g, tq, d = q.shape
+    if not _use_flash(q):
+        return _math_forward(q, k, v, causal, scale)
+    if causal:
+        parts = [_FLASH_CPU(q[:, :, i].contiguous(), k, v, 0.0, True, scale=scale) for i in range(g)]
+        return torch.stack([p[0] for p in parts], 2), torch.stack([p[1] for p in parts], 2)
+    out, lse = _FLASH_CPU(q.reshape(b, hkv, g * tq, d), k, v, 0.0, False, scale=scale)
+    return out.view(b, hkv, g, tq, d), lse.view(b, hkv, g, tq)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one block given the *final* output and log-sum-exp of these queries
+    (FlashAttention-2's backward, Dao 2023 Alg. 2): -> dq [B, Hkv, G, Tq, D], dk, dv [B, Hkv, Tk, D]."""
+    b, hkv, g, tq, d = q.shape
+    if not _use_flash(q):
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    if causal:
+        dq, dk, dv = [], 0, 0
+        for i in range(g):
+            dq_i, dk_i, dv_i = _FLASH_CPU_BACKWARD(
+                dout[:, :, i].contiguous(), q[:, :, i].contiguous(), k, v, out[:, :, i].contiguous(),
+                lse[:, :, i].contiguous(), 0.0, True, scale=scale,
+            )  # fmt: skip
+            dq.append(dq_i)
+            dk, dv = dk + dk_i, dv + dv_i
+        return torch.stack(dq, 2), dk, dv
+    fold = (b, hkv, g * tq, d)
+    dq, dk, dv = _FLASH_CPU_BACKWARD(
+        dout.reshape(fold), q.reshape(fold), k, v, out.reshape(fold), lse.reshape(b, hkv, g * tq),
+        0.0, False, scale=scale,
+    )  # fmt: skip
+    return dq.view(b, hkv, g, tq, d), dk, dv
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    """The same block in plain matmuls (any device): fp32 scores of this block only."""
     b, hkv, g, tq, d = q.shape
     s = _scores(q.reshape(b, hkv, g * tq, d), k, causal, g, scale)
     lse = torch.logsumexp(s, dim=-1)
@@ -74,13 +125,14 @@ def _block_forward(q, k, v, causal: bool, scale: float):
     return out.view(b, hkv, g, tq, d), lse.view(b, hkv, g, tq)
 
 
-def _block_backward(dout, q, k, v, lse, delta, causal: bool, scale: float):
-    """Gradients of one block given the *final* output's lse and delta = rowsum(dO * O)."""
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     b, hkv, g, tq, d = q.shape
-    qf, doutf = q.reshape(b, hkv, g * tq, d), dout.reshape(b, hkv, g * tq, d)
+    fold = (b, hkv, g * tq, d)
+    qf, doutf = q.reshape(fold), dout.reshape(fold)
+    delta = (doutf * out.reshape(fold)).sum(-1, keepdim=True)  # rowsum(dO * O) of the final output
     p = torch.exp(_scores(qf, k, causal, g, scale) - lse.reshape(b, hkv, g * tq, 1))
     dv = torch.matmul(p.transpose(-1, -2), doutf)  # sums over the query groups of each KV head
-    ds = p * (torch.matmul(doutf, v.transpose(-1, -2)) - delta.reshape(b, hkv, g * tq, 1))
+    ds = p * (torch.matmul(doutf, v.transpose(-1, -2)) - delta)
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
     return dq.view(b, hkv, g, tq, d), dk, dv
@@ -88,7 +140,7 @@ def _block_backward(dout, q, k, v, lse, delta, causal: bool, scale: float):
 
 def _scores(q, k, causal: bool, groups: int, scale: float) -> torch.Tensor:
     """q: [B, Hkv, G*Tq, D] (rows ordered group-major), k: [B, Hkv, Tk, D] -> fp32 scores."""
-    s = torch.matmul(q, k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         tq, tk = q.shape[2] // groups, k.shape[2]
         future = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1).repeat(groups, 1)
@@ -168,8 +220,7 @@ class RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         kv_heads, tokens = k.shape[2], q.shape[1]
         nxt, prev = _neighbours(group)
-        qh, dout = _fold_queries(q, kv_heads), _fold_queries(grad_out, kv_heads)
-        delta = (dout * _fold_queries(out, kv_heads)).sum(-1)
+        qh, dout, out = (_fold_queries(t, kv_heads) for t in (q, grad_out, out))
         kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).contiguous()
         dq = torch.zeros_like(qh)
         sends, pending = [], None
@@ -178,7 +229,7 @@ class RingAttention(torch.autograd.Function):
             block = block.float()
             dq_part, dk_part, dv_part = _block_backward(
                 dout[..., rows, :], qh[..., rows, :], block[0][:, :, cols], block[1][:, :, cols],
-                lse[..., rows], delta[..., rows], causal, scale,
+                out[..., rows, :], lse[..., rows], causal, scale,
             )  # fmt: skip
             dq[..., rows, :] += dq_part
             if pending is None:  # step 0: a fresh accumulator for my own block

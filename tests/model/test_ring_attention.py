@@ -23,10 +23,21 @@ def _random_qkv(batch, seq, heads, kv_heads, dim, seed=0):
     return q, k, v, torch.randn(batch, seq, heads, dim, generator=gen)
 
 
-def _ring_vs_sdpa(cp, seq, heads, kv_heads, dtype=torch.float32):
-    """Per rank: relative errors of (out, dq, dk, dv) of ring attention vs SDPA on the whole sequence."""
-    from shiftlm.model.ring_attention import ring_attention
+def _ring_vs_sdpa(cp, seq, heads, kv_heads, dtype=torch.float32, kernel="auto"):
+    """Per rank: relative errors of (out, dq, dk, dv) of ring attention vs SDPA on the whole sequence;
+    kernel="math" runs the plain-matmul block kernel (what non-CPU devices use)."""
+    from shiftlm.model import ring_attention as ring
 
+    saved = ring._FLASH_CPU
+    if kernel == "math":
+        ring._FLASH_CPU = None
+    try:
+        return _ring_errors(cp, seq, heads, kv_heads, dtype, ring.ring_attention)
+    finally:
+        ring._FLASH_CPU = saved
+
+
+def _ring_errors(cp, seq, heads, kv_heads, dtype, ring_attention):
     mesh = Mesh(ParallelConfig(cp=cp))
     q, k, v, dout = _random_qkv(2, seq, heads, kv_heads, 8)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -42,9 +53,11 @@ def _ring_vs_sdpa(cp, seq, heads, kv_heads, dtype=torch.float32):
     return [relative_error(a.float(), b[:, index])[1] for a, b in pairs]
 
 
-@pytest.mark.parametrize("cp,heads,kv_heads", [(2, 4, 4), (2, 4, 2), (4, 4, 1)])
-def test_ring_attention_output_and_grads_equal_sdpa(ranks, cp, heads, kv_heads):
-    for rank_errors in ranks.run(cp, _ring_vs_sdpa, cp, SEQ, heads, kv_heads):
+@pytest.mark.parametrize(
+    "cp,heads,kv_heads,kernel", [(2, 4, 4, "auto"), (2, 4, 2, "auto"), (4, 4, 1, "auto"), (2, 4, 2, "math")]
+)
+def test_ring_attention_output_and_grads_equal_sdpa(ranks, cp, heads, kv_heads, kernel):
+    for rank_errors in ranks.run(cp, _ring_vs_sdpa, cp, SEQ, heads, kv_heads, torch.float32, kernel):
         assert max(rank_errors) <= TOLERANCE, rank_errors  # out, dq, dk, dv
 
 
@@ -131,3 +144,25 @@ def _build_mistral_with_cp():
 def test_sliding_window_model_is_refused_at_cp2(ranks):
     with pytest.raises(Exception, match="does not support sliding-window attention"):
         ranks.run(2, _build_mistral_with_cp)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_block_kernel_equals_the_matmul_block_kernel(causal):
+    """The CPU flash kernel path (folded GQA rows) and the plain-matmul path give the same block
+    output, log-sum-exp and gradients (given a final output and lse, as the ring backward does)."""
+    from shiftlm.model import ring_attention as ring
+
+    gen = torch.Generator().manual_seed(3)
+    b, kv, g, tq, d = 2, 2, 3, 6, 8
+    tk = tq if causal else 2 * tq
+    q, dout = torch.randn(b, kv, g, tq, d, generator=gen), torch.randn(b, kv, g, tq, d, generator=gen)
+    k, v = torch.randn(b, kv, tk, d, generator=gen), torch.randn(b, kv, tk, d, generator=gen)
+    assert ring._use_flash(q)
+    flash = ring._block_forward(q, k, v, causal, 0.3)
+    math = ring._math_forward(q, k, v, causal, 0.3)
+    for a, m in zip(flash, math):
+        assert relative_error(a, m)[1] <= TOLERANCE
+    out, lse = math
+    grads = ring._block_backward(dout, q, k, v, out, lse, causal, 0.3)
+    for a, m in zip(grads, ring._math_backward(dout, q, k, v, out, lse, causal, 0.3)):
+        assert relative_error(a, m)[1] <= TOLERANCE
