@@ -68,16 +68,17 @@ def _simulate_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.train import simulate_step
 
     model, hardware = _model(args), _hardware(args)
-    for name in ("tp", "pp", "sp", "micro_batch", "seq", "gpus"):
+    for name in ("tp", "pp", "sp", "cp", "micro_batch", "seq", "gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     chunks = args.chunks or (2 if args.schedule in ("zb_v", "bitpipe", "interleaved_1f1b") else 1)
     check_fits_model(Layout(1, args.pp, args.tp, args.sp, chunks=chunks if args.pp > 1 else 1), model)
-    cut = args.tp * args.pp * args.sp
+    cut = args.tp * args.pp * args.sp * args.cp
     dp = args.dp or args.gpus // cut
     if dp * cut != args.gpus:
+        cp = f" x cp {args.cp}" if args.cp > 1 else ""
         raise ValueError(
-            f"--gpus {args.gpus} != dp {dp} x pp {args.pp} x sp {args.sp} x tp {args.tp}; fix --dp or --gpus"
+            f"--gpus {args.gpus} != dp {dp} x pp {args.pp}{cp} x sp {args.sp} x tp {args.tp}; fix --dp or --gpus"
         )
     schedule = args.schedule if args.pp > 1 else "none"
     chunks = chunks if args.pp > 1 else 1
@@ -93,6 +94,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         chunks,
         args.recompute,
         args.zero,
+        cp=args.cp,
     )
     result = simulate_step(model, layout, hardware, _efficiency(args, hardware), args.dtype)
     report = {
@@ -105,7 +107,9 @@ def _simulate_train(args: argparse.Namespace) -> int:
         print(jsonout.dumps(report))
         return 0
     print(
-        f"{model.name} on {args.gpus} x {hardware.name}: dp={dp} pp={args.pp} sp={args.sp} tp={args.tp} "
+        f"{model.name} on {args.gpus} x {hardware.name}: dp={dp} pp={args.pp}"
+        + (f" cp={args.cp}" if args.cp > 1 else "")
+        + f" sp={args.sp} tp={args.tp} "
         f"micro-batch={args.micro_batch} x {layout.microbatches} schedule={schedule} recompute={args.recompute}"
     )
     print(
@@ -131,6 +135,7 @@ def _register_simulate_train(subparsers) -> None:
         ("tp", 1),
         ("pp", 1),
         ("sp", 1),
+        ("cp", 1),
         ("dp", 0),
         ("micro-batch", 1),
         ("global-batch", 0),
@@ -215,7 +220,8 @@ def _plan_train(args: argparse.Namespace) -> int:
     for rank, r in enumerate(plan.ranked, 1):
         lay = r.layout
         print(
-            f"{rank}. dp={lay.dp} pp={lay.pp} sp={lay.sp} tp={lay.tp} mb={lay.micro_batch} {lay.schedule} "
+            f"{rank}. dp={lay.dp} pp={lay.pp}{f' cp={lay.cp}' if lay.cp > 1 else ''} sp={lay.sp} tp={lay.tp} "
+            f"mb={lay.micro_batch} {lay.schedule} "
             f"recompute={lay.recompute} zero={lay.zero}: {r.result.step_time:.2f} s/step, "
             f"MFU {100 * r.result.mfu:.1f}% ({r.why()})"
         )

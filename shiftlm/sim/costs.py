@@ -51,6 +51,7 @@ class Shard:
     tp_sequence_parallel: bool = True
     flash_attention: bool = True
     dtype_bytes: int = 2
+    cp: int = 1  # ring attention: tokens split cp ways, each rank 1/cp of the causal work (zigzag)
 
 
 def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
@@ -63,7 +64,7 @@ def forward_ops(
     """Kernels of one layer's forward on one GPU, for `sequences` x `query_tokens` new tokens that
     attend to `kv_tokens` positions each (training: query_tokens = kv_tokens = seq_len)."""
     width = shard.dtype_bytes
-    tokens = sequences * query_tokens / shard.sp  # Ulysses splits tokens outside attention
+    tokens = sequences * query_tokens / (shard.sp * shard.cp)  # Ulysses and the ring split tokens
     h, f, tp = model.hidden, model.ffn, shard.tp
     qkv = h + 2 * model.kv_dim
     # norms + the two residual/dropout adds touch 22 bytes per hidden element (Korthikanti 4.1)
@@ -77,7 +78,7 @@ def forward_ops(
         _gemm("mlp_out", tokens, f / tp, h, width),
     ]
     heads = model.heads / (tp * shard.sp)  # after the all-to-all: all tokens, fewer heads
-    q_all, d = sequences * query_tokens * heads, model.head_dim
+    q_all, d = sequences * query_tokens * heads / shard.cp, model.head_dim  # zigzag: 1/cp of the work
     if shard.flash_attention:
         # causal blocks above the diagonal are skipped (FlashAttention-2, Dao 2023, Sec. 3.1)
         visible = kv_tokens - query_tokens / 2
@@ -121,7 +122,7 @@ def layer_comm_time(
     reduce-scatter pairs of Megatron SP), and Ulysses' all-to-alls of q, k, v and the output.
     `tp_links` / `sp_links` are (ranks per node, nodes) of the groups."""
     width, h = shard.dtype_bytes, model.hidden
-    local_tokens = tokens / shard.sp
+    local_tokens = tokens / (shard.sp * shard.cp)
     time = 2 * all_reduce_time(local_tokens * h * width, *tp_links, links) if shard.tp > 1 else 0.0
     if shard.sp > 1:
         qkv_bytes = local_tokens * (h + 2 * model.kv_dim) / shard.tp * width
@@ -137,6 +138,29 @@ def layer_comm_time(
 # Autograd's backward issues about two per forward op (dgrad and wgrad per GEMM).
 LAYER_OPS_FORWARD = 40
 LAYER_OPS_BACKWARD = 2 * LAYER_OPS_FORWARD
+
+
+def ring_exposed_time(
+    model: ModelSpec, tokens: float, shard: Shard, attention_time: float, crosses_node: bool, links: Links
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's ring-attention transfers *not* hidden behind the
+    attention blocks (docs/context_parallel.md). Each of the cp ring steps computes 1/cp of the
+    layer's attention (the zigzag split makes the blocks equal) while the next K/V block
+    (2 x tokens/cp x KV heads x head_dim) travels: forward cp-1 steps, backward cp-1 K/V blocks plus
+    cp fp32 dK/dV blocks, against a 2.5x heavier backward block. `attention_time`: forward
+    attention of this rank for the layer."""
+    from shiftlm.sim.collectives import p2p_time
+
+    if shard.cp == 1:
+        return 0.0, 0.0
+    kv_heads = max(model.kv_heads / (shard.tp * shard.sp), 1)
+    kv_bytes = 2 * tokens / shard.cp * kv_heads * model.head_dim * shard.dtype_bytes
+    send_kv = p2p_time(kv_bytes, crosses_node, links)
+    send_dkv = p2p_time(kv_bytes * 4 / shard.dtype_bytes, crosses_node, links)  # fp32 accumulators
+    block = attention_time / shard.cp
+    forward = (shard.cp - 1) * max(0.0, send_kv - block)
+    backward = (shard.cp - 1) * max(0.0, send_kv + send_dkv - 2.5 * block) + max(0.0, send_dkv - 2.5 * block)
+    return forward, backward
 
 
 @dataclass(frozen=True)
@@ -214,7 +238,7 @@ def head_pass_costs(
     model: ModelSpec, tokens: float, shard: Shard, hardware: Hardware, efficiency: Efficiency, dtype: str
 ) -> PassCosts:
     """The vocabulary-parallel LM head and fp32 cross-entropy on the last stage (per micro-batch)."""
-    local = tokens / shard.sp
+    local = tokens / (shard.sp * shard.cp)
     logits = _gemm("lm_head", local, model.hidden, model.vocab / shard.tp, shard.dtype_bytes)
     cross_entropy = Kernel("cross_entropy", 0.0, 12 * local * model.vocab / shard.tp, False)
     forward = kernels_time([logits, cross_entropy], hardware, efficiency, dtype)

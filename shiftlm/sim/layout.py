@@ -1,7 +1,7 @@
 """A training layout (how one step is cut across GPUs) and where each parallel group's ranks sit.
 
-Rank order decides whether a group spans nodes. shiftlm uses `rank = ((dp*PP + pp)*SP + sp)*TP + tp`
-(innermost first: tp, sp, pp, dp); Megatron-LM uses tp, dp, pp (Narayanan et al. 2021, Sec. 3.3), so
+Rank order decides whether a group spans nodes. shiftlm uses
+`rank = (((dp*PP + pp)*CP + cp)*SP + sp)*TP + tp` (innermost first: tp, sp, cp, pp, dp); Megatron-LM uses tp, dp, pp (Narayanan et al. 2021, Sec. 3.3), so
 the validation replays measured runs with their own order.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SHIFTLM_ORDER = ("tp", "sp", "pp", "dp")
-MEGATRON_ORDER = ("tp", "sp", "dp", "pp")
+SHIFTLM_ORDER = ("tp", "sp", "cp", "pp", "dp")
+MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-cp-ep-dp-pp"
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -34,10 +34,11 @@ class Layout:
     # Megatron-LM 2021-22 hands activations off with blocking p2p (batch_isend_irecv, then
     # torch.cuda.synchronize()): the sender waits for its transfer; shiftlm's executor uses isend
     blocking_p2p: bool = False
+    cp: int = 1  # context parallelism: ring attention over a zigzag split (docs/context_parallel.md)
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.pp * self.sp * self.tp
+        return self.dp * self.pp * self.cp * self.sp * self.tp
 
     @property
     def microbatches(self) -> int:
@@ -57,7 +58,7 @@ class Layout:
 
     def check(self) -> None:
         """Raise ValueError naming what is inconsistent and how to fix it."""
-        for axis in ("dp", "pp", "tp", "sp", "micro_batch", "chunks"):
+        for axis in ("dp", "pp", "cp", "tp", "sp", "micro_batch", "chunks"):
             if self.size(axis) < 1:
                 raise ValueError(f"--{axis.replace('_', '-')} must be >= 1")
         if self.global_batch % (self.dp * self.micro_batch):
@@ -71,6 +72,10 @@ class Layout:
             raise ValueError("--zero must be 0, 1, 2 or 3")
         if self.seq_len % self.sp:
             raise ValueError(f"--seq {self.seq_len} must be a multiple of --sp {self.sp}")
+        if self.cp > 1 and self.seq_len % (2 * self.cp * self.sp):
+            raise ValueError(
+                f"--seq {self.seq_len} must be a multiple of 2 x cp x sp = {2 * self.cp * self.sp}"
+            )
 
 
 def _divisors(n: int) -> list[int]:

@@ -7,7 +7,7 @@ shards the 12 over DP, stage 2 also the gradients, stage 3 also the weights.
 Activations per layer per micro-batch follow Korthikanti et al. 2022, Sec. 4 (Table 2), generalised
 to GQA and SwiGLU: `sbh(10 + 24/t) + 5as^2b/t` bytes with plain TP, everything over t with Megatron
 SP, the 5as^2b score term dropped by selective recompute or FlashAttention, and only the layer input
-(2sbh) kept under full recompute. Ulysses SP divides all of it by sp. The number of micro-batches
+(2sbh) kept under full recompute. Ulysses SP divides all of it by sp, context parallelism (ring attention) by cp. The number of micro-batches
 alive at once comes from the simulated pipeline schedule, not from a formula.
 """
 
@@ -58,7 +58,7 @@ def stage_params(model: ModelSpec, layout: Layout) -> float:
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, dtype_bytes: int = 2) -> float:
     """Activations one layer keeps for one micro-batch until its backward (Korthikanti Table 2)."""
-    s, b, h, t = layout.seq_len / layout.sp, layout.micro_batch, model.hidden, layout.tp
+    s, b, h, t = layout.seq_len / (layout.sp * layout.cp), layout.micro_batch, model.hidden, layout.tp
     if layout.recompute == "full":
         return dtype_bytes * s * b * h / (t if layout.tp_sequence_parallel else 1)
     width = dtype_bytes / 2  # the paper counts fp16 (2 bytes) plus 1-byte dropout masks
@@ -68,13 +68,13 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, dtype_bytes: int = 
     sharded = s * b * h * (2 * (1 + kv) + 2 + 2 * ffn)  # q,k,v + attention out + MLP (= 24sbh for GPT)
     total = replicated / (t if layout.tp_sequence_parallel else 1) + sharded / t
     if layout.recompute == "none" and not layout.flash_attention:
-        total += 5 * model.heads * s * layout.seq_len * b / (t * layout.sp)
+        total += 5 * model.heads * s * layout.seq_len * b / (t * layout.sp)  # (ring attention: no scores)
     return total * width
 
 
 def working_set_bytes(model: ModelSpec, layout: Layout, dtype_bytes: int = 2) -> float:
     """Transient peak: full recompute rebuilds one layer's activations; the last stage's fp32 logits."""
-    tokens = layout.micro_batch * layout.seq_len / layout.sp
+    tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
     logits = 4 * tokens * model.vocab / layout.tp
     if layout.recompute != "full":
         return logits
@@ -87,7 +87,7 @@ def estimate_memory(
     """Memory on the busiest rank; `peak_in_flight` = most stage-micro-batches (of L/(pp*chunks)
     layers each) whose activations one rank holds at once, from the simulated schedule."""
     params = stage_params(model, layout)
-    dp = layout.dp
+    dp = layout.dp * layout.cp * layout.sp  # the ZeRO group is the trainer's dp_sp (DP, cp, Ulysses)
     weights = 2 * params / (dp if layout.zero >= 3 else 1)
     gradients = 2 * params / (dp if layout.zero >= 2 else 1)
     optimizer = 12 * params / (dp if layout.zero >= 1 else 1)

@@ -43,20 +43,18 @@ def enumerate_layouts(
     for tp in _powers_of_two(min(gpus_per_node, model.heads)):
         if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
             continue
-        for sp in _powers_of_two(model.heads // tp):
-            if model.heads % (tp * sp) or seq_len % sp or gpus % (tp * sp):
-                continue
+        for sp, cp in _sequence_splits(model, gpus, tp, seq_len):
             for pp in range(1, model.layers + 1):
-                if model.layers % pp or gpus % (tp * sp * pp):
+                if model.layers % pp or gpus % (tp * sp * cp * pp):
                     continue
-                dp = gpus // (tp * sp * pp)
+                dp = gpus // (tp * sp * cp * pp)
                 for micro_batch in MICRO_BATCHES:
                     if global_batch % (dp * micro_batch):
                         continue
                     microbatches = global_batch // (dp * micro_batch)
                     for schedule, chunks in _schedules(model, pp, microbatches):
                         for recompute in PLANNED_RECOMPUTE:
-                            for zero in planned_zero_stages(dp):
+                            for zero in planned_zero_stages(dp * cp * sp):  # ZeRO group: dp_sp
                                 yield Layout(
                                     dp,
                                     pp,
@@ -70,7 +68,26 @@ def enumerate_layouts(
                                     recompute,
                                     zero,
                                     tp_sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
+                                    cp=cp,
                                 )
+
+
+# ring attention hides a K/V transfer behind one c x 2c block; below this many tokens per zigzag
+# chunk the blocks are too small to hide anything, so such cp degrees are not planned
+MIN_CP_CHUNK_TOKENS = 1024
+
+
+def _sequence_splits(model: ModelSpec, gpus: int, tp: int, seq_len: int) -> Iterator[tuple[int, int]]:
+    """(sp, cp) pairs: Ulysses SP dividing the heads left after TP; context parallelism (ring
+    attention, no head limit) in powers of two whose zigzag chunks keep >= MIN_CP_CHUNK_TOKENS."""
+    for sp in _powers_of_two(model.heads // tp):
+        if model.heads % (tp * sp) or seq_len % sp or gpus % (tp * sp):
+            continue
+        for cp in _powers_of_two(gpus // (tp * sp)):
+            chunk = seq_len / (2 * cp * sp)
+            if cp > 1 and (seq_len % (2 * cp * sp) or chunk < MIN_CP_CHUNK_TOKENS):
+                continue
+            yield sp, cp
 
 
 def _schedules(model: ModelSpec, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
@@ -153,7 +170,15 @@ def plan_training(
         if not estimate_memory(model, layout, 1, hardware.hbm_bytes, width).fits:
             continue
         # stage costs depend on the shape of one model replica's work only, not on dp or ZeRO
-        key = (layout.tp, layout.sp, layout.pp, layout.chunks, layout.micro_batch, layout.recompute)
+        key = (
+            layout.tp,
+            layout.sp,
+            layout.cp,
+            layout.pp,
+            layout.chunks,
+            layout.micro_batch,
+            layout.recompute,
+        )
         if key not in stage_memo:
             stage_memo[key] = stage_costs(
                 model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks
@@ -183,7 +208,9 @@ def train_config_toml(model_name: str, layout: Layout) -> str:
     schedule = layout.schedule if layout.pp > 1 else "1f1b"
     return (
         f'[model]\nname = "{model_name}"\n\n'
-        f"[parallel]\ndp = {layout.dp}\npp = {layout.pp}\nsp = {layout.sp}\ntp = {layout.tp}\n\n"
+        f"[parallel]\ndp = {layout.dp}\npp = {layout.pp}\nsp = {layout.sp}\ntp = {layout.tp}\n"
+        + (f"cp = {layout.cp}\n" if layout.cp > 1 else "")
+        + "\n"
         f"[train]\nmicro_batch = {layout.micro_batch}\nglobal_batch = {layout.global_batch}\n"
         f'seq_len = {layout.seq_len}\nschedule = "{schedule}"\nchunks = {layout.chunks}\n'
         f'recompute = "{layout.recompute}"\nzero = {layout.zero}\n'

@@ -59,17 +59,30 @@ def stage_costs(
     stage, LM head and loss on the last)."""
     links = Links.of(hardware, efficiency)
     width = DTYPE_BYTES[dtype]
-    shard = costs.Shard(layout.tp, layout.sp, layout.tp_sequence_parallel, layout.flash_attention, width)
+    shard = costs.Shard(
+        layout.tp, layout.sp, layout.tp_sequence_parallel, layout.flash_attention, width, layout.cp
+    )
     tokens = layout.micro_batch * layout.seq_len
     tp_links = group_placement(layout, "tp", hardware.gpus_per_node)
     sp_links = group_placement(layout, "sp", hardware.gpus_per_node)
     comm = costs.layer_comm_time(model, tokens, shard, tp_links, sp_links, links)
+    ring_backward = 0.0
+    if layout.cp > 1:  # ring attention: transfers overlap the attention blocks; only the rest shows
+        ops = costs.forward_ops(model, layout.micro_batch, layout.seq_len, layout.seq_len, shard)
+        attention = costs.kernels_time(
+            [op for op in ops if "attention" in op.name], hardware, efficiency, dtype
+        )
+        crosses = group_placement(layout, "cp", hardware.gpus_per_node)[1] > 1
+        ring_forward, ring_backward = costs.ring_exposed_time(model, tokens, shard, attention, crosses, links)
+        comm += ring_forward
+        ring_backward -= ring_forward  # layer_pass_costs adds the forward's comm to the backward too
     layer = costs.layer_pass_costs(
         model, layout.micro_batch, layout.seq_len, shard, layout.recompute, hardware, efficiency, dtype, comm
     )
+    layer = replace(layer, backward_input=layer.backward_input + ring_backward)
     head = costs.head_pass_costs(model, tokens, shard, hardware, efficiency, dtype)
     layers = model.layers / num_stages
-    comm_per_stage = layers * comm * (3 if layout.recompute == "full" else 2)
+    comm_per_stage = layers * (comm * (3 if layout.recompute == "full" else 2) + ring_backward)
     forward = [layers * layer.forward] * num_stages
     backward_input = [layers * layer.backward_input] * num_stages
     backward_weight = [layers * layer.backward_weight] * num_stages
@@ -78,8 +91,12 @@ def stage_costs(
     backward_weight[-1] += head.backward_weight
     # vocab-parallel embedding: one all-reduce of the embedded tokens in forward (Megatron 2019, Sec. 3)
     if layout.tp > 1:
-        forward[0] += all_reduce_time(tokens / layout.sp * model.hidden * width, *tp_links, links)
-    activation_bytes = tokens / layout.sp * model.hidden * width / layout.tp  # scatter-gather p2p
+        forward[0] += all_reduce_time(
+            tokens / (layout.sp * layout.cp) * model.hidden * width, *tp_links, links
+        )
+    activation_bytes = (
+        tokens / (layout.sp * layout.cp) * model.hidden * width / layout.tp
+    )  # scatter-gather p2p
     crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
     p2p = p2p_time(activation_bytes, crosses, p2p_links(hardware, efficiency)) if layout.pp > 1 else 0.0
     if layout.blocking_p2p and p2p:  # each stage waits for its own send: forward out, gradient back
@@ -182,11 +199,16 @@ def grad_sync_time(
     model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
 ) -> float:
     """DP sync of one rank's gradients. ZeRO-1/2 reduce-scatter grads and all-gather weights, the
-    same volume as an all-reduce; ZeRO-3 moves 1.5x that (Rajbhandari et al. 2020, Sec. 7)."""
-    if layout.dp == 1:
+    same volume as an all-reduce; ZeRO-3 moves 1.5x that (Rajbhandari et al. 2020, Sec. 7). The group
+    is the trainer's `dp_sp`: DP replicas, cp and Ulysses peers hold the same weights and see
+    different tokens (ranks per node and nodes: the products over the three axes)."""
+    if layout.dp * layout.cp * layout.sp == 1:
         return 0.0
     nbytes = stage_params(model, layout) * DTYPE_BYTES[dtype]
-    placement = group_placement(layout, "dp", hardware.gpus_per_node)
+    placement = (1, 1)
+    for axis in ("dp", "cp", "sp"):
+        per_node, nodes = group_placement(layout, axis, hardware.gpus_per_node)
+        placement = (placement[0] * per_node, placement[1] * nodes)
     time = all_reduce_time(nbytes, *placement, Links.of(hardware, efficiency))
     return time * (1.5 if layout.zero >= 3 else 1.0)
 
@@ -203,7 +225,8 @@ def step_overheads(
     sync = grad_sync_time(model, layout, hardware, efficiency, dtype)
     last_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
     exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
-    local_params = stage_params(model, layout) / (layout.dp if layout.zero >= 1 else 1)
+    replicas = layout.dp * layout.cp * layout.sp  # the ZeRO group is the trainer's dp_sp
+    local_params = stage_params(model, layout) / (replicas if layout.zero >= 1 else 1)
     return exposed_sync, costs.optimizer_time(local_params, hardware, efficiency)
 
 
