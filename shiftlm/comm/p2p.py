@@ -1,4 +1,5 @@
-"""Point-to-point helpers (pipeline hand-offs), counted like the collectives and noted in the ledger.
+"""Point-to-point helpers (pipeline hand-offs, ring attention's K/V and dK/dV blocks on the `cp`
+group), counted like the collectives and noted in the ledger.
 
 On gloo use these (`isend`/`irecv`), never `batch_isend_irecv`, which can hang there. While the
 collective ledger is on they return a `TrackedWork` (same `wait()`), whose wait records the exit time.

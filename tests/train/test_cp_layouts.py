@@ -1,5 +1,5 @@
 """Training with context parallelism (ring attention) follows the single-rank run: the losses of
-cp=2, cp=2 x pp=2 and cp=2 x dp=2 agree with one rank to 1e-5 (fp32, sequences of 24 tokens, which
+cp=2, cp=2 x pp=2, cp=2 x dp=2 and cp=2 with full recomputation agree with one rank to 1e-5 (fp32, sequences of 24 tokens, which
 is not a power of two), for llama and a tied qwen2; checkpoints written at cp=2 resume at cp=1."""
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ LAYOUTS = {
     "cp2": (2, ["--parallel.cp=2"]),
     "cp2_pp2": (4, ["--parallel.cp=2", "--parallel.pp=2", "--train.schedule=1f1b"]),
     "cp2_dp2": (4, ["--parallel.cp=2", "--parallel.dp=2"]),
+    "cp2_recompute_full": (2, ["--parallel.cp=2", "--train.recompute=full"]),  # the ring reruns in backward
 }
 
 
@@ -96,3 +97,33 @@ def test_checkpoint_written_at_cp2_resumes_at_cp1(ranks, tmp_path, models):
     assert list(rest) == [4, 5, 6]
     for step, loss in rest.items():
         assert loss == pytest.approx(single[step], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--parallel.cp=2", "--train.seq_len=30"], "must split into 2*cp*sp = 4 equal chunks"),
+        (
+            ["--parallel.cp=2", "--parallel.sp=2", "--train.seq_len=4"],
+            "2*cp*sp = 8 is larger than the sequence",
+        ),
+    ],
+)
+def test_train_refuses_sequences_the_zigzag_split_cannot_cut(tmp_path, overrides, message):
+    import os
+    import subprocess
+    import sys
+
+    world = 4 if "--parallel.sp=2" in overrides else 2
+    result = subprocess.run(
+        [sys.executable, "-m", "shiftlm.cli", "train", f"--nproc={world}", "--model.name=micro"]
+        + overrides
+        + [f"--log.dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
