@@ -1,6 +1,6 @@
 """shiftlm's pipeline executor vs `torch.distributed.pipelining`, schedule by schedule, on 2 gloo ranks.
 
-    python bench/vs_torch_pipelining.py              # ~3 minutes on 2 CPU cores
+    python bench/vs_torch_pipelining.py              # ~5 minutes on 2 busy CPU cores
     python bench/vs_torch_pipelining.py --quick      # a small model: checks that the bench runs
 
 One fixed MLP (LAYERS Linear+tanh layers, seeded) is split into each schedule's stages, so both sides
@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -189,13 +190,13 @@ def run_pair(pair: str, width: int, rows: int, steps: int, check: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model and few rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="passes over all pairs (default 5)")
+    parser.add_argument("--rounds", type=int, default=None, help="passes over all pairs (default 4)")
     parser.add_argument(
         "--pairs", default=",".join(PAIRS), help="comma-separated subset of: " + ",".join(PAIRS)
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
-    width, rows, steps, rounds = (256, 32, 4, 1) if args.quick else (1024, 128, 6, 5)
+    width, rows, steps, rounds = (256, 32, 4, 1) if args.quick else (512, 64, 4, 4)
     rounds = args.rounds or rounds
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     unknown = [p for p in pairs if p not in PAIRS]
@@ -207,6 +208,7 @@ def main() -> None:
         for round_index in range(rounds):
             for pair in pairs:
                 per_rank = workers.run(run_pair, pair, width, rows, steps, round_index == 0)
+                print(f"round {round_index + 1}/{rounds} {pair} done", file=sys.stderr, flush=True)
                 if round_index == 0:
                     checks[pair] = _merge_checks(per_rank)
                 for side in ("ours", "torch"):  # the slowest rank of each step

@@ -22,7 +22,7 @@ from shiftlm.config import ConfigError  # the one user-error type (re-exported f
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
-ZERO_STAGES = (0, 1)  # the ZeRO stages the trainer implements (a stage that lands is added here)
+ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages the trainer implements (a stage that lands is added here)
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TrainSection:
     recompute: str = "none"  # activation recomputation: none, selective (attention core), full (layers)
     overlap_grad_sync: bool = True  # start each bucket's DP all-reduce as soon as its gradients are final
     bucket_mb: float = 4.0  # DP all-reduce bucket size in MiB (DDP's bucket_cap_mb)
-    zero: int = 1  # 0: replicated optimizer state, 1: ZeRO-1 sharding over DP
+    zero: int = 1  # 0: replicated; 1: optimizer state, 2: + gradients, 3: + parameters sharded over DP
     steps: int = 100
     seed: int = 0
     dtype: str = "auto"  # auto: bf16 autocast where the device supports it, fp32 on CPU

@@ -2,8 +2,13 @@
 
 Each parameter's `.data` and `.grad` become views into the two buffers (as DDP's
 `gradient_as_bucket_view`), so a bucket of gradients is a contiguous slice that one collective can
-reduce in place, and a ZeRO-1 shard is a contiguous range that one all-gather can refill. The
-length is padded to a multiple of the sharding group size.
+reduce in place, and a ZeRO shard is a contiguous range that one all-gather can refill.
+
+Sharding units: by default the whole buffer is one unit, padded to a multiple of the sharding group
+size (ZeRO-1/2: rank r owns the r-th 1/N of everything). With `units` (one label per parameter,
+consecutive parameters with the same label form a unit), every unit is padded on its own, so rank r
+owns the r-th 1/N of every unit: ZeRO-3 gathers and frees one unit (a decoder layer) at a time, as
+FSDP's per-module flat parameters do.
 """
 
 from __future__ import annotations
@@ -27,15 +32,30 @@ class FlatSlot:
 
 
 class FlatParameters:
-    def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], pad_to: int = 1):
+    def __init__(
+        self,
+        named_parameters: list[tuple[str, torch.nn.Parameter]],
+        pad_to: int = 1,
+        units: list[str] | None = None,
+    ):
         self.parameters = [param for _, param in named_parameters]
         self.slots: list[FlatSlot] = []
-        offset = 0
-        for name, param in named_parameters:
+        self.units: list[tuple[int, int]] = []  # (offset, padded length) of each sharding unit
+        self.unit_of: list[int] = []  # parameter index -> unit index
+        labels = units if units is not None else [""] * len(named_parameters)
+        offset, unit_start = 0, 0
+        for index, (name, param) in enumerate(named_parameters):
             self.slots.append(FlatSlot(name, offset, tuple(param.shape)))
+            self.unit_of.append(len(self.units))
             offset += param.numel()
-        self.numel = offset
-        padded = -(-max(offset, 1) // pad_to) * pad_to
+            if index + 1 == len(named_parameters) or labels[index + 1] != labels[index]:
+                length = -(-max(offset - unit_start, 1) // pad_to) * pad_to
+                self.units.append((unit_start, length))
+                offset = unit_start = unit_start + length
+        self.numel = sum(slot.numel for slot in self.slots)
+        padded = max(offset, pad_to)
+        if not self.units:
+            self.units.append((0, padded))
         self.params = torch.zeros(padded, dtype=torch.float32)
         self.grads = torch.zeros(padded, dtype=torch.float32)
         with torch.no_grad():
@@ -54,14 +74,14 @@ class FlatParameters:
 
     def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The inverse of `unflatten`: a new padded flat buffer from per-parameter tensors."""
-        buffer = torch.zeros_like(self.params)
+        buffer = torch.zeros_like(self.grads)  # (ZeRO-3 frees `params`; `grads` has the same layout)
         for slot in self.slots:
             self.view(buffer, slot).copy_(tensors[slot.name].reshape(slot.shape))
         return buffer
 
     def mask(self, keep) -> torch.Tensor:
         """A flat 0/1 buffer: 1 on the parameters for which `keep(name, shape)` is true."""
-        mask = torch.zeros_like(self.params)
+        mask = torch.zeros_like(self.grads)
         for slot in self.slots:
             if keep(slot.name, slot.shape):
                 self.view(mask, slot).fill_(1.0)

@@ -56,6 +56,7 @@ from shiftlm.train.state import MOMENTS, load_moments, save_moments
 from shiftlm.train.step import StepRunner, build_stages
 from shiftlm.train.tokenizer import copy_tokenizer
 from shiftlm.train.zero import ShardedAdamW, global_grad_norm
+from shiftlm.train.zero3 import unit_labels
 
 
 @dataclass
@@ -117,18 +118,24 @@ class Trainer:
         for index, (key, *_) in enumerate(owned):
             self._indices_of.setdefault(key, []).append(index)
         data_group = self.mesh.dp_sp  # ranks holding the same weights: DP replicas and Ulysses peers
-        self.flat = FlatParameters(
-            [(flat_name(name, key[1]), param) for key, _, name, param in owned], pad_to=data_group.size
-        )
+        named = [(flat_name(name, key[1]), param) for key, _, name, param in owned]
+        units = (
+            unit_labels([name for name, _ in named]) if config.train.zero == 3 else None
+        )  # ZeRO-3: per layer
+        self.flat = FlatParameters(named, pad_to=data_group.size, units=units)
         overlap = config.train.overlap_grad_sync
         bucket_bytes = int(config.train.bucket_mb * 2**20)
         self.grad_sync = GradSync(
-            self.flat, data_group, bucket_bytes, overlap, count_accumulations=config.parallel.pp == 1
+            self.flat,
+            data_group,
+            bucket_bytes,
+            overlap,
+            count_accumulations=config.parallel.pp == 1,
+            scatter=config.train.zero >= 2,
         )
         decay = self.flat.mask(lambda name, shape: len(shape) >= 2)  # no decay on norms and biases
-        self.optimizer = ShardedAdamW(
-            self.flat, data_group, config.optim, decay, shard=config.train.zero == 1
-        )
+        self.optimizer = ShardedAdamW(self.flat, data_group, config.optim, decay, stage=config.train.zero)
+        self.optimizer.shard_parameters(self.stages)  # ZeRO-3 only: shards at rest, gathered per layer
         self.norm_mask = self._norm_mask(owned)
         validation = config.validation
         holdout = validation.steps * config.train.global_batch if validation.freq else 0
@@ -177,11 +184,15 @@ class Trainer:
         rows replicated over TP. All three are sums, so the order does not change the result beyond
         rounding; it is fixed, so the overlapped and non-overlapped paths agree bit for bit."""
         self.flat.adopt_grads()
-        self.grad_sync.finish()
+        if self.config.train.zero < 2:
+            self.grad_sync.finish()
         for stages in self.replicas:
             sync_tied_embedding_grads(stages, self.mesh)
         for stage in self.stages:
             sync_tp_replicated_grads(stage)
+        if self.config.train.zero >= 2:  # a reduce-scatter leaves only this rank's ranges summed: last
+            self.flat.adopt_grads()
+            self.grad_sync.finish()
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -192,8 +203,9 @@ class Trainer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         _barrier()
-        write_hf_files(self.replicas[0], staging / "model")  # BitPipe: one copy, replica 0's
-        save_moments(self.replicas[0], self.optimizer.full_state(), staging)
+        with self.optimizer.gathered():  # ZeRO-3: every layer present while it is written
+            write_hf_files(self.replicas[0], staging / "model")  # BitPipe: one copy, replica 0's
+            save_moments(self.replicas[0], self.optimizer.full_state(), staging)
         save_rng(staging, self.mesh.rank)
         fsync_tree(staging)  # each rank makes what it wrote durable (rank 0 again before the rename)
         _barrier()
@@ -230,8 +242,9 @@ class Trainer:
             return None
         state = read_trainer_state(latest)
         check_data_shaping(latest, state, self.config.to_dict(), self.dataset_samples)
-        for stage in self.stages:
-            load_hf_checkpoint(stage, latest / "model")
+        with self.optimizer.gathered(write_back=True):  # ZeRO-3: load full layers, keep the shards
+            for stage in self.stages:
+                load_hf_checkpoint(stage, latest / "model")
         moments: dict[str, dict[str, torch.Tensor]] = {moment: {} for moment in MOMENTS}
         for replica, stages in enumerate(self.replicas):  # every replica starts from the one saved copy
             for moment, tensors in load_moments(stages, latest).items():
@@ -286,7 +299,9 @@ class Trainer:
             self.grad_sync.begin_step(len(micro_batches))
             loss = self.runner.run(micro_batches, target_tokens)
             self._sum_grads()
-            grad_norm = global_grad_norm(self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp])
+            grad_norm = global_grad_norm(
+                self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer
+            )
             lr = learning_rate(step, cfg.steps, self.config.optim)
             self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))
             # the loss lives on the last stage, split over the data group: sum it to every rank

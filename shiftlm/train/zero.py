@@ -1,13 +1,21 @@
-"""AdamW with ZeRO-1 optimizer-state sharding (Rajbhandari et al. 2020, ZeRO §5.1, P_os).
+"""AdamW over ZeRO shards (Rajbhandari et al. 2020, ZeRO §5: P_os, P_os+g, P_os+g+p).
 
-After the gradient all-reduce every rank of the data group holds the same summed gradients. Each
-rank keeps Adam moments for only its 1/N contiguous range of the flat parameters, updates that
-range, and an all-gather refills the full parameters everywhere. With `shard=False` (ZeRO-0) every
-rank keeps all moments and updates everything itself; the arithmetic per element is the same, so
-both give identical parameters.
+The flat buffers (`flat.py`) are cut into sharding units; rank r of the data group owns the r-th
+1/N of every unit (one unit, the whole buffer, below stage 3; one per decoder layer at stage 3).
+- stage 0: every rank keeps all Adam moments and updates everything itself.
+- stage 1 (P_os): gradients are all-reduced; each rank keeps the moments of its range, updates it,
+  and an all-gather refills the full parameters everywhere.
+- stage 2 (P_os+g): gradients are reduce-scattered (`GradSync(scatter=True)`): each rank receives
+  only the sum of its own range, which is all the update needs; the rest as in stage 1.
+- stage 3 (P_os+g+p): parameters are sharded at rest too (`zero3.ParameterShards`): the update
+  writes the fp32 master shard, and layers are all-gathered just before use.
+The arithmetic per element is the same at every stage, so all give the same parameters (up to the
+summation order of the reductions).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
@@ -17,6 +25,17 @@ from shiftlm.train.flat import FlatParameters
 from shiftlm.train.optim import adamw_update
 
 
+def owned_ranges(flat: FlatParameters, group: CommGroup, sharded: bool) -> list[tuple[int, int]]:
+    """[start, end) of every range of the flat buffers this rank owns: its 1/N of each unit."""
+    if not sharded:
+        return [(0, flat.grads.numel())]
+    ranges = []
+    for offset, length in flat.units:
+        size = length // group.size
+        ranges.append((offset + group.rank * size, offset + (group.rank + 1) * size))
+    return ranges
+
+
 class ShardedAdamW:
     def __init__(
         self,
@@ -24,38 +43,84 @@ class ShardedAdamW:
         group: CommGroup,
         optim: OptimSection,
         decay_mask: torch.Tensor,
-        shard: bool,
+        shard: bool | None = None,
+        stage: int | None = None,
     ):
+        """`stage`: the ZeRO stage (0-3); `shard` (older form) means stage 1 when true."""
         self.flat, self.group, self.optim = flat, group, optim
-        self.sharded = shard and group.size > 1
-        size = flat.params.numel() // group.size if self.sharded else flat.params.numel()
-        self.start = group.rank * size if self.sharded else 0
-        self.end = self.start + size
-        self.decay_mask = decay_mask[self.start : self.end]
+        self.stage = stage if stage is not None else int(bool(shard))
+        self.sharded = self.stage >= 1 and group.size > 1
+        self.ranges = owned_ranges(flat, group, self.sharded)
+        self.decay_mask = torch.cat([decay_mask[a:b] for a, b in self.ranges])
+        size = sum(b - a for a, b in self.ranges)
         self.exp_avg = torch.zeros(size)
         self.exp_avg_sq = torch.zeros(size)
         self.step_count = 0
+        self.shards = None  # stage 3: the ParameterShards holding the fp32 master shards
+
+    def shard_parameters(self, stages: list[torch.nn.Module]) -> None:
+        """ZeRO-3: keep only this rank's master shards at rest and gather each unit of `stages` (in
+        the flat buffers' order) around its use (`zero3.ParameterShards`)."""
+        from shiftlm.train.zero3 import ParameterShards
+
+        if self.stage < 3 or not self.sharded:
+            return
+        self.shards = ParameterShards(self.flat, self.group, self.ranges)
+        stage_units, index = [], 0
+        for stage in stages:
+            count = len(list(stage.parameters()))
+            units = [self.flat.unit_of[i] for i in range(index, index + count)]
+            stage_units.append([u for k, u in enumerate(units) if k == 0 or units[k - 1] != u])
+            index += count
+        tied = [
+            stage.with_head and stage.with_embedding and not hasattr(stage, "lm_head") for stage in stages
+        ]
+        self.shards.wrap(stages, stage_units, tied)
+
+    def gathered(self, write_back: bool = False):
+        """A context in which every parameter is present (ZeRO-3 gathers them; else nothing to do)."""
+        return self.shards.gathered(write_back) if self.shards is not None else nullcontext()
+
+    def _pieces(self):
+        """(range, offset in the moment buffers) of each owned range."""
+        offset = 0
+        for a, b in self.ranges:
+            yield a, b, offset
+            offset += b - a
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """Update the parameters with their (already synced) gradients times `grad_scale` (clipping)."""
         self.step_count += 1
-        grad = self.flat.grads[self.start : self.end]
-        if grad_scale != 1.0:
-            grad = grad * grad_scale
-        params = self.flat.params[self.start : self.end]
-        adamw_update(
-            params, grad, self.exp_avg, self.exp_avg_sq, self.decay_mask, self.step_count, lr, self.optim
-        )
-        if self.sharded:
-            shard = params.clone()  # all_gather may not read from a view of its own output
-            all_gather_flat(self.flat.params, shard, self.group)
+        for index, (a, b, offset) in enumerate(self._pieces()):
+            grad = self.flat.grads[a:b]
+            if grad_scale != 1.0:
+                grad = grad * grad_scale
+            params = self.shards.master[index] if self.shards is not None else self.flat.params[a:b]
+            moments = slice(offset, offset + b - a)
+            adamw_update(
+                params,
+                grad,
+                self.exp_avg[moments],
+                self.exp_avg_sq[moments],
+                self.decay_mask[moments],
+                self.step_count,
+                lr,
+                self.optim,
+            )
+        if self.sharded and self.shards is None:  # stages 1 and 2: refill the full parameters
+            for (offset, length), (a, b) in zip(self.flat.units, self.ranges):
+                shard = self.flat.params[a:b].clone()  # all_gather may not read from a view of its output
+                all_gather_flat(self.flat.params[offset : offset + length], shard, self.group)
 
     def _gather(self, moment: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return moment.clone()
-        full = torch.empty_like(self.flat.params)
-        all_gather_flat(full, moment.contiguous(), self.group)
+        full = torch.zeros_like(self.flat.grads)
+        for (offset, length), (a, b, start) in zip(self.flat.units, self._pieces()):
+            all_gather_flat(
+                full[offset : offset + length], moment[start : start + b - a].contiguous(), self.group
+            )
         return full
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -66,21 +131,35 @@ class ShardedAdamW:
         }
 
     def load_full_state(self, state: dict[str, dict[str, torch.Tensor]], step_count: int) -> None:
-        """Inverse of `full_state`: keep this rank's range of each moment."""
-        self.exp_avg.copy_(self.flat.flatten(state["exp_avg"])[self.start : self.end])
-        self.exp_avg_sq.copy_(self.flat.flatten(state["exp_avg_sq"])[self.start : self.end])
+        """Inverse of `full_state`: keep this rank's ranges of each moment."""
+        for name, target in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            full = self.flat.flatten(state[name])
+            target.copy_(torch.cat([full[a:b] for a, b in self.ranges]))
         self.step_count = step_count
 
 
 @torch.no_grad()
-def global_grad_norm(flat: FlatParameters, norm_mask: torch.Tensor, groups: list[CommGroup]) -> float:
+def global_grad_norm(
+    flat: FlatParameters,
+    norm_mask: torch.Tensor,
+    groups: list[CommGroup],
+    optimizer: ShardedAdamW | None = None,
+) -> float:
     """The L2 norm of the whole model's gradient (all stages, all TP shards), counted once per element.
 
     `norm_mask` is 1 on the elements this rank counts: parameters replicated over TP (norm weights)
     or tied across stages are counted on one rank only. `groups` are the model-parallel groups whose
-    partial sums add up to the whole model (tp, pp); data-parallel replicas hold the same numbers.
+    partial sums add up to the whole model (tp, pp); data-parallel replicas hold the same numbers,
+    except at ZeRO stage >= 2 (`optimizer` given), where each holds the sum of its own ranges only:
+    then those ranges are counted and the data group is summed over too.
     """
-    squares = torch.dot(flat.grads * norm_mask, flat.grads).reshape(1)
+    if optimizer is not None and optimizer.stage >= 2 and optimizer.sharded:
+        squares = sum(
+            torch.dot(flat.grads[a:b] * norm_mask[a:b], flat.grads[a:b]) for a, b in optimizer.ranges
+        ).reshape(1)
+        groups = [*groups, optimizer.group]
+    else:
+        squares = torch.dot(flat.grads * norm_mask, flat.grads).reshape(1)
     for group in groups:
         if group.size > 1:
             squares = all_reduce(squares, group, in_place=True)
