@@ -83,7 +83,8 @@ class ParameterShards:
     # -- gather / free -----------------------------------------------------------------------------
     def _account(self, delta: int) -> None:
         self.current_bytes += delta
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if delta > 0:
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def _allocate(self, unit: int) -> torch.Tensor:
         buffer = self.buffers[unit]
@@ -122,8 +123,8 @@ class ParameterShards:
 
     @contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """Every unit gathered inside (checkpoint save / load, as FSDP's full state dict); with `write_back`, the values the
-        block wrote into the parameters become the master shards (loading a checkpoint)."""
+        """Every unit gathered inside (checkpoint save / load, as FSDP's full state dict); with
+        `write_back`, the values the block wrote into the parameters become the master shards."""
         peak = self.peak_bytes  # a checkpoint's full gather is counted apart from the training peak
         for unit in range(len(self.buffers)):
             self.gather(unit)
@@ -181,14 +182,19 @@ class ParameterShards:
             out = fn(*args, **kwargs)
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if torch.is_grad_enabled() and out.requires_grad and backward_needs_weights and not in_backward:
+                consumers: list[int] = []  # units that take `out` as input: done once its grad exists
 
                 def before_backward(grad: torch.Tensor) -> None:
+                    for unit in consumers:  # free the next unit first (its hook would run after this)
+                        self.free(unit)
                     for unit in units:
                         self.gather(unit)
                     self.prefetch(prev)
 
                 out.register_hook(before_backward)
+                out._zero3_consumers = consumers
                 if x is not None and x.requires_grad:
+                    getattr(x, "_zero3_consumers", []).extend(units)
                     x.register_hook(lambda grad: [self.free(unit) for unit in units] and None)
             if not in_backward:
                 for unit in units:
