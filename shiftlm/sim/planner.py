@@ -54,7 +54,7 @@ def enumerate_layouts(
                     microbatches = global_batch // (dp * micro_batch)
                     for schedule, chunks in _schedules(model, pp, microbatches):
                         for recompute in PLANNED_RECOMPUTE:
-                            for zero in planned_zero_stages(dp * cp * sp):  # ZeRO group: dp_sp
+                            for zero in planned_zero_stages(dp * cp * sp, pp=pp):  # ZeRO group: dp_sp
                                 yield Layout(
                                     dp,
                                     pp,

@@ -45,9 +45,12 @@ def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, s
 
 def test_zero_stages_follow_the_trainer_table():
     assert planned_zero_stages(1) == (0,)
-    assert planned_zero_stages(8) == (1,)  # today: ZeRO-1 only
+    assert TRAINER_ZERO_STAGES == (0, 1, 2, 3)  # the trainer implements ZeRO-2 and -3
+    assert planned_zero_stages(8) == (2, 3)
+    assert planned_zero_stages(8, (0, 1)) == (1,)
     assert planned_zero_stages(8, (0, 1, 2)) == (2,)  # ZeRO-2 dominates 1: same bytes, less memory
     assert planned_zero_stages(8, (0, 1, 2, 3)) == (2, 3)
+    assert planned_zero_stages(8, (0, 1, 2, 3), pp=4) == (2,)  # ZeRO-3 re-gathers per micro-batch
 
 
 def test_plan_serve_proposes_one_engine_only():
