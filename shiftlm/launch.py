@@ -36,7 +36,8 @@ class WorkerError(RuntimeError):
     """A function failed (or timed out) on one of the local ranks."""
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str]) -> None:
+def _set_rank_env(rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+    """The environment torchrun gives a local rank (env:// rendezvous on loopback), plus `env`."""
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -44,7 +45,12 @@ def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str]) -> None:
+    _set_rank_env(rank, world_size, port, env)
     import datetime
 
     import torch
@@ -167,15 +173,7 @@ class RankFailure(RuntimeError):
 
 
 def _rank_main(rank: int, world_size: int, port: int, conn, env: dict[str, str], fn, args, usage) -> None:
-    os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    _set_rank_env(rank, world_size, port, env)
     import datetime
 
     import torch
