@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from shiftlm.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -89,6 +91,20 @@ PRESETS: dict[str, ModelSpec] = {
         gpt_style(12288, 96, 96, name="gpt3-175b"),
     ]
 }
+
+
+def from_model_config(name: str, model: ModelConfig) -> ModelSpec:
+    """The simulator's shape of the engine's own `ModelConfig` (what `shiftlm train` builds)."""
+    return ModelSpec(
+        name=name,
+        hidden=model.hidden_size,
+        layers=model.num_layers,
+        heads=model.num_heads,
+        kv_heads=model.num_kv_heads,
+        ffn=model.intermediate_size,
+        vocab=model.vocab_size,
+        tied_embeddings=model.tie_word_embeddings,
+    )
 
 
 def from_hf_config(path: Path) -> ModelSpec:

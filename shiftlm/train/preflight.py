@@ -71,21 +71,12 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
     """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory."""
     from shiftlm.sim.layout import Layout
     from shiftlm.sim.memory import estimate_memory, stage_params
-    from shiftlm.sim.models import ModelSpec
+    from shiftlm.sim.models import from_model_config
     from shiftlm.train.pipeline import resolved_chunks
     from shiftlm.train.step import autocast_dtype
 
     p, t = config.parallel, config.train
-    spec = ModelSpec(
-        name=config.model.name,
-        hidden=model.hidden_size,
-        layers=model.num_layers,
-        heads=model.num_heads,
-        kv_heads=model.num_kv_heads,
-        ffn=model.intermediate_size,
-        vocab=model.vocab_size,
-        tied_embeddings=model.tie_word_embeddings,
-    )
+    spec = from_model_config(config.model.name, model)
     chunks = resolved_chunks(config)
     layout = Layout(
         dp=p.dp,
