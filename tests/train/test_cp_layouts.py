@@ -4,12 +4,9 @@ is not a power of two), for llama and a tied qwen2; checkpoints written at cp=2 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch.distributed as dist
 
-from shiftlm.config import ModelConfig
 from shiftlm.train.config import load_config
 from shiftlm.train.trainer import train
 
@@ -34,28 +31,8 @@ def train_losses(overrides: list[str], log_dir: str, stop_after: int | None = No
 
 
 @pytest.fixture(scope="module")
-def qwen2_model(tmp_path_factory) -> str:
-    """A qwen2 micro model (q/k/v biases, GQA, LM head tied to the embedding)."""
-    config = ModelConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        model_type="qwen2",
-    )
-    directory = tmp_path_factory.mktemp("qwen2")
-    (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def models(qwen2_model):
-    return {"llama": "--model.name=micro", "qwen2": f"--model.name={qwen2_model}"}
+def models(tied_qwen2_model):
+    return {"llama": "--model.name=micro", "qwen2": tied_qwen2_model}
 
 
 _single: dict[str, dict[int, float]] = {}

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch.distributed as dist
 
-from shiftlm.config import ModelConfig
 from shiftlm.train.config import load_config
 from shiftlm.train.trainer import train
 
@@ -66,36 +63,16 @@ def test_four_rank_mix_matches_one_rank_losses(ranks, tmp_path, single_rank_loss
 
 
 @pytest.fixture(scope="module")
-def tied_model(tmp_path_factory) -> str:
-    """A qwen2-style micro model whose LM head is the embedding matrix (an HF config.json)."""
-    config = ModelConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        model_type="qwen2",
-    )
-    directory = tmp_path_factory.mktemp("tied")
-    (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    return f"--model.name={directory}"
-
-
-@pytest.fixture(scope="module")
-def tied_single_rank_losses(ranks, tmp_path_factory, tied_model):
-    return ranks.run(1, train_losses, [tied_model], str(tmp_path_factory.mktemp("tied_one")))[0]
+def tied_single_rank_losses(ranks, tmp_path_factory, tied_qwen2_model):
+    return ranks.run(1, train_losses, [tied_qwen2_model], str(tmp_path_factory.mktemp("tied_one")))[0]
 
 
 # 1f1b: embedding and head copy on different ranks; zb_v: both on rank 0; bitpipe: both per replica
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_v", "bitpipe"])
 def test_tied_embeddings_at_pp2_match_one_rank_losses(
-    ranks, tmp_path, tied_model, tied_single_rank_losses, schedule
+    ranks, tmp_path, tied_qwen2_model, tied_single_rank_losses, schedule
 ):
-    overrides = [tied_model, "--parallel.pp=2", f"--train.schedule={schedule}"]
+    overrides = [tied_qwen2_model, "--parallel.pp=2", f"--train.schedule={schedule}"]
     losses = ranks.run(2, train_losses, overrides, str(tmp_path))[0]
     for step, expected in tied_single_rank_losses.items():
         assert losses[step] == pytest.approx(expected, rel=1e-5), f"step {step}"
