@@ -63,12 +63,25 @@ def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str
         if message is None:
             break
         fn, args, kwargs = message
+        before = set(_subgroups())
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:  # report everything, including assertion errors, to the parent
             conn.send(("error", traceback.format_exc()))
+        # a task's meshes are gone with it: free their process groups (each gloo group holds threads
+        # and sockets; a pool that runs hundreds of tasks would otherwise keep thousands of them)
+        for group in set(_subgroups()) - before:
+            dist.destroy_process_group(group)
     dist.destroy_process_group()
     conn.close()
+
+
+def _subgroups() -> list:
+    """The process groups other than the default one that this process holds."""
+    from torch.distributed import distributed_c10d
+
+    default = distributed_c10d._get_default_group()
+    return [group for group in distributed_c10d._world.pg_map if group is not default]
 
 
 class LocalWorkers:
