@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from shiftlm.sim.hardware import CATALOG
+from shiftlm.hardware import CATALOG
 from shiftlm.sim.models import PRESETS
 from shiftlm.sim.planner import plan_training
 

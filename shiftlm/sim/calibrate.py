@@ -31,7 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shiftlm.sim.hardware import GEMM_ROLES, Hardware
+from shiftlm.hardware import GEMM_ROLES, Hardware
 
 GEMM_ROWS = (16, 128, 512)  # tokens per GEMM: decode batches, micro-batches, prefill chunks
 GEMM_WIDTHS = ((256, 256), (1024, 1024), (1024, 4096), (4096, 1024))  # (k, n) of y[m, n] = x[m, k] W^T

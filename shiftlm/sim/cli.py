@@ -52,7 +52,7 @@ def _model(args: argparse.Namespace):
 
 
 def _hardware(args: argparse.Namespace):
-    from shiftlm.sim.hardware import get_hardware
+    from shiftlm.hardware import get_hardware
 
     return get_hardware(args.gpu, args.hardware)
 
@@ -245,8 +245,8 @@ def _register_plan_train(subparsers) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from shiftlm.hardware import DEFAULT_PROFILE, save_profile
     from shiftlm.sim.calibrate import calibrate
-    from shiftlm.sim.hardware import DEFAULT_PROFILE, save_profile
 
     out = args.out or DEFAULT_PROFILE
     if args.serve_model is not None and not (args.serve_model / "config.json").exists():

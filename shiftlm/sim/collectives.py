@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shiftlm.hardware import Hardware
 from shiftlm.sim.efficiency import Efficiency
-from shiftlm.sim.hardware import Hardware
 
 
 @dataclass(frozen=True)

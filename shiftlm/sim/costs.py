@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
-from shiftlm.sim.hardware import Hardware
 from shiftlm.sim.models import ModelSpec
 
 

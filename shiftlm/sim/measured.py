@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shiftlm.data import MEASURED_DIR
-from shiftlm.sim.hardware import CATALOG, GIGA, Hardware, with_links
+from shiftlm.hardware import CATALOG, GIGA, Hardware, with_links
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
 from shiftlm.sim.models import ModelSpec, gpt_style
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.capabilities import TRAINER_MEGATRON_SEQUENCE_PARALLEL, planned_zero_stages
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
-from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.memory import estimate_memory
 from shiftlm.sim.models import ModelSpec

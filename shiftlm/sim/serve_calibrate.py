@@ -42,10 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shiftlm.hardware import Hardware
 from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.efficiency import measured
-from shiftlm.sim.hardware import Hardware
 from shiftlm.sim.models import from_hf_config
 from shiftlm.sim.serve_runner import HostOverhead, ServeHardware, ServeLayout, StepCostModel
 from shiftlm.sim.serve_sim import EngineLimits, simulate_serving

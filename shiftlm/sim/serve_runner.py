@@ -25,11 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.serve.scheduler import Mode, StepPlan
 from shiftlm.sim.collectives import Links
 from shiftlm.sim.costs import Kernel, Shard, forward_ops, head_pass_costs, kernels_time, layer_comm_time
 from shiftlm.sim.efficiency import Efficiency
-from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.memory import RUNTIME_RESERVE_BYTES
 from shiftlm.sim.models import ModelSpec
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
-from shiftlm.sim.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.layout import Layout, check_fits_model, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 from shiftlm.sim.models import ModelSpec

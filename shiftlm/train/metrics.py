@@ -19,35 +19,12 @@ from pathlib import Path
 
 from shiftlm.config import ModelConfig
 
-# torch.cuda device name fragment -> hardware catalog entry (first match wins: "pcie" before "h100")
-_CATALOG_BY_DEVICE_NAME = [
-    ("h100 pcie", "h100-pcie"),
-    ("h100", "h100-sxm"),
-    ("h200", "h200"),
-    ("a100-sxm4-40gb", "a100-40gb"),
-    ("a100", "a100-80gb"),
-    ("b200", "b200"),
-    ("mi300x", "mi300x"),
-    ("mi250x", "mi250x"),
-]
-
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token: 6 N + 12 L d S (PaLM, Appendix B)."""
     matmul_params = config.num_params - config.vocab_size * config.hidden_size
     attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
     return 6 * matmul_params + attention
-
-
-def device_peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak dense FLOP/s of one device of this name from the catalog, or None if it is not known."""
-    from shiftlm.sim.hardware import CATALOG
-
-    lowered = device_name.lower()
-    for fragment, key in _CATALOG_BY_DEVICE_NAME:
-        if fragment in lowered and key in CATALOG:
-            return CATALOG[key].peak_flops.get(dtype)
-    return None
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm import all_reduce
+from shiftlm.hardware import device_peak_flops
 from shiftlm.mesh import Mesh
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
@@ -48,7 +49,7 @@ from shiftlm.train.config import TrainConfig
 from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset, split_holdout
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_sync import GradSync
-from shiftlm.train.metrics import RunLog, StepRecord, device_peak_flops, flops_per_token
+from shiftlm.train.metrics import RunLog, StepRecord, flops_per_token
 from shiftlm.train.optim import clip_coefficient, learning_rate
 from shiftlm.train.pipeline import StageKey, stage_keys
 from shiftlm.train.setup import check_layout, resolve_inputs

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from shiftlm.hardware import CATALOG
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout, group_placement
 
 LINKS = Links.of(CATALOG["a100-80gb"], FIRST_PRINCIPLES)
@@ -46,9 +46,9 @@ def test_all_reduce_bus_bandwidth_is_two_n_minus_one_over_n():
 def test_pipeline_handoffs_use_the_calibrated_latency_where_measured():
     from dataclasses import replace
 
+    from shiftlm.hardware import CATALOG
     from shiftlm.sim.collectives import Links, p2p_links
     from shiftlm.sim.efficiency import MEASURED
-    from shiftlm.sim.hardware import CATALOG
 
     gpu = CATALOG["h100-sxm"]
     assert p2p_links(gpu, MEASURED) == Links.of(gpu, MEASURED)  # catalog: the collective links

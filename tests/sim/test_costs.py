@@ -57,8 +57,8 @@ def test_activation_bytes_match_korthikanti_table2(tp):
 
 def test_decode_gemms_are_memory_bound_and_prefill_gemms_compute_bound():
     """The roofline a serving runner relies on: one token per sequence reads all weights."""
+    from shiftlm.hardware import CATALOG
     from shiftlm.sim.efficiency import FIRST_PRINCIPLES
-    from shiftlm.sim.hardware import CATALOG
 
     model, h100 = PRESETS["llama3-8b"], CATALOG["h100-sxm"]
     peak, bandwidth = h100.flops("bf16") * FIRST_PRINCIPLES.gemm, h100.hbm_bandwidth * FIRST_PRINCIPLES.memory
@@ -74,7 +74,7 @@ def _profile_with_table(tmp_path):
     dgrad at half and wgrad at a quarter of the forward rate; written and read back as JSON."""
     from dataclasses import replace
 
-    from shiftlm.sim.hardware import CATALOG, load_profile, save_profile
+    from shiftlm.hardware import CATALOG, load_profile, save_profile
 
     table = tuple(
         (role, rows, 1024, 1024, rate * scale)
@@ -90,7 +90,7 @@ def test_gemm_table_rates_by_shape_and_role(tmp_path):
     assert hardware.gemm_rate("forward", 128, 1024, 1024) == 100e9
     assert hardware.gemm_rate("forward", 400, 1000, 1100) == 200e9  # nearest in log space: 512 rows
     assert hardware.gemm_rate("wgrad", 100, 1024, 1024) == 25e9
-    from shiftlm.sim.hardware import CATALOG
+    from shiftlm.hardware import CATALOG
 
     assert CATALOG["a100-80gb"].gemm_rate("forward", 128, 1024, 1024) is None  # datasheet peak instead
 
@@ -125,8 +125,8 @@ def test_layer_passes_time_dgrad_and_wgrad_at_their_measured_rates(tmp_path):
 def test_host_bound_layer_takes_the_host_time_and_a_large_one_the_device_time():
     from dataclasses import replace
 
+    from shiftlm.hardware import CATALOG
     from shiftlm.sim.efficiency import FITTED
-    from shiftlm.sim.hardware import CATALOG
 
     a100 = CATALOG["a100-80gb"]
     slow_host = replace(FITTED, host_op=1e-3, host_overlap=8.0)  # 1 ms per op: the host dominates

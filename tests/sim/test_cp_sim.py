@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from shiftlm.hardware import CATALOG
 from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links
 from shiftlm.sim.efficiency import FITTED
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.memory import layer_activation_bytes
 from shiftlm.sim.models import PRESETS

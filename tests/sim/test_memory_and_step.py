@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from shiftlm.hardware import CATALOG
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.memory import estimate_memory

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from shiftlm.hardware import CATALOG
 from shiftlm.sim.capabilities import TRAINER_ZERO_STAGES, planned_zero_stages
 from shiftlm.sim.efficiency import FITTED
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.models import PRESETS
 from shiftlm.sim.planner import plan_training, train_config_toml
 from shiftlm.sim.serve_plan import candidate_layouts

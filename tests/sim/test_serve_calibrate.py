@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from shiftlm.cli import main
+from shiftlm.hardware import CATALOG
 from shiftlm.serve.scheduler import Mode
 from shiftlm.serve.trace import TraceRequest
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.serve_calibrate import (
     EngineProfile,
     busy_requests,
@@ -108,7 +108,7 @@ def test_profile_engine_probes_real_servers_and_fits_both_modes(tiny, tmp_path):
 
 
 def test_simulate_serve_takes_an_engine_profile(tiny, tmp_path, capsys):
-    from shiftlm.sim.hardware import save_profile
+    from shiftlm.hardware import save_profile
 
     save_profile(_this(tmp_path), tmp_path / "this.json")
     EngineProfile("tiny", 1, 2, {m: HostOverhead(5e-3, 1e-4, 2e-5) for m in ("tp", "sp_tp")}, 4e-3, 1).save(

@@ -13,9 +13,9 @@ import shiftlm.serve.scheduler as serve_scheduler
 import shiftlm.sim.serve_sim as serve_sim
 from shiftlm.cli import main
 from shiftlm.data import trace_path
+from shiftlm.hardware import CATALOG
 from shiftlm.serve.trace import TraceRequest, load_trace, scale_trace
 from shiftlm.sim.efficiency import FITTED
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.models import PRESETS
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
 from shiftlm.sim.serve_sim import Slo, simulate_serving

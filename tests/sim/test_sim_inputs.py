@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shiftlm.cli import main
+from shiftlm.hardware import CATALOG, Hardware
 from shiftlm.sim import jsonout
 from shiftlm.sim.efficiency import FITTED, Efficiency, measured
-from shiftlm.sim.hardware import CATALOG, Hardware
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.models import PRESETS, gpt_style
 from shiftlm.sim.train import simulate_step

@@ -9,11 +9,11 @@ import tomllib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shiftlm.hardware import CATALOG
 from shiftlm.pipeline.simulator import ActionCosts, simulate
 from shiftlm.sim.critical_path import critical_path
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, FITTED_CLUSTER
 from shiftlm.sim.fit import fit
-from shiftlm.sim.hardware import CATALOG
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.models import PRESETS

@@ -177,6 +177,29 @@ CATALOG: dict[str, Hardware] = {
 
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "mi300": "mi300x", "mi250": "mi250x"}
 
+# torch.cuda device name fragment -> catalog entry (first match wins: "pcie" before "h100")
+_CATALOG_BY_DEVICE_NAME = [
+    ("h100 pcie", "h100-pcie"),
+    ("h100", "h100-sxm"),
+    ("h200", "h200"),
+    ("a100-sxm4-40gb", "a100-40gb"),
+    ("a100", "a100-80gb"),
+    ("b200", "b200"),
+    ("mi300x", "mi300x"),
+    ("mi250x", "mi250x"),
+]
+
+
+def device_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of one device of this (torch.cuda) name from the catalog, or None if it is
+    not known (any CPU): MFU then reads "n/a" rather than a guessed peak."""
+    lowered = device_name.lower()
+    for fragment, key in _CATALOG_BY_DEVICE_NAME:
+        if fragment in lowered:
+            return CATALOG[key].peak_flops.get(dtype)
+    return None
+
+
 DEFAULT_PROFILE = Path(os.environ.get("SHIFTLM_HARDWARE", Path.home() / ".cache/shiftlm/hardware.json"))
 
 
