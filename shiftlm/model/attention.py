@@ -80,13 +80,6 @@ class _Views:
     v_bias: torch.Tensor | None
 
 
-def view_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` without autograd (inference, as serving runs), else the deferrable `linear`."""
-    if torch.is_grad_enabled():
-        return linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def _narrow(tensor: torch.Tensor | None, dim: int, start: int, length: int) -> torch.Tensor | None:
     return None if tensor is None else tensor.narrow(dim, start, length)
 
@@ -163,15 +156,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         d, views = self.config.head_dim, self.full_tp_views(full_tp)
         batch, tokens = x.shape[:2]
-        q = view_linear(x, views.q, views.q_bias).view(batch, tokens, -1, d)
-        k = view_linear(x, views.k, views.k_bias).view(batch, tokens, -1, d)
-        v = view_linear(x, views.v, views.v_bias).view(batch, tokens, -1, d)
+        q = linear(x, views.q, views.q_bias).view(batch, tokens, -1, d)
+        k = linear(x, views.k, views.k_bias).view(batch, tokens, -1, d)
+        v = linear(x, views.v, views.v_bias).view(batch, tokens, -1, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if backend is None:
             out = causal_attention(q, k, v, self.config.sliding_window)
         else:
             out = backend(self.layer_index, q, k, v)
-        return reduce_from_group(view_linear(out.reshape(batch, tokens, -1), views.o), full_tp.group)
+        return reduce_from_group(linear(out.reshape(batch, tokens, -1), views.o), full_tp.group)
 
     def full_tp_views(self, full_tp: FullTP) -> _Views:
         """Head block j = tp*SP + sp of P as views into TP shard tp (sub-slice sp); taken once, after

@@ -18,7 +18,7 @@ from torch import nn
 from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_group
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
-from shiftlm.model.attention import Attention, AttentionBackend, FullTP, view_linear
+from shiftlm.model.attention import Attention, AttentionBackend, FullTP
 from shiftlm.model.deferred import linear
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
@@ -40,8 +40,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, full_tp: FullTP | None = None) -> torch.Tensor:
         if full_tp is not None:  # sub-slice `part` of this TP shard's FFN columns, summed over all P ranks
             gate, up, down = self.full_tp_views(full_tp)
-            hidden = F.silu(view_linear(x, gate)) * view_linear(x, up)
-            return reduce_from_group(view_linear(hidden, down), full_tp.group)
+            hidden = F.silu(linear(x, gate)) * linear(x, up)
+            return reduce_from_group(linear(hidden, down), full_tp.group)
         x = self.gate_proj.enter(x)
         return self.down_proj(F.silu(self.gate_proj(x, entered=True)) * self.up_proj(x, entered=True))
 

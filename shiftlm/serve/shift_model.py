@@ -17,10 +17,10 @@ Only the sampled rows go through the final norm and the LM head (`logits.logits_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from shiftlm.config import ConfigError
 from shiftlm.mesh import Mesh
+from shiftlm.model.deferred import inference_linear
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
@@ -55,4 +55,4 @@ class ShiftModel:
         hidden = self.model.hidden_states(token_ids[None], positions[None], backend, full_tp)[0]
         block = logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp)
         head = self.model.head_weight if mode is Mode.SP_TP else self.head_view
-        return F.linear(self.model.model.norm(hidden[block.hidden_rows]), head)
+        return inference_linear(self.model.model.norm(hidden[block.hidden_rows]), head)
