@@ -90,6 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config_file or args.config, overrides)
     if args.overwrite and args.__dict__.get("checkpoint.resume") not in (None, "false", "False", "0"):
         raise ConfigError("--overwrite starts afresh; it cannot go with --checkpoint.resume=true: drop one")
+    if args.dry_run:
+        return _dry_run(config, args)
     model = model_shape(config)  # the layout against the model, before the world size
     check_world(config, args.nproc)
     check_run_dir(config)
@@ -115,6 +117,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(end_of_run(summary))
+    return 0
+
+
+def _dry_run(config: TrainConfig, args: argparse.Namespace) -> int:
+    from shiftlm.train.dryrun import dry_run, phase_lines
+
+    phases = dry_run(config, args.dry_run_ranks)
+    print(json.dumps(phases) if args.json else "\n".join(phase_lines(phases)))
     return 0
 
 
@@ -171,6 +181,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--nproc", type=_positive_int, default=1, help="local gloo worker processes (CPU ranks) to start"
     )
     train.add_argument("--json", action="store_true", help="print one JSON summary, no step lines")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config without its cluster: layout checks, memory estimate, one step of a tiny "
+        "stand-in model with the same layout on local ranks, compared with one rank",
+    )
+    train.add_argument(
+        "--dry-run-ranks",
+        type=_positive_int,
+        default=8,
+        help="most local ranks the --dry-run stand-in may use (larger axes are halved, dp first)",
+    )
     train.add_argument(
         "--skip-memory-check",
         action="store_true",
