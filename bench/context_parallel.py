@@ -144,9 +144,9 @@ def simulate_70b() -> list[dict]:
     """The simulator's step time and memory for Llama-3 70B at 32k / 128k tokens on 64 H100s (8 per
     node, fitted efficiencies), 8 sequences per step, full recomputation, ZeRO-1."""
     from shiftlm.hardware import CATALOG
+    from shiftlm.presets import PRESETS
     from shiftlm.sim.efficiency import FITTED
     from shiftlm.sim.layout import Layout
-    from shiftlm.sim.models import PRESETS
     from shiftlm.sim.train import simulate_step
 
     rows = []

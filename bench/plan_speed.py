@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from shiftlm.hardware import CATALOG
-from shiftlm.sim.models import PRESETS
+from shiftlm.presets import PRESETS
 from shiftlm.sim.planner import plan_training
 
 CASES = [  # (gpus, model, seq, global batch)

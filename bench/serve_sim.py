@@ -17,9 +17,9 @@ from pathlib import Path
 
 from shiftlm.data import trace_path
 from shiftlm.hardware import CATALOG
+from shiftlm.presets import PRESETS
 from shiftlm.serve.trace import load_trace, scale_trace
 from shiftlm.sim.efficiency import FITTED
-from shiftlm.sim.models import PRESETS
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
 from shiftlm.sim.serve_sim import simulate_serving
 

@@ -5,7 +5,7 @@ and the peak memory of activation recomputation (none / selective / full) on a b
 
 MFU needs a peak; a CPU has no catalog entry, so this script measures one: the best fp32 GEMM
 FLOP/s of one thread (each rank runs one thread), 2 n^3 FLOPs per n x n matmul. The model FLOPs are
-`shiftlm.train.metrics.flops_per_token` (PaLM Appendix B). The first 2 steps are warm-up and dropped.
+`ModelConfig.flops_per_token` (PaLM Appendix B). The first 2 steps are warm-up and dropped.
 """
 
 from __future__ import annotations

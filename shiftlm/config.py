@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# silu: SwiGLU, what the engine runs; gelu: the plain 4h MLP of GPT shapes, which only the simulator
+# reads (the Megatron tables it is validated on)
+HIDDEN_ACTS = ("silu", "gelu")
 
 
 class ConfigError(ValueError):
@@ -78,7 +81,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only Llama-family transformer (llama, qwen2, mistral)."""
+    """A decoder-only Llama-family transformer (llama, qwen2, mistral): the one model shape, read by
+    the model, the trainer, the server and the simulator (whose presets are `ModelConfig`s)."""
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -98,6 +102,8 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
+    hidden_act: str = "silu"
+    name: str = field(default="", compare=False)  # a label for reports (a preset or checkpoint name)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -110,16 +116,51 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (supported: silu)")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """SwiGLU: three FFN matrices (gate, up, down) instead of two."""
+        return self.hidden_act == "silu"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's GEMMs (q, k, v, o and the MLP): what FLOPs are counted from."""
+        h, attention_width = self.hidden_size, self.num_heads * self.head_dim
+        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
+        return h * (2 * attention_width + 2 * self.kv_dim) + mlp
+
+    @property
+    def layer_params(self) -> int:
+        """One layer's parameters: its GEMM weights, qwen2's q/k/v biases and the two norms."""
+        bias = self.num_heads * self.head_dim + 2 * self.kv_dim if self.attention_bias else 0
+        return self.layer_matmul_params + bias + 2 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
 
     @property
     def num_params(self) -> int:
-        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        if self.attention_bias:
-            attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * f + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        embeddings = self.embedding_params * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings + self.hidden_size
+
+    def flops_per_token(self, seq_len: int, causal: bool = False) -> float:
+        """Training FLOPs (forward + backward, no recompute) per token: 6 N + 12 L d S, PaLM's MFU
+        convention (Chowdhery et al. 2022, App. B; nanoGPT's `estimate_mfu`), the one formula
+        behind the trainer's MFU and the simulator's. N counts the GEMM weights of every layer and
+        the LM head, which runs its matmul whether or not it is tied to the input embedding (the
+        embedding itself is a lookup); d = heads x head_dim. `causal` counts only the lower triangle
+        of the S x S attention (what FlashAttention and the trainer's causal SDPA execute; Dao 2023),
+        so that MFU never exceeds the hardware FLOPs utilisation."""
+        matmul = self.num_layers * self.layer_matmul_params + self.embedding_params
+        attention = (6 if causal else 12) * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6 * matmul + attention
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -168,6 +209,8 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
+            hidden_act="silu" if raw.get("hidden_act", "silu") in ("silu", "swiglu") else raw["hidden_act"],
+            name=raw.get("_name_or_path") or "",
         )
 
     @classmethod
@@ -188,7 +231,8 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise CheckpointError(f"{file} holds a {type(raw).__name__}, not a JSON object: restore it")
         try:
-            return cls.from_hf_dict(raw)
+            config = cls.from_hf_dict(raw)
+            return config if config.name else replace(config, name=file.parent.name)
         except KeyError as err:
             raise CheckpointError(
                 f"{file} lacks the key {err.args[0]!r}: it is not a Llama-family config.json"
@@ -215,7 +259,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,

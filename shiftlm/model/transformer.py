@@ -32,6 +32,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: CommGroup, sequence_parallel: bool):
         super().__init__()
+        if not config.gated_mlp:
+            raise ConfigError(
+                f"hidden_act {config.hidden_act!r}: shiftlm's model runs SwiGLU (silu) MLPs only"
+            )
         h, f = config.hidden_size, config.intermediate_size // tp.size
         self.gate_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)
         self.up_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)

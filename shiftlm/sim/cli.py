@@ -42,7 +42,7 @@ def _add_hardware_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(args: argparse.Namespace):
-    from shiftlm.sim.models import gpt_style, resolve_model
+    from shiftlm.presets import gpt_style, resolve_model
 
     if args.model:
         return resolve_model(args.model)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
-from shiftlm.sim.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -59,25 +59,26 @@ def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
 
 
 def forward_ops(
-    model: ModelSpec, sequences: float, query_tokens: int, kv_tokens: int, shard: Shard
+    model: ModelConfig, sequences: float, query_tokens: int, kv_tokens: int, shard: Shard
 ) -> list[Kernel]:
     """Kernels of one layer's forward on one GPU, for `sequences` x `query_tokens` new tokens that
     attend to `kv_tokens` positions each (training: query_tokens = kv_tokens = seq_len)."""
     width = shard.dtype_bytes
     tokens = sequences * query_tokens / (shard.sp * shard.cp)  # Ulysses and the ring split tokens
-    h, f, tp = model.hidden, model.ffn, shard.tp
-    qkv = h + 2 * model.kv_dim
+    h, f, tp = model.hidden_size, model.intermediate_size, shard.tp
+    q = model.num_heads * model.head_dim  # = h unless the config sets head_dim (Qwen3, Gemma)
+    qkv = q + 2 * model.kv_dim
     # norms + the two residual/dropout adds touch 22 bytes per hidden element (Korthikanti 4.1)
     pointwise_share = tp if shard.tp_sequence_parallel else 1
     ops = [
         Kernel("norms+residuals", 0.0, 22 * tokens * h / pointwise_share, False),
         _gemm("qkv", tokens, h, qkv / tp, width),
-        _gemm("out_proj", tokens, h / tp, h, width),
+        _gemm("out_proj", tokens, q / tp, h, width),
         _gemm("mlp_in", tokens, h, f * (2 if model.gated_mlp else 1) / tp, width),
         Kernel("activation", 0.0, (6 if model.gated_mlp else 4) * tokens * f / tp, False),
         _gemm("mlp_out", tokens, f / tp, h, width),
     ]
-    heads = model.heads / (tp * shard.sp)  # after the all-to-all: all tokens, fewer heads
+    heads = model.num_heads / (tp * shard.sp)  # after the all-to-all: all tokens, fewer heads
     q_all, d = sequences * query_tokens * heads / shard.cp, model.head_dim  # zigzag: 1/cp of the work
     if shard.flash_attention:
         # causal blocks above the diagonal are skipped (FlashAttention-2, Dao 2023, Sec. 3.1)
@@ -111,7 +112,7 @@ def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, 
 
 
 def layer_comm_time(
-    model: ModelSpec,
+    model: ModelConfig,
     tokens: float,
     shard: Shard,
     tp_links: tuple[int, int],
@@ -121,13 +122,14 @@ def layer_comm_time(
     """Communication of one layer's forward: two TP all-reduces (or the equal-volume all-gather +
     reduce-scatter pairs of Megatron SP), and Ulysses' all-to-alls of q, k, v and the output.
     `tp_links` / `sp_links` are (ranks per node, nodes) of the groups."""
-    width, h = shard.dtype_bytes, model.hidden
+    width, h = shard.dtype_bytes, model.hidden_size
     local_tokens = tokens / (shard.sp * shard.cp)
     time = 2 * all_reduce_time(local_tokens * h * width, *tp_links, links) if shard.tp > 1 else 0.0
     if shard.sp > 1:
-        qkv_bytes = local_tokens * (h + 2 * model.kv_dim) / shard.tp * width
+        q = model.num_heads * model.head_dim
+        qkv_bytes = local_tokens * (q + 2 * model.kv_dim) / shard.tp * width
         time += all_to_all_time(qkv_bytes, *sp_links, links)
-        time += all_to_all_time(local_tokens * h / shard.tp * width, *sp_links, links)
+        time += all_to_all_time(local_tokens * q / shard.tp * width, *sp_links, links)
     return time
 
 
@@ -141,7 +143,7 @@ LAYER_OPS_BACKWARD = 2 * LAYER_OPS_FORWARD
 
 
 def ring_exposed_time(
-    model: ModelSpec, tokens: float, shard: Shard, attention_time: float, crosses_node: bool, links: Links
+    model: ModelConfig, tokens: float, shard: Shard, attention_time: float, crosses_node: bool, links: Links
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ring-attention transfers *not* hidden behind the
     attention blocks (docs/context_parallel.md). Each of the cp ring steps computes 1/cp of the
@@ -153,7 +155,7 @@ def ring_exposed_time(
 
     if shard.cp == 1:
         return 0.0, 0.0
-    kv_heads = max(model.kv_heads / (shard.tp * shard.sp), 1)
+    kv_heads = max(model.num_kv_heads / (shard.tp * shard.sp), 1)
     kv_bytes = 2 * tokens / shard.cp * kv_heads * model.head_dim * shard.dtype_bytes
     send_kv = p2p_time(kv_bytes, crosses_node, links)
     send_dkv = p2p_time(kv_bytes * 4 / shard.dtype_bytes, crosses_node, links)  # fp32 accumulators
@@ -173,7 +175,7 @@ class PassCosts:
 
 
 def layer_pass_costs(
-    model: ModelSpec,
+    model: ModelConfig,
     micro_batch: int,
     seq_len: int,
     shard: Shard,
@@ -235,12 +237,12 @@ def overlapped(device: float, host: float, p: float) -> float:
 
 
 def head_pass_costs(
-    model: ModelSpec, tokens: float, shard: Shard, hardware: Hardware, efficiency: Efficiency, dtype: str
+    model: ModelConfig, tokens: float, shard: Shard, hardware: Hardware, efficiency: Efficiency, dtype: str
 ) -> PassCosts:
     """The vocabulary-parallel LM head and fp32 cross-entropy on the last stage (per micro-batch)."""
     local = tokens / (shard.sp * shard.cp)
-    logits = _gemm("lm_head", local, model.hidden, model.vocab / shard.tp, shard.dtype_bytes)
-    cross_entropy = Kernel("cross_entropy", 0.0, 12 * local * model.vocab / shard.tp, False)
+    logits = _gemm("lm_head", local, model.hidden_size, model.vocab_size / shard.tp, shard.dtype_bytes)
+    cross_entropy = Kernel("cross_entropy", 0.0, 12 * local * model.vocab_size / shard.tp, False)
     forward = kernels_time([logits, cross_entropy], hardware, efficiency, dtype)
     dgrad = kernels_time(backward_gemms([logits], "dgrad") + [cross_entropy], hardware, efficiency, dtype)
     wgrad = kernels_time(backward_gemms([logits], "wgrad"), hardware, efficiency, dtype)
@@ -251,14 +253,3 @@ def optimizer_time(local_params: float, hardware: Hardware, efficiency: Efficien
     """Fused mixed-precision Adam: reads fp32 master/m/v and the grad, writes them and the bf16 copy
     (~30 bytes per parameter); purely memory-bound."""
     return 30 * local_params / (hardware.hbm_bandwidth * efficiency.memory)
-
-
-def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:
-    """Training FLOPs per token without recompute: 3x forward (forward + 2x backward), counting the
-    full s x s attention as the MFU convention of PaLM / Megatron does, or with `causal` only its
-    lower triangle (what FlashAttention computes; Dao 2023 counts causal attention this way). MFU
-    with FlashAttention uses `causal`: a model FLOP must be one some kernel executes, so that MFU is
-    at most the hardware FLOPs utilisation, itself at most 100%."""
-    attention = (2 if causal else 4) * seq_len * model.hidden
-    dense = 2 * (model.layer_params - 2 * model.hidden)
-    return 3 * (model.layers * (dense + attention) + 2 * model.hidden * model.vocab)

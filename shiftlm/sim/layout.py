@@ -83,28 +83,28 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_fits_model(layout: Layout, model) -> None:
-    """Raise ValueError (one line, with the valid values) if `model` (a `ModelSpec`) cannot be cut
+    """Raise ValueError (one line, with the valid values) if `model` (a `ModelConfig`) cannot be cut
     this way: the same rules as the trainer's `ParallelConfig.check_model` and `check_layout`
     (query heads split over tp x sp, whole KV heads per rank, FFN rows over tp, a layer per stage)."""
     shards = layout.tp * layout.sp
-    if model.heads % shards:
-        valid = ", ".join(str(d) for d in _divisors(model.heads))
+    if model.num_heads % shards:
+        valid = ", ".join(str(d) for d in _divisors(model.num_heads))
         raise ValueError(
-            f"tp x sp = {layout.tp} x {layout.sp} = {shards} must divide the model's {model.heads} "
+            f"tp x sp = {layout.tp} x {layout.sp} = {shards} must divide the model's {model.num_heads} "
             f"attention heads; valid tp x sp: {valid}"
         )
-    kv = model.kv_heads
+    kv = model.num_kv_heads
     if kv % shards and shards % kv:
-        valid = ", ".join(str(d) for d in _divisors(model.heads) if kv % d == 0 or d % kv == 0)
+        valid = ", ".join(str(d) for d in _divisors(model.num_heads) if kv % d == 0 or d % kv == 0)
         raise ValueError(
             f"tp x sp = {shards} and the model's {kv} KV heads must divide one another; valid tp x sp: {valid}"
         )
-    if model.ffn % layout.tp:
-        raise ValueError(f"--tp {layout.tp} must divide the model's FFN width {model.ffn}")
+    if model.intermediate_size % layout.tp:
+        raise ValueError(f"--tp {layout.tp} must divide the model's FFN width {model.intermediate_size}")
     stages = layout.pp * layout.chunks
-    if stages > model.layers:
+    if stages > model.num_layers:
         raise ValueError(
-            f"pp x chunks = {stages} stages but the model has {model.layers} layers; lower --pp or --chunks"
+            f"pp x chunks = {stages} stages but the model has {model.num_layers} layers; lower --pp or --chunks"
         )
 
 

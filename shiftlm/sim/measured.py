@@ -16,8 +16,8 @@ from pathlib import Path
 
 from shiftlm.data import MEASURED_DIR
 from shiftlm.hardware import CATALOG, GIGA, Hardware, with_links
+from shiftlm.presets import ModelConfig, gpt_style
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
-from shiftlm.sim.models import ModelSpec, gpt_style
 
 A100 = CATALOG["a100-80gb"]
 # vTrain's testbed (data README): 150 GB/s intra-node, 800 Gb/s = 100 GB/s inter-node per 8 GPUs
@@ -35,7 +35,7 @@ TABLES = {
 class Case:
     table: str
     label: str
-    model: ModelSpec
+    model: ModelConfig
     layout: Layout
     hardware: Hardware
     measured: float
@@ -46,7 +46,7 @@ class Case:
         if self.metric == "iteration_s":
             return step_time
         m, layout = self.model, self.layout
-        h, s, v, layers = m.hidden, layout.seq_len, m.vocab, m.layers
+        h, s, v, layers = m.hidden_size, layout.seq_len, m.vocab_size, m.num_layers
         flops = 96 * layout.global_batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
         return flops / (step_time * layout.gpus) / 1e12
 
@@ -75,7 +75,7 @@ def _megatron_layout(row: dict, recompute: str, chunks: int, tp_sp: bool = False
     )
 
 
-def _gpt(row: dict) -> ModelSpec:
+def _gpt(row: dict) -> ModelConfig:
     return gpt_style(int(row["hidden"]), int(row["layers"]), int(row["heads"]), int(row["vocab"]))
 
 
@@ -116,7 +116,7 @@ def _vtrain(table: str, hardware: Hardware):
             "full",
             1,
         )
-        label = f"h{model.hidden} L{model.layers} tp{layout.tp} pp{layout.pp} dp{layout.dp} mb{layout.micro_batch}"
+        label = f"h{model.hidden_size} L{model.num_layers} tp{layout.tp} pp{layout.pp} dp{layout.dp} mb{layout.micro_batch}"
         return Case(
             table, label, model, layout, hardware, float(row["iteration time (ms)"]) / 1e3, "iteration_s"
         )

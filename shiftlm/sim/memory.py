@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from shiftlm.config import ModelConfig
 from shiftlm.sim.layout import Layout
-from shiftlm.sim.models import ModelSpec
 
 GIB = 2**30
 # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation: a common rule of thumb.
@@ -47,42 +47,42 @@ class MemoryEstimate:
         return {**gib, "total": round(self.total / GIB, 2), "fits": self.fits}
 
 
-def stage_params(model: ModelSpec, layout: Layout) -> float:
+def stage_params(model: ModelConfig, layout: Layout) -> float:
     """Parameters on the busiest pipeline rank (its layers plus an embedding or LM head), per TP shard."""
-    layers_per_rank = model.layers / layout.pp
+    layers_per_rank = model.num_layers / layout.pp
     # with pp > 1 the first rank holds the embedding and the last the LM head (Megatron keeps a
     # copy of tied embeddings on both); with pp = 1 one rank holds both unless they are tied
-    embeddings = 1 if layout.pp > 1 or model.tied_embeddings else 2
+    embeddings = 1 if layout.pp > 1 or model.tie_word_embeddings else 2
     return (layers_per_rank * model.layer_params + embeddings * model.embedding_params) / layout.tp
 
 
-def layer_activation_bytes(model: ModelSpec, layout: Layout, dtype_bytes: int = 2) -> float:
+def layer_activation_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> float:
     """Activations one layer keeps for one micro-batch until its backward (Korthikanti Table 2)."""
-    s, b, h, t = layout.seq_len / (layout.sp * layout.cp), layout.micro_batch, model.hidden, layout.tp
+    s, b, h, t = layout.seq_len / (layout.sp * layout.cp), layout.micro_batch, model.hidden_size, layout.tp
     if layout.recompute == "full":
         return dtype_bytes * s * b * h / (t if layout.tp_sequence_parallel else 1)
     width = dtype_bytes / 2  # the paper counts fp16 (2 bytes) plus 1-byte dropout masks
     replicated = 10 * s * b * h  # norm inputs, linear inputs, dropout masks
-    ffn = model.ffn * (3 if model.gated_mlp else 2) / h  # tensors in ffn width, in units of h
+    ffn = model.intermediate_size * (3 if model.gated_mlp else 2) / h  # tensors in ffn width, in units of h
     kv = 2 * model.kv_dim / h
     sharded = s * b * h * (2 * (1 + kv) + 2 + 2 * ffn)  # q,k,v + attention out + MLP (= 24sbh for GPT)
     total = replicated / (t if layout.tp_sequence_parallel else 1) + sharded / t
     if layout.recompute == "none" and not layout.flash_attention:
-        total += 5 * model.heads * s * layout.seq_len * b / (t * layout.sp)  # (ring attention: no scores)
+        total += 5 * model.num_heads * s * layout.seq_len * b / (t * layout.sp)  # (ring attention: no scores)
     return total * width
 
 
-def working_set_bytes(model: ModelSpec, layout: Layout, dtype_bytes: int = 2) -> float:
+def working_set_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> float:
     """Transient peak: full recompute rebuilds one layer's activations; the last stage's fp32 logits."""
     tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
-    logits = 4 * tokens * model.vocab / layout.tp
+    logits = 4 * tokens * model.vocab_size / layout.tp
     if layout.recompute != "full":
         return logits
     return logits + layer_activation_bytes(model, replace(layout, recompute="selective"), dtype_bytes)
 
 
 def estimate_memory(
-    model: ModelSpec, layout: Layout, peak_in_flight: float, capacity: float, dtype_bytes: int = 2
+    model: ModelConfig, layout: Layout, peak_in_flight: float, capacity: float, dtype_bytes: int = 2
 ) -> MemoryEstimate:
     """Memory on the busiest rank; `peak_in_flight` = most stage-micro-batches (of L/(pp*chunks)
     layers each) whose activations one rank holds at once, from the simulated schedule."""
@@ -91,7 +91,7 @@ def estimate_memory(
     weights = 2 * params / (dp if layout.zero >= 3 else 1)
     gradients = 2 * params / (dp if layout.zero >= 2 else 1)
     optimizer = 12 * params / (dp if layout.zero >= 1 else 1)
-    layers_per_chunk = model.layers / (layout.pp * layout.chunks)
+    layers_per_chunk = model.num_layers / (layout.pp * layout.chunks)
     activations = peak_in_flight * layers_per_chunk * layer_activation_bytes(model, layout, dtype_bytes)
     activations += working_set_bytes(model, layout, dtype_bytes)
     return MemoryEstimate(weights, gradients, optimizer, activations, RUNTIME_RESERVE_BYTES, capacity)

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim.capabilities import TRAINER_MEGATRON_SEQUENCE_PARALLEL, planned_zero_stages
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.memory import estimate_memory
-from shiftlm.sim.models import ModelSpec
 from shiftlm.sim.train import StageCosts, StepResult, simulate_step, stage_costs, step_overheads
 
 # Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
@@ -36,16 +36,16 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def enumerate_layouts(
-    model: ModelSpec, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int
+    model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int
 ) -> Iterator[Layout]:
     """Every layout whose shape is valid: TP inside a node dividing the KV heads (or a multiple of
     them), SP dividing the remaining heads, PP dividing the layers, micro-batches >= PP."""
-    for tp in _powers_of_two(min(gpus_per_node, model.heads)):
-        if model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+    for tp in _powers_of_two(min(gpus_per_node, model.num_heads)):
+        if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
             continue
         for sp, cp in _sequence_splits(model, gpus, tp, seq_len):
-            for pp in range(1, model.layers + 1):
-                if model.layers % pp or gpus % (tp * sp * cp * pp):
+            for pp in range(1, model.num_layers + 1):
+                if model.num_layers % pp or gpus % (tp * sp * cp * pp):
                     continue
                 dp = gpus // (tp * sp * cp * pp)
                 for micro_batch in MICRO_BATCHES:
@@ -77,11 +77,11 @@ def enumerate_layouts(
 MIN_CP_CHUNK_TOKENS = 1024
 
 
-def _sequence_splits(model: ModelSpec, gpus: int, tp: int, seq_len: int) -> Iterator[tuple[int, int]]:
+def _sequence_splits(model: ModelConfig, gpus: int, tp: int, seq_len: int) -> Iterator[tuple[int, int]]:
     """(sp, cp) pairs: Ulysses SP dividing the heads left after TP; context parallelism (ring
     attention, no head limit) in powers of two whose zigzag chunks keep >= MIN_CP_CHUNK_TOKENS."""
-    for sp in _powers_of_two(model.heads // tp):
-        if model.heads % (tp * sp) or seq_len % sp or gpus % (tp * sp):
+    for sp in _powers_of_two(model.num_heads // tp):
+        if model.num_heads % (tp * sp) or seq_len % sp or gpus % (tp * sp):
             continue
         for cp in _powers_of_two(gpus // (tp * sp)):
             chunk = seq_len / (2 * cp * sp)
@@ -90,14 +90,14 @@ def _sequence_splits(model: ModelSpec, gpus: int, tp: int, seq_len: int) -> Iter
             yield sp, cp
 
 
-def _schedules(model: ModelSpec, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
+def _schedules(model: ModelConfig, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
     if pp == 1:
         yield "none", 1
         return
     if microbatches < pp:
         return
     for name, chunks in SCHEDULE_CHUNKS.items():
-        if model.layers % (pp * chunks) == 0:
+        if model.num_layers % (pp * chunks) == 0:
             yield name, chunks
 
 
@@ -151,7 +151,7 @@ class Plan:
 
 
 def plan_training(
-    model: ModelSpec,
+    model: ModelConfig,
     hardware: Hardware,
     gpus: int,
     seq_len: int,

@@ -42,11 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.efficiency import measured
-from shiftlm.sim.models import from_hf_config
 from shiftlm.sim.serve_runner import HostOverhead, ServeHardware, ServeLayout, StepCostModel
 from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
 
@@ -102,9 +102,7 @@ def engine_setup(model_dir: Path, hardware: Hardware, profile: EngineProfile | N
     """The CPU engine as the cost model sees it: the checkpoint's shapes, fp32 weights and cache, the
     calibrated kernel rates plus one eager op per kernel, and (with `profile`) the engine's measured
     host overheads and request path."""
-    setup = ServeHardware(
-        from_hf_config(Path(model_dir) / "config.json"), hardware, measured(hardware.extra), "fp32", "fp32"
-    )
+    setup = ServeHardware(ModelConfig.from_hf(model_dir), hardware, measured(hardware.extra), "fp32", "fp32")
     return profile.apply(setup) if profile is not None else setup
 
 
@@ -127,7 +125,7 @@ def fit_mode(setup: ServeHardware, layout: ServeLayout, steps: list[dict]) -> Ho
     """HostOverhead of one mode from its probe steps (`start`, `seconds`, `tokens`, `seqs`): the
     residual of the execution over the kernel model on [1, chunks x layers, tokens], plus the gap
     between back-to-back steps on [1, chunks] (its per-chunk part joins per_chunk_layer / layers)."""
-    layers = setup.model.layers
+    layers = setup.model.num_layers
     cost = StepCostModel(replace(setup, host=None), layout)  # the plan names the mode
     plans = [step_plan(s) for s in steps]
     per_step, per_chunk_layer, per_token = _least_squares(

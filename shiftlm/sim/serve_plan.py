@@ -34,7 +34,9 @@ def tp_degrees(setup: ServeHardware, gpus: int) -> list[int]:
     return [
         tp
         for tp in (2**i for i in range(int(math.log2(gpus)) + 1))
-        if gpus % tp == 0 and model.heads % tp == 0 and (model.kv_heads % tp == 0 or tp % model.kv_heads == 0)
+        if gpus % tp == 0
+        and model.num_heads % tp == 0
+        and (model.num_kv_heads % tp == 0 or tp % model.num_kv_heads == 0)
     ]
 
 
@@ -58,12 +60,12 @@ def check_serve_layout(setup: ServeHardware, layout: ServeLayout) -> None:
     over the sp x tp ranks of a replica (both modes shard heads P = sp x tp ways) and every rank's
     query heads share whole KV heads, as `shiftlm serve` requires (`ParallelConfig.check_model`)."""
     model, shards = setup.model, layout.gpus_per_replica
-    valid = [d for d in range(1, model.heads + 1) if model.heads % d == 0]
-    valid = [d for d in valid if model.kv_heads % d == 0 or d % model.kv_heads == 0]
-    if model.heads % shards or (model.kv_heads % shards and shards % model.kv_heads):
+    valid = [d for d in range(1, model.num_heads + 1) if model.num_heads % d == 0]
+    valid = [d for d in valid if model.num_kv_heads % d == 0 or d % model.num_kv_heads == 0]
+    if model.num_heads % shards or (model.num_kv_heads % shards and shards % model.num_kv_heads):
         raise ValueError(
-            f"{layout.name}: sp x tp = {shards} GPUs per replica must divide the model's {model.heads} "
-            f"attention heads and share whole KV heads ({model.kv_heads}); valid sp x tp: "
+            f"{layout.name}: sp x tp = {shards} GPUs per replica must divide the model's {model.num_heads} "
+            f"attention heads and share whole KV heads ({model.num_kv_heads}); valid sp x tp: "
             + ", ".join(map(str, valid))
         )
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.serve.scheduler import Mode, StepPlan
 from shiftlm.sim.collectives import Links
 from shiftlm.sim.costs import Kernel, Shard, forward_ops, head_pass_costs, kernels_time, layer_comm_time
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.memory import RUNTIME_RESERVE_BYTES
-from shiftlm.sim.models import ModelSpec
 
 ACTIVATION_DTYPE = "bf16"
 
@@ -84,7 +84,7 @@ class HostOverhead:
 
 @dataclass(frozen=True)
 class ServeHardware:
-    model: ModelSpec
+    model: ModelConfig
     hardware: Hardware
     efficiency: Efficiency
     dtype: str = "fp8"  # weights and GEMMs
@@ -111,8 +111,8 @@ class StepCostModel:
         self.links = Links.of(setup.hardware, setup.efficiency)
         ranks = layout.gpus_per_replica
         model = setup.model
-        self.heads_per_rank = model.heads / ranks
-        self.kv_heads_per_rank = max(1.0, model.kv_heads / ranks)
+        self.heads_per_rank = model.num_heads / ranks
+        self.kv_heads_per_rank = max(1.0, model.num_kv_heads / ranks)
         self._dense_cache: dict[tuple[Mode, int, int], float] = {}  # steps repeat the same sizes
 
     def step_time(self, plan: StepPlan) -> float:
@@ -120,7 +120,7 @@ class StepCostModel:
         key = (plan.mode, plan.num_tokens, plan.num_samples)
         if key not in self._dense_cache:
             self._dense_cache[key] = self._dense_time(*key)
-        host = self.setup.host[plan.mode].time(plan, self.setup.model.layers) if self.setup.host else 0.0
+        host = self.setup.host[plan.mode].time(plan, self.setup.model.num_layers) if self.setup.host else 0.0
         return self._dense_cache[key] + self._attention_time(contexts) + host
 
     def _shard(self, mode: Mode, dtype_bytes: int) -> Shard:
@@ -145,7 +145,7 @@ class StepCostModel:
         layer += layer_comm_time(setup.model, padded, comm_shard, tp_links, sp_links, self.links)
         head_rows = math.ceil(samples / sp) * sp
         head = head_pass_costs(setup.model, head_rows, shard, setup.hardware, setup.efficiency, setup.dtype)
-        return setup.model.layers * layer + head.forward
+        return setup.model.num_layers * layer + head.forward
 
     def _attention_time(self, contexts: tuple[tuple[int, int], ...]) -> float:
         """One varlen paged-attention kernel per layer over every chunk (start, new tokens): causal
@@ -158,7 +158,9 @@ class StepCostModel:
             flops += 4 * queries * (start + new / 2) * d
             nbytes += 2 * queries * d * act + 2 * (start + new) * self.kv_heads_per_rank * d * kv
         kernel = Kernel("paged_attention", flops, nbytes, True)
-        return setup.model.layers * kernels_time([kernel], setup.hardware, setup.efficiency, ACTIVATION_DTYPE)
+        return setup.model.num_layers * kernels_time(
+            [kernel], setup.hardware, setup.efficiency, ACTIVATION_DTYPE
+        )
 
 
 @dataclass(frozen=True)
@@ -178,12 +180,14 @@ def kv_capacity(
     runtime reserve, one step's bf16 working set (residual stream, gate/up output, fp32 logits of
     the sampled rows) and the rest for K/V: 2 x layers x kv_heads_per_rank x head_dim per token."""
     model, hardware = setup.model, setup.hardware
-    weights = model.params * DTYPE_BYTES[setup.dtype] / layout.tp
+    weights = model.num_params * DTYPE_BYTES[setup.dtype] / layout.tp
     act = DTYPE_BYTES[ACTIVATION_DTYPE]
-    gate_up = (2 if model.gated_mlp else 1) * model.ffn / layout.tp
-    workspace = max_tokens_per_step * (3 * model.hidden + gate_up) * act + 4 * 256 * model.vocab / layout.tp
-    kv_heads = max(1.0, model.kv_heads / layout.gpus_per_replica)
-    per_token = 2 * model.layers * kv_heads * model.head_dim * DTYPE_BYTES[setup.kv_dtype]
+    gate_up = (2 if model.gated_mlp else 1) * model.intermediate_size / layout.tp
+    workspace = (
+        max_tokens_per_step * (3 * model.hidden_size + gate_up) * act + 4 * 256 * model.vocab_size / layout.tp
+    )
+    kv_heads = max(1.0, model.num_kv_heads / layout.gpus_per_replica)
+    per_token = 2 * model.num_layers * kv_heads * model.head_dim * DTYPE_BYTES[setup.kv_dtype]
     free = hardware.hbm_bytes - weights - RUNTIME_RESERVE_BYTES - workspace
     blocks = max(0, int(free // (per_token * block_size)))
     return KvCapacity(weights, workspace, per_token, blocks)

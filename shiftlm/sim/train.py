@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, check_fits_model, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
-from shiftlm.sim.models import ModelSpec
 
 
 @lru_cache(maxsize=4096)
@@ -53,7 +53,12 @@ class StageCosts:
 
 
 def stage_costs(
-    model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str, num_stages: int
+    model: ModelConfig,
+    layout: Layout,
+    hardware: Hardware,
+    efficiency: Efficiency,
+    dtype: str,
+    num_stages: int,
 ) -> StageCosts:
     """F / I / W for each of `num_stages` stages (layers split evenly; the embedding on the first
     stage, LM head and loss on the last)."""
@@ -81,7 +86,7 @@ def stage_costs(
     )
     layer = replace(layer, backward_input=layer.backward_input + ring_backward)
     head = costs.head_pass_costs(model, tokens, shard, hardware, efficiency, dtype)
-    layers = model.layers / num_stages
+    layers = model.num_layers / num_stages
     comm_per_stage = layers * (comm * (3 if layout.recompute == "full" else 2) + ring_backward)
     forward = [layers * layer.forward] * num_stages
     backward_input = [layers * layer.backward_input] * num_stages
@@ -92,10 +97,10 @@ def stage_costs(
     # vocab-parallel embedding: one all-reduce of the embedded tokens in forward (Megatron 2019, Sec. 3)
     if layout.tp > 1:
         forward[0] += all_reduce_time(
-            tokens / (layout.sp * layout.cp) * model.hidden * width, *tp_links, links
+            tokens / (layout.sp * layout.cp) * model.hidden_size * width, *tp_links, links
         )
     activation_bytes = (
-        tokens / (layout.sp * layout.cp) * model.hidden * width / layout.tp
+        tokens / (layout.sp * layout.cp) * model.hidden_size * width / layout.tp
     )  # scatter-gather p2p
     crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
     p2p = p2p_time(activation_bytes, crosses, p2p_links(hardware, efficiency)) if layout.pp > 1 else 0.0
@@ -196,7 +201,7 @@ class StepResult:
 
 
 def grad_sync_time(
-    model: ModelSpec, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
+    model: ModelConfig, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
 ) -> float:
     """DP sync of one rank's gradients. ZeRO-1/2 reduce-scatter grads and all-gather weights, the
     same volume as an all-reduce; ZeRO-3 moves 1.5x that (Rajbhandari et al. 2020, Sec. 7). The group
@@ -214,7 +219,7 @@ def grad_sync_time(
 
 
 def step_overheads(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Layout,
     hardware: Hardware,
     efficiency: Efficiency,
@@ -231,7 +236,7 @@ def step_overheads(
 
 
 def simulate_step(
-    model: ModelSpec,
+    model: ModelConfig,
     layout: Layout,
     hardware: Hardware,
     efficiency: Efficiency = FIRST_PRINCIPLES,
@@ -249,7 +254,7 @@ def simulate_step(
 
     tokens = layout.global_batch * layout.seq_len
     causal = layout.flash_attention  # the kernels skip the upper triangle; MFU counts what they run
-    model_flops = costs.model_flops_per_token(model, layout.seq_len, causal) * tokens
+    model_flops = model.flops_per_token(layout.seq_len, causal) * tokens
     comm = sum(stage.comm[s] for s in busiest_stages) * layout.microbatches
     memory = estimate_memory(model, layout, peak, hardware.hbm_bytes, DTYPE_BYTES[dtype])
     return StepResult(

@@ -1,11 +1,10 @@
 """What a training run reports: one line per step, a progress bar on a terminal, JSONL, a loss plot
 (training and held-out validation loss), and TensorBoard scalars when `tensorboard` is installed.
 
-Model FLOPs per token follow PaLM (Chowdhery et al. 2022, Appendix B), as nanoGPT's `estimate_mfu`:
-6 N for the matmul parameters N (forward 2N, backward 4N; the input embedding is a lookup and does
-not count) plus 12 L d S for attention scores and values over a context of S tokens (L layers,
-d = heads x head_dim). Recomputation is not counted: MFU measures useful work. The peak comes from
-the hardware catalog by device name; where the device is unknown (any CPU) MFU reads "n/a" rather
+Model FLOPs per token are `ModelConfig.flops_per_token` (PaLM's 6 N + 12 L d S, the formula the
+simulator uses too), with causal attention counted as the causal SDPA executes it. Recomputation is
+not counted: MFU measures useful work. The peak comes from the hardware catalog by device name
+(`shiftlm.hardware.device_peak_flops`); where the device is unknown (any CPU) MFU reads "n/a" rather
 than a guessed peak.
 """
 
@@ -20,11 +19,14 @@ from pathlib import Path
 from shiftlm.config import ModelConfig
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token: 6 N + 12 L d S (PaLM, Appendix B)."""
-    matmul_params = config.num_params - config.vocab_size * config.hidden_size
-    attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq_len
-    return 6 * matmul_params + attention
+def throughput(
+    model: ModelConfig, seq_len: int, sequences: int, step_time: float, devices: int, peak: float | None
+) -> tuple[float, float, float | None]:
+    """(tokens/s, model FLOP/s per device, MFU or None without a known peak) of a step that trained
+    `sequences` sequences of `seq_len` tokens on `devices` devices in `step_time` seconds."""
+    tokens_per_s = sequences * seq_len / step_time
+    achieved = model.flops_per_token(seq_len, causal=True) * tokens_per_s / devices
+    return tokens_per_s, achieved, (achieved / peak if peak else None)
 
 
 @dataclass

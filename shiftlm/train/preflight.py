@@ -71,12 +71,10 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
     """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory."""
     from shiftlm.sim.layout import Layout
     from shiftlm.sim.memory import estimate_memory, stage_params
-    from shiftlm.sim.models import from_model_config
     from shiftlm.train.pipeline import resolved_chunks
     from shiftlm.train.step import autocast_dtype
 
     p, t = config.parallel, config.train
-    spec = from_model_config(config.model.name, model)
     chunks = resolved_chunks(config)
     layout = Layout(
         dp=p.dp,
@@ -103,8 +101,8 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
             in_flight = layout.microbatches * chunks
     capacity, device, sharing = _available_bytes()
     activation_bytes = 2 if autocast_dtype(config) is not None else 4
-    memory = estimate_memory(spec, layout, in_flight, capacity, activation_bytes)
-    params = stage_params(spec, layout)
+    memory = estimate_memory(model, layout, in_flight, capacity, activation_bytes)
+    params = stage_params(model, layout)
     memory = replace(
         memory,
         weights=4 * params,

@@ -71,21 +71,10 @@ def _model_config(name: str, vocab_size: int, eos_token_id: int) -> tuple[ModelC
         config = ModelConfig.from_hf(path)
         has_weights = path.is_dir() and any(path.glob("model*.safetensors"))
         return config, (path if has_weights else None)
-    from shiftlm.sim.models import PRESETS
+    from shiftlm.presets import PRESETS
 
     if name.lower() in PRESETS:
-        spec = PRESETS[name.lower()]
-        return ModelConfig(
-            vocab_size=spec.vocab,
-            hidden_size=spec.hidden,
-            intermediate_size=spec.ffn,
-            num_layers=spec.layers,
-            num_heads=spec.heads,
-            num_kv_heads=spec.kv_heads,
-            head_dim=spec.head_dim,
-            tie_word_embeddings=spec.tied_embeddings,
-            model_type="qwen2" if name.lower().startswith("qwen") else "llama",
-        ), None
+        return PRESETS[name.lower()], None
     known = ", ".join([*EMBEDDED_MODELS, *PRESETS])
     raise ConfigError(
         f"model.name {name!r} is neither a preset ({known}) nor an existing path to an HF config"

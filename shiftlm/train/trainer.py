@@ -49,7 +49,7 @@ from shiftlm.train.config import TrainConfig
 from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset, split_holdout
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_sync import GradSync
-from shiftlm.train.metrics import RunLog, StepRecord, flops_per_token
+from shiftlm.train.metrics import RunLog, StepRecord, throughput
 from shiftlm.train.optim import clip_coefficient, learning_rate
 from shiftlm.train.pipeline import StageKey, stage_keys
 from shiftlm.train.setup import check_layout, resolve_inputs
@@ -156,7 +156,6 @@ class Trainer:
             if self.mesh.rank == 0
             else None
         )
-        self.flops_per_token = flops_per_token(self.inputs.model, config.train.seq_len)
 
     def _norm_mask(self, owned: list) -> torch.Tensor:
         """Count each element of the whole model once: replica 0 only (BitPipe), the embedding and not
@@ -315,8 +314,9 @@ class Trainer:
                 val_loss = result.val_losses[step + 1] = self.validation_loss()
             elapsed = time.perf_counter() - tick
             if self.log is not None:
-                tokens_per_s = cfg.global_batch * cfg.seq_len / elapsed
-                achieved = self.flops_per_token * tokens_per_s / self.mesh.world_size
+                tokens_per_s, achieved, mfu = throughput(
+                    self.inputs.model, cfg.seq_len, cfg.global_batch, elapsed, self.mesh.world_size, peak
+                )
                 done = step + 1 - self.start_step
                 self.log.step(
                     StepRecord(
@@ -326,7 +326,7 @@ class Trainer:
                         grad_norm=grad_norm,
                         tokens_per_s=tokens_per_s,
                         tflops_per_device=achieved / 1e12,
-                        mfu=achieved / peak if peak else None,
+                        mfu=mfu,
                         memory_gb=_memory_gb(),
                         step_time_s=elapsed,
                         eta_s=(time.perf_counter() - started) / done * (cfg.steps - step - 1),

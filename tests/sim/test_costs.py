@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shiftlm.presets import PRESETS, gpt_style
 from shiftlm.sim import costs
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.memory import layer_activation_bytes
-from shiftlm.sim.models import PRESETS, gpt_style
 
 dims = st.sampled_from([(1024, 16), (4096, 32), (12288, 96)])
 
@@ -27,9 +27,9 @@ def test_gpt_layer_forward_flops_are_narayanan_24bsh2_plus_4bs2h(dims, batch, se
 
 def test_model_flops_match_the_korthikanti_mfu_formula():
     model, seq = gpt_style(12288, 96, 96, vocab=51200), 2048
-    h, layers, vocab = model.hidden, model.layers, model.vocab
+    h, layers, vocab = model.hidden_size, model.num_layers, model.vocab_size
     per_token = 72 * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
-    assert costs.model_flops_per_token(model, seq) == pytest.approx(per_token, rel=1e-9)
+    assert model.flops_per_token(seq) == pytest.approx(per_token, rel=1e-9)
 
 
 def test_flash_attention_halves_causal_attention_flops():
@@ -43,7 +43,7 @@ def test_flash_attention_halves_causal_attention_flops():
 @pytest.mark.parametrize("tp", [1, 2, 8])
 def test_activation_bytes_match_korthikanti_table2(tp):
     model = gpt_style(6144, 4, 48)
-    s, b, h, a = 2048, 2, model.hidden, model.heads
+    s, b, h, a = 2048, 2, model.hidden_size, model.num_heads
     base = Layout(dp=1, pp=1, tp=tp, micro_batch=b, seq_len=s, flash_attention=False)
     plain = Layout(**{**base.__dict__, "recompute": "none", "tp_sequence_parallel": False})
     assert layer_activation_bytes(model, plain) == pytest.approx(

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from shiftlm.hardware import CATALOG
+from shiftlm.presets import PRESETS
 from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links
 from shiftlm.sim.efficiency import FITTED
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.memory import layer_activation_bytes
-from shiftlm.sim.models import PRESETS
 from shiftlm.sim.planner import plan_training, train_config_toml
 from shiftlm.sim.train import simulate_step
 
@@ -74,7 +74,7 @@ def test_plan_train_picks_cp_for_128k_and_not_for_4k(tmp_path):
     path.write_text(train_config_toml("llama3-70b", long.ranked[0].layout))
     config = load_config(path)
     assert config.parallel.cp == long.ranked[0].layout.cp
-    model, _ = _model_config(config.model.name, MODEL.vocab, 0)
+    model, _ = _model_config(config.model.name, MODEL.vocab_size, 0)
     assert check_layout(config, model, 64).cp == config.parallel.cp
     short = plan_training(MODEL, H100, 64, 4096, 64, top_k=3, efficiency=FITTED)
     assert short.ranked and all(r.layout.cp == 1 for r in short.ranked)

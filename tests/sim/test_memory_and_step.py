@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from shiftlm.hardware import CATALOG
+from shiftlm.presets import PRESETS, gpt_style
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.memory import estimate_memory
-from shiftlm.sim.models import PRESETS, gpt_style
 from shiftlm.sim.train import peak_in_flight, simulate_step
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]

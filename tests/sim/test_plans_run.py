@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from shiftlm.hardware import CATALOG
+from shiftlm.presets import PRESETS
 from shiftlm.sim.capabilities import TRAINER_ZERO_STAGES, planned_zero_stages
 from shiftlm.sim.efficiency import FITTED
-from shiftlm.sim.models import PRESETS
 from shiftlm.sim.planner import plan_training, train_config_toml
 from shiftlm.sim.serve_plan import candidate_layouts
 from shiftlm.sim.serve_runner import ServeHardware
@@ -33,7 +33,7 @@ def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, s
         path = tmp_path / "plan.toml"
         path.write_text(train_config_toml(name, ranked.layout))
         config = load_config(path)  # validates every key and value, ZeRO stage included
-        model, _ = _model_config(config.model.name, PRESETS[name].vocab, 0)
+        model, _ = _model_config(config.model.name, PRESETS[name].vocab_size, 0)
         parallel = check_layout(config, model, gpus)
         assert parallel.world_size == gpus and not parallel.sequence_parallel
         assert config.train.zero in TRAINER_ZERO_STAGES

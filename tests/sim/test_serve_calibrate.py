@@ -58,7 +58,7 @@ def test_fit_mode_recovers_the_host_overhead_and_the_loop_gap(tiny, tmp_path):
         steps.append(step)
         clock += step["seconds"] + 0.5e-3 + 40e-6 * seqs
     fitted = fit_mode(setup, LAYOUT, steps)
-    layers = setup.model.layers
+    layers = setup.model.num_layers
     assert fitted.per_step == pytest.approx(truth.per_step + 0.5e-3, rel=1e-6)
     assert fitted.per_chunk_layer == pytest.approx(truth.per_chunk_layer + 40e-6 / layers, rel=1e-6)
     assert fitted.per_token == pytest.approx(truth.per_token, rel=1e-6)

@@ -14,9 +14,9 @@ import shiftlm.sim.serve_sim as serve_sim
 from shiftlm.cli import main
 from shiftlm.data import trace_path
 from shiftlm.hardware import CATALOG
+from shiftlm.presets import PRESETS
 from shiftlm.serve.trace import TraceRequest, load_trace, scale_trace
 from shiftlm.sim.efficiency import FITTED
-from shiftlm.sim.models import PRESETS
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
 from shiftlm.sim.serve_sim import Slo, simulate_serving
 

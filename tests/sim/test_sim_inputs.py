@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from shiftlm.cli import main
 from shiftlm.hardware import CATALOG, Hardware
+from shiftlm.presets import PRESETS, gpt_style
 from shiftlm.sim import jsonout
 from shiftlm.sim.efficiency import FITTED, Efficiency, measured
 from shiftlm.sim.layout import Layout
-from shiftlm.sim.models import PRESETS, gpt_style
 from shiftlm.sim.train import simulate_step
 
 

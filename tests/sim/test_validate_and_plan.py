@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from shiftlm.hardware import CATALOG
 from shiftlm.pipeline.simulator import ActionCosts, simulate
+from shiftlm.presets import PRESETS
 from shiftlm.sim.critical_path import critical_path
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, FITTED_CLUSTER
 from shiftlm.sim.fit import fit
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
-from shiftlm.sim.models import PRESETS
 from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
 from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
 from shiftlm.sim.validate import mape, percentile_abs_error, replay, table_summary
@@ -100,7 +100,8 @@ def test_step_time_bound_never_exceeds_the_simulated_makespan(schedule, pp, roun
     microbatches = pp * rounds  # interleaved 1F1B needs a multiple of pp
     layout = Layout(1, pp, 2, 1, micro_batch, microbatches * micro_batch, 2048, schedule, chunks, recompute)
     stage = stage_costs(LLAMA_8B, layout, H100, FIRST_PRINCIPLES, "bf16", pp * chunks)
-    assert step_time_bound(layout, stage) <= pipeline_timing(layout, stage).makespan * (1 + 1e-12)
+    # the bound and the simulator sum the same costs in different orders: 1e-12 is float round-off
+    assert step_time_bound(layout, stage) <= pipeline_timing(layout, stage).makespan * (1 + 1e-9)
 
 
 def test_memoised_pipeline_timing_scales_with_the_costs():
