@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shiftlm.model.inference_linear import inference_linear
+
 _deferring: tuple[WeightGradStore, Hashable] | None = None
 
 
@@ -111,26 +113,6 @@ class _DeferrableLinear(torch.autograd.Function):
 
             store.put(key, weight_pass)
         return grad_x, None, None
-
-
-def _onednn_dtypes() -> frozenset[torch.dtype]:
-    if not torch.backends.mkldnn.is_available():
-        return frozenset()
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
-
-
-# Inference GEMMs on CPU go to oneDNN: on this machine's AVX-512 cores it runs the fp32 GEMMs of a
-# hidden-512 model ~2.3x faster than `F.linear` (MKL) at 32-512 rows and equally fast at 1 row, with
-# the plain weight as it is (views included, nothing packed or copied; docs/serving.md "Decode step").
-ONEDNN_DTYPES = _onednn_dtypes()
-
-
-def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` without autograd: oneDNN's matmul for CPU tensors it supports, else `F.linear`."""
-    if x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from shiftlm.config import ConfigError
 from shiftlm.mesh import Mesh
-from shiftlm.model.deferred import inference_linear
+from shiftlm.model.inference_linear import PackedWeights, inference_linear
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
@@ -30,7 +30,7 @@ from shiftlm.serve.scheduler import Mode
 class ShiftModel:
     """Runs a step on this rank in either mode; returns its share of the sampled rows' logits."""
 
-    def __init__(self, model: Transformer, mesh: Mesh, cache: PagedKVCache):
+    def __init__(self, model: Transformer, mesh: Mesh, cache: PagedKVCache, pack_weights: bool = True):
         config = model.config
         self.model, self.mesh, self.cache, self.config = model, mesh, cache, config
         sp, tp = mesh.config.sp, mesh.config.tp
@@ -40,10 +40,18 @@ class ShiftModel:
         head = model.head_weight  # [padded_vocab / T, hidden]
         self.vocab_per_tp = head.shape[0]
         self.head_view = head.narrow(0, *full_tp_vocab_part(mesh.coords.sp, sp, self.vocab_per_tp))
+        # oneDNN-layout copies of the weights each mode uses, made on the first step that uses them
+        self.packed = PackedWeights() if pack_weights else None
 
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
+        if self.packed is None:
+            return self._forward(batch, mode)
+        with self.packed.active():
+            return self._forward(batch, mode)
+
+    def _forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         token_ids, positions = batch.token_ids, batch.positions
         if mode is Mode.SP_TP and self.mesh.sp.size > 1:  # Ulysses: my contiguous slice of the tokens
             per_rank = token_ids.numel() // self.mesh.sp.size

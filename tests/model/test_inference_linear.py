@@ -1,0 +1,66 @@
+"""Inference linears (oneDNN, plain or packed weights) compute what `F.linear` computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shiftlm.model.deferred import linear
+from shiftlm.model.inference_linear import ONEDNN_DTYPES, PackedWeights, inference_linear
+
+needs_onednn = pytest.mark.skipif(torch.float32 not in ONEDNN_DTYPES, reason="oneDNN is not available")
+
+
+def _weights() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 40), torch.randn(48)
+    return {
+        "whole": (weight, bias),
+        "row view": (weight.narrow(0, 16, 16), bias.narrow(0, 16, 16)),  # full-TP's q/k/v/gate/up
+        "column view": (weight.narrow(1, 20, 20), None),  # full-TP's o/down: a strided weight
+    }
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("packed", [False, True])
+def test_inference_linear_equals_f_linear_on_weights_and_views(rows, packed):
+    weights = _weights()
+    cache = PackedWeights()
+    for name, (weight, bias) in weights.items():
+        x = torch.randn(1, rows, weight.shape[1])
+        if packed:
+            with cache.active():
+                out = inference_linear(x, weight, bias)
+        else:
+            out = inference_linear(x, weight, bias)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5, msg=name)
+    if packed and torch.float32 in ONEDNN_DTYPES:
+        assert len(cache) == len(weights)  # one copy per view: the two views of one storage differ
+
+
+@needs_onednn
+def test_packed_copies_are_made_once_and_only_inside_active():
+    weight = torch.randn(24, 16)
+    cache = PackedWeights()
+    inference_linear(torch.randn(3, 16), weight)
+    assert len(cache) == 0
+    with cache.active():
+        for rows in (1, 5, 64):
+            inference_linear(torch.randn(rows, 16), weight)
+    assert len(cache) == 1
+
+
+def test_linear_without_grad_skips_autograd_and_with_grad_keeps_it():
+    weight = torch.randn(8, 6, requires_grad=True)
+    x = torch.randn(2, 6)
+    with torch.no_grad():
+        assert linear(x, weight).grad_fn is None
+    out = linear(x, weight)
+    out.sum().backward()
+    torch.testing.assert_close(weight.grad, torch.ones(2, 8).t() @ x)
+
+
+def test_other_dtypes_fall_back_to_f_linear():
+    weight, x = torch.randn(8, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
+    assert torch.equal(inference_linear(x, weight), F.linear(x, weight))
