@@ -55,8 +55,8 @@ def cpu_peak_flops(size: int = 512, repeats: int = 5) -> float:
 
 def bench_layout(overrides: list[str], nproc: int, steps: int, warmup: int = 2) -> dict:
     from shiftlm.launch import LocalWorkers
-    from shiftlm.train.cli import run_training
     from shiftlm.train.config import load_config
+    from shiftlm.train.elastic import run_training
 
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(

@@ -31,7 +31,7 @@ from shiftlm.serve.engine import PromptTooLong
 from shiftlm.serve.middleware import GuardMiddleware
 from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from shiftlm.serve.responses import Choices, merged, render_response, render_stream
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.sequence import InvalidRequest
 from shiftlm.serve.text import Tokenizer
 
 log = logging.getLogger("shiftlm.serve")
@@ -58,7 +58,7 @@ def max_chars_per_token(tokenizer) -> int:
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) -> FastAPI:
     app = FastAPI(title="shiftlm")
     model_name = options.model_name
-    max_chars = engine.engine.max_model_len * max_chars_per_token(tokenizer)
+    max_chars = engine.max_model_len * max_chars_per_token(tokenizer)
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shiftlm-tokenize")
 
     @app.exception_handler(ApiError)
@@ -98,7 +98,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "shiftlm"}
-        return {"object": "list", "data": [{**card, "max_model_len": engine.engine.max_model_len}]}
+        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -110,7 +110,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         if size > max_chars:
             raise ApiError(
                 413,
-                f"the {param} has {size} characters, more than the context of {engine.engine.max_model_len} "
+                f"the {param} has {size} characters, more than the context of {engine.max_model_len} "
                 "tokens can hold; shorten it",
                 param,
             )
@@ -134,27 +134,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             raise ApiError(400, f"{field!r} is not supported by shiftlm; remove it from the request", field)
         try:
             params = body.sampling_params(default_tokens, logprobs, prompt_logprobs)
-            for token_id, _ in params.logit_bias:
-                if not 0 <= token_id < engine.engine.vocab_size:
-                    raise InvalidRequest(
-                        f"logit_bias token {token_id} is not in [0, {engine.engine.vocab_size})", "logit_bias"
-                    )
-            for i, prompt_ids in enumerate(prompts):
-                engine.check(prompt_ids, params, extra=i)
+            return params, engine.submit(prompts, params)
         except PromptTooLong as err:
             raise ApiError(413, str(err), err.param) from None
         except InvalidRequest as err:
             raise ApiError(400, str(err), err.param) from None
         except (Overloaded, EngineDead) as err:
-            with engine.engine.metrics.lock:
-                engine.engine.metrics.rejected_requests += 1
             raise ApiError(429 if isinstance(err, Overloaded) else 503, str(err)) from None
-        return params
 
-    async def run(
-        request: Request, body: _SamplingFields, prompts, texts, params: SamplingParams, choices: Choices
-    ):
-        streams = [engine.generate(ids, params) for ids in prompts]
+    async def run(request: Request, body: _SamplingFields, streams, choices: Choices):
         if body.stream:
             return StreamingResponse(render_stream(merged(streams), choices), media_type="text/event-stream")
         task = asyncio.ensure_future(_consume(merged(streams), choices))
@@ -185,7 +173,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 prompts.append(list(text))
         logprobs = body.logprobs
         prompt_logprobs = logprobs if body.echo and logprobs is not None else None
-        params = admit(body, prompts, options.default_max_tokens, logprobs, prompt_logprobs)
+        params, streams = admit(body, prompts, options.default_max_tokens, logprobs, prompt_logprobs)
         choices = Choices(
             "cmpl",
             body,
@@ -197,7 +185,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             echo=body.echo,
             drop_output=max_tokens_zero,
         )
-        return await run(request, body, prompts, texts, params, choices)
+        return await run(request, body, streams, choices)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
@@ -223,10 +211,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        default = max(1, engine.engine.max_model_len - len(prompt_ids) - 1)
-        params = admit(body, [prompt_ids], default, logprobs, None)
+        default = max(1, engine.max_model_len - len(prompt_ids) - 1)
+        params, streams = admit(body, [prompt_ids], default, logprobs, None)
         choices = Choices("chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True)
-        return await run(request, body, [prompt_ids], None, params, choices)
+        return await run(request, body, streams, choices)
 
     return GuardMiddleware(app, options.max_request_bytes, options.api_key)
 

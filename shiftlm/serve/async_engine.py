@@ -1,7 +1,7 @@
 """Runs the engine loop in one thread and hands its outputs to asyncio request handlers.
 
-The HTTP side validates a request (so a bad one fails alone, before anything is queued), then posts it
-to the engine thread, which owns the engine: it admits new requests and aborts between steps and
+`submit` is the boundary: it validates every prompt of a request once (so a bad one fails alone,
+before anything is queued), then the request is posted to the engine thread, which owns the engine: it admits new requests and aborts between steps and
 steps while there is work. Outputs go back to each request's asyncio queue with
 `call_soon_threadsafe`.
 
@@ -26,10 +26,10 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shiftlm.serve.engine import Engine, RequestOutput
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.engine import Engine, EngineStats, RequestOutput
+from shiftlm.serve.sequence import SamplingParams
 
 log = logging.getLogger("shiftlm.serve")
 
@@ -108,23 +108,42 @@ class AsyncEngine:
         started = self._step_started
         return 0.0 if started is None else time.monotonic() - started
 
-    def check(self, prompt_ids: list[int], params: SamplingParams, extra: int = 0) -> None:
-        """Raise InvalidRequest / PromptTooLong / Overloaded / EngineDead without queueing anything;
-        `extra`: requests about to be added besides this one (a list of prompts)."""
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def metrics(self):
+        """The engine's `ServingMetrics` (thread-safe: every read and write holds its lock)."""
+        return self.engine.metrics
+
+    def stats(self) -> EngineStats:
+        return replace(self.engine.stats(), failed_steps=self.failed_steps)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+        """Admit a request of one or more prompts, or raise InvalidRequest / PromptTooLong /
+        Overloaded / EngineDead with nothing queued (a refusal for capacity is counted). Each
+        returned iterator yields its prompt's outputs until all samples finish, and aborts the
+        prompt in the engine if it is cancelled (a client that went away)."""
         if self.error is not None:
+            self.engine.metrics.record_rejected()
             raise EngineDead(f"the engine stopped: {self.error}")
-        self.engine.check_request(prompt_ids, params)
-        if self.num_pending + extra >= self.max_pending:
+        for prompt_ids in prompts:
+            self.engine.check_request(prompt_ids, params)
+        if self.num_pending + len(prompts) > self.max_pending:
+            self.engine.metrics.record_rejected()
             raise Overloaded(
                 f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
             )
+        return [self._outputs(prompt_ids, params, f"req-{next(self._ids)}") for prompt_ids in prompts]
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """`submit` of one prompt."""
+        return self.submit([prompt_ids], params)[0]
+
+    async def _outputs(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Yield every output of one request until all of its samples finish; abort it if cancelled."""
-        self.check(prompt_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._sinks[request_id] = sink
         self._post(("add", request_id, prompt_ids, params))
@@ -247,9 +266,7 @@ class AsyncEngine:
                 continue
             _, request_id, prompt_ids, params = command
             try:
-                self.engine.add_request(request_id, prompt_ids, params)
-            except (InvalidRequest, ValueError) as err:  # raced past check(); fail this request only
-                self._deliver(request_id, err)
+                self.engine.enqueue(request_id, prompt_ids, params)  # `submit` checked it
             except Exception as err:  # noqa: BLE001 - a broken request must not stop the loop
                 log.exception("adding request %s failed", request_id)
                 self._deliver(

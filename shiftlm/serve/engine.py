@@ -31,6 +31,22 @@ class Runner(Protocol):
         """Logits [plan.num_samples, vocab] for the chunks with `sample=True`, in plan order."""
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine reports about itself (the /metrics gauges and counters, the stats line)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    mode_switches: int
+    preemptions: int
+    prefix_cache_hit_tokens: int
+    steps_per_mode: dict[str, int]
+    prompt_tokens: int
+    generation_tokens: int
+    failed_steps: int = 0  # steps that raised (counted by `AsyncEngine`, which catches them)
+
+
 class PromptTooLong(InvalidRequest):
     """The prompt (plus at least one new token) does not fit the model's context."""
 
@@ -92,9 +108,32 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    def stats(self) -> EngineStats:
+        scheduler, metrics = self.scheduler, self.metrics
+        with metrics.lock:
+            prompt, generation = metrics.prompt_tokens, metrics.generation_tokens
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_cache_usage=scheduler.blocks.allocator.usage,
+            mode_switches=scheduler.stats.mode_switches,
+            preemptions=scheduler.stats.preemptions,
+            prefix_cache_hit_tokens=scheduler.blocks.prefix_hits,
+            steps_per_mode=dict(scheduler.stats.steps_per_mode),
+            prompt_tokens=prompt,
+            generation_tokens=generation,
+        )
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest (or PromptTooLong) for a request this engine cannot run; no side effects."""
+        """Raise InvalidRequest (or PromptTooLong) for a request this engine cannot run; no side effects.
+        The one validation of a request: `add_request` runs it, `AsyncEngine.submit` runs it once per
+        prompt before anything is queued."""
         params.validate()
+        for token_id, _ in params.logit_bias:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias token {token_id} is not in [0, {self.vocab_size})", "logit_bias"
+                )
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
         if not all(0 <= token < self.vocab_size for token in prompt_ids):
@@ -108,6 +147,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.check_request(prompt_ids, params)
+        self.enqueue(request_id, prompt_ids, params)
+
+    def enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request that `check_request` has passed."""
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         now = self.clock()

@@ -68,6 +68,10 @@ class ServingMetrics:
             self.step_seconds.setdefault(mode, Histogram(STEP_BUCKETS)).observe(seconds)
             self.step_tokens[mode] = self.step_tokens.get(mode, 0) + num_tokens
 
+    def record_rejected(self) -> None:
+        with self.lock:
+            self.rejected_requests += 1
+
     def record_finished(self, reason: str) -> None:
         with self.lock:
             self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
@@ -114,34 +118,28 @@ class ServingMetrics:
 
 def render_engine_metrics(engine) -> str:
     """The /metrics page of an `AsyncEngine`: its metrics plus gauges and counters read now."""
-    scheduler = engine.engine.scheduler
+    stats = engine.stats()
     gauges = {
-        "num_requests_running": ("Sequences in the running batch.", len(scheduler.running)),
-        "num_requests_waiting": ("Sequences waiting to be scheduled.", len(scheduler.waiting)),
-        "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", scheduler.blocks.allocator.usage),
+        "num_requests_running": ("Sequences in the running batch.", stats.running),
+        "num_requests_waiting": ("Sequences waiting to be scheduled.", stats.waiting),
+        "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", stats.kv_cache_usage),
     }
     counters = {
-        "mode_switches": (
-            "Steps whose parallel mode differs from the previous step's.",
-            scheduler.stats.mode_switches,
-        ),
-        "preemptions": (
-            "Sequences preempted (to be recomputed) for lack of KV blocks.",
-            scheduler.stats.preemptions,
-        ),
+        "mode_switches": ("Steps whose parallel mode differs from the previous step's.", stats.mode_switches),
+        "preemptions": ("Sequences preempted (to be recomputed) for lack of KV blocks.", stats.preemptions),
         "prefix_cache_hit_tokens": (
             "Prompt tokens whose K/V came from the prefix cache.",
-            scheduler.blocks.prefix_hits,
+            stats.prefix_cache_hit_tokens,
         ),
-        "failed_steps": ("Engine steps that raised (their requests got a 500).", engine.failed_steps),
+        "failed_steps": ("Engine steps that raised (their requests got a 500).", stats.failed_steps),
     }
     counters.update(
         {
             f"steps_{mode}": (f"Engine steps run in {mode} mode.", count)
-            for mode, count in scheduler.stats.steps_per_mode.items()
+            for mode, count in stats.steps_per_mode.items()
         }
     )
-    return engine.engine.metrics.render(gauges, counters)
+    return engine.metrics.render(gauges, counters)
 
 
 class StatsLogger:
@@ -155,13 +153,12 @@ class StatsLogger:
         self._last = (self.clock(), 0, 0)
 
     def tick(self) -> str | None:
-        metrics, scheduler = self.engine.engine.metrics, self.engine.engine.scheduler
-        with metrics.lock:
-            prompt, generation = metrics.prompt_tokens, metrics.generation_tokens
+        stats = self.engine.stats()
+        prompt, generation = stats.prompt_tokens, stats.generation_tokens
         now = self.clock()
         last_time, last_prompt, last_generation = self._last
         self._last = (now, prompt, generation)
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        running, waiting = stats.running, stats.waiting
         if prompt == last_prompt and generation == last_generation and not running and not waiting:
             return None
         seconds = max(now - last_time, 1e-9)
@@ -169,7 +166,7 @@ class StatsLogger:
             f"throughput: prompt {(prompt - last_prompt) / seconds:.1f} tokens/s, "
             f"generation {(generation - last_generation) / seconds:.1f} tokens/s; "
             f"running {running}, waiting {waiting}; "
-            f"KV cache usage {100 * scheduler.blocks.allocator.usage:.1f}%"
+            f"KV cache usage {100 * stats.kv_cache_usage:.1f}%"
         )
         self.log.info(line)
         return line

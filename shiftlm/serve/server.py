@@ -247,7 +247,7 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     print(
         f"shiftlm serve: {api.model_name} on http://{host}:{port} "
         f"(tp={options.tp} sp={options.sp} mode={options.mode} threshold={options.shift_threshold} "
-        f"max_model_len={engine.engine.max_model_len})",
+        f"max_model_len={engine.max_model_len})",
         flush=True,
     )
     server.run(sockets=[http])

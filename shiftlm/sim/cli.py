@@ -14,60 +14,25 @@ the serving simulator adds `serve` to both.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from shiftlm.sim import jsonout
-from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, Efficiency, measured
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model (a preset, an HF config.json, or GPT-style dims)")
-    group.add_argument("--model", help="preset name (e.g. llama3-8b) or path to config.json")
-    for name in ("hidden", "layers", "heads", "kv-heads", "ffn"):
-        group.add_argument(f"--{name}", type=int)
-    group.add_argument("--vocab", type=int, default=51200)
-
-
-def _add_hardware_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--gpu", default="h100", help="catalog name (a100, h100-sxm, h200, b200, mi300x, ...) or 'this'"
-    )
-    parser.add_argument("--hardware", type=Path, help="hardware profile JSON (from `shiftlm calibrate`)")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
-    parser.add_argument("--first-principles", action="store_true", help="use unfitted efficiencies")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _model(args: argparse.Namespace):
-    from shiftlm.presets import gpt_style, resolve_model
-
-    if args.model:
-        return resolve_model(args.model)
-    if not (args.hidden and args.layers and args.heads):
-        raise ValueError("give --model PRESET|config.json, or --hidden, --layers and --heads")
-    return gpt_style(args.hidden, args.layers, args.heads, args.vocab, args.kv_heads, args.ffn)
-
-
-def _hardware(args: argparse.Namespace):
-    from shiftlm.hardware import get_hardware
-
-    return get_hardware(args.gpu, args.hardware)
-
-
-def _efficiency(args: argparse.Namespace, hardware) -> Efficiency:
-    if hardware.name == "this":
-        return measured(hardware.extra)
-    return FIRST_PRINCIPLES if args.first_principles else FITTED
+from shiftlm.sim.args import (
+    add_hardware_args,
+    add_model_args,
+    efficiency_for,
+    guarded,
+    hardware_from_args,
+    model_from_args,
+)
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.layout import Layout, check_fits_model
     from shiftlm.sim.train import simulate_step
 
-    model, hardware = _model(args), _hardware(args)
+    model, hardware = model_from_args(args), hardware_from_args(args)
     for name in ("tp", "pp", "sp", "cp", "micro_batch", "seq", "gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -96,7 +61,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         args.zero,
         cp=args.cp,
     )
-    result = simulate_step(model, layout, hardware, _efficiency(args, hardware), args.dtype)
+    result = simulate_step(model, layout, hardware, efficiency_for(args, hardware), args.dtype)
     report = {
         "model": model.name,
         "gpu": hardware.name,
@@ -128,8 +93,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
 
 def _register_simulate_train(subparsers) -> None:
     parser = subparsers.add_parser("train", help="predict one training step of a layout on a cluster")
-    _add_model_args(parser)
-    _add_hardware_args(parser)
+    add_model_args(parser)
+    add_hardware_args(parser)
     parser.add_argument("--seq", type=int, default=2048)
     for name, default in (
         ("tp", 1),
@@ -145,7 +110,7 @@ def _register_simulate_train(subparsers) -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
     parser.add_argument("--zero", type=int, default=1)
-    parser.set_defaults(func=_guarded(_simulate_train))
+    parser.set_defaults(func=guarded(_simulate_train))
 
 
 def _register_simulate_validate(subparsers) -> None:
@@ -173,14 +138,14 @@ def _register_simulate_validate(subparsers) -> None:
     )
     parser.add_argument("--rows", action="store_true", help="also print every row")
     parser.add_argument("--json", action="store_true")
-    parser.set_defaults(func=_guarded(run_validate))
+    parser.set_defaults(func=guarded(run_validate))
 
 
 def _plan_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.planner import plan_training, train_config_toml
 
-    model, hardware = _model(args), _hardware(args)
-    efficiency = _efficiency(args, hardware)
+    model, hardware = model_from_args(args), hardware_from_args(args)
+    efficiency = efficiency_for(args, hardware)
     plan = plan_training(
         model, hardware, args.gpus, args.seq, args.global_batch, args.top, efficiency, args.dtype
     )
@@ -233,13 +198,13 @@ def _register_plan_train(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="rank the layouts that fit, write a train config for the best"
     )
-    _add_model_args(parser)
-    _add_hardware_args(parser)
+    add_model_args(parser)
+    add_hardware_args(parser)
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--global-batch", type=int, required=True)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("train.toml"))
-    parser.set_defaults(func=_guarded(_plan_train))
+    parser.set_defaults(func=guarded(_plan_train))
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -278,19 +243,6 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonout.dumps(report))
     return 0
-
-
-def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Bad input becomes one line on stderr and exit code 2, not a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-
-    return run
 
 
 def _register_simulate_serve(subparsers) -> None:
@@ -335,4 +287,4 @@ def register(subparsers) -> None:
         "--engine-out", type=Path, help="engine profile path (default: engine.json next to --out)"
     )
     calibrate.add_argument("--json", action="store_true")
-    calibrate.set_defaults(func=_guarded(_calibrate))
+    calibrate.set_defaults(func=guarded(_calibrate))

@@ -12,7 +12,14 @@ import argparse
 from pathlib import Path
 
 from shiftlm.sim import jsonout
-from shiftlm.sim.cli import _add_hardware_args, _add_model_args, _efficiency, _guarded, _hardware, _model
+from shiftlm.sim.args import (
+    add_hardware_args,
+    add_model_args,
+    efficiency_for,
+    guarded,
+    hardware_from_args,
+    model_from_args,
+)
 from shiftlm.sim.serve_plan import (
     DEFAULT_THRESHOLDS,
     MODES,
@@ -25,8 +32,8 @@ from shiftlm.sim.serve_sim import ROUTINGS, EngineLimits, ServeRun, Slo, simulat
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    _add_model_args(parser)
-    _add_hardware_args(parser)
+    add_model_args(parser)
+    add_hardware_args(parser)
     parser.set_defaults(dtype="fp8")
     parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
     parser.add_argument(
@@ -51,8 +58,10 @@ def _inputs(args: argparse.Namespace):
     from shiftlm.serve.trace import load_trace, scale_trace
     from shiftlm.sim.serve_runner import ServeHardware
 
-    hardware = _hardware(args)
-    setup = ServeHardware(_model(args), hardware, _efficiency(args, hardware), args.dtype, args.kv_dtype)
+    hardware = hardware_from_args(args)
+    setup = ServeHardware(
+        model_from_args(args), hardware, efficiency_for(args, hardware), args.dtype, args.kv_dtype
+    )
     if args.engine_profile is not None:
         from shiftlm.sim.serve_calibrate import EngineProfile
 
@@ -123,7 +132,7 @@ def register_simulate_serve(subparsers) -> None:
         "--shift-threshold", type=float, default=256, help="TP for steps with <= this many tokens"
     )
     parser.add_argument("--routing", choices=ROUTINGS, default="least_loaded", help="DP request routing")
-    parser.set_defaults(func=_guarded(_simulate_serve))
+    parser.set_defaults(func=guarded(_simulate_serve))
 
 
 def _plan_serve(args: argparse.Namespace) -> int:
@@ -161,4 +170,4 @@ def register_plan_serve(subparsers) -> None:
         "--thresholds", type=int, nargs="+", help=f"shift thresholds to try {DEFAULT_THRESHOLDS}"
     )
     parser.add_argument("--top", type=int, default=5)
-    parser.set_defaults(func=_guarded(_plan_serve))
+    parser.set_defaults(func=guarded(_plan_serve))

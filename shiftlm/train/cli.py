@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,48 +35,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def run_training(config_dict: dict, quiet: bool = False) -> dict:
-    """One rank's training run (also the entry point of `--nproc` workers); returns a summary.
-
-    A user error comes back as {"user_error": ...} rather than a traceback, so that the launching
-    process reports it as one line with its exit code."""
-    from shiftlm.train.config import config_from_dict
-    from shiftlm.train.trainer import train
-
-    try:
-        result = train(config_from_dict(config_dict), quiet=quiet)
-    except ConfigError as err:
-        return {"user_error": {"message": str(err), "exit_code": err.exit_code, "type": type(err).__name__}}
-    return result.summary()
-
-
-def _launch(config: TrainConfig, nproc: int, quiet: bool, elastic: bool = False, restarts: int = 0) -> dict:
-    """Run on this process (torchrun, or one rank) or on `nproc` supervised local gloo workers."""
-    import torch.distributed as dist
-
-    from shiftlm.train import elastic as supervised
-
-    if nproc > 1 or elastic or restarts:
-        return supervised.launch_local(config, nproc, quiet, elastic, restarts)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-        summary = supervised.run_rank(config, quiet)  # a failure: printed with its rank, RankFailure
-    else:
-        summary = run_training(config.to_dict(), quiet)
-    if "user_error" in summary:
-        raise ConfigError(summary["user_error"]["message"], summary["user_error"]["exit_code"])
-    return summary if not dist.is_initialized() or dist.get_rank() == 0 else {}
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from shiftlm.launch import RankFailure
     from shiftlm.train.config import load_config
-    from shiftlm.train.elastic import resume_hint
+    from shiftlm.train.elastic import launch, resume_hint
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
@@ -103,7 +64,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"{memory['per_rank_gib']['total']} GiB); {memory['device']} has {memory['available_gib']} GiB"
             )
     try:
-        summary = _launch(config, args.nproc, args.json, args.elastic, args.max_restarts)
+        summary = launch(config, args.nproc, args.json, args.elastic, args.max_restarts)
     except RankFailure as err:  # the failed rank, its traceback, the others stopped, how to resume
         if err.report.kind == "usage":  # a user error on a rank: one line, its exit code
             raise ConfigError(err.report.message, err.report.code or 2) from None

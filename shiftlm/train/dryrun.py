@@ -104,9 +104,9 @@ def stand_in_config(
 
 
 def _real_model(config: TrainConfig) -> ModelConfig:
-    from shiftlm.train.setup import _model_config
+    from shiftlm.train.setup import model_config
 
-    return _model_config(config.model.name, config.data.vocab_size, 0)[0]
+    return model_config(config.model.name, config.data.vocab_size, 0)[0]
 
 
 def single_rank(config: TrainConfig) -> TrainConfig:
@@ -121,8 +121,8 @@ def single_rank(config: TrainConfig) -> TrainConfig:
 
 def launch_local(config: TrainConfig, nproc: int) -> dict:
     """The stand-in on `nproc` supervised local gloo workers (one rank: this process)."""
-    from shiftlm.train.cli import run_training
     from shiftlm.train.elastic import launch_local as supervised
+    from shiftlm.train.elastic import run_training
 
     if nproc == 1:
         summary = run_training(config.to_dict(), quiet=True)

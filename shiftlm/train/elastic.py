@@ -1,6 +1,7 @@
 """Supervised training: name the failed rank, stop the rest, restart (or shrink) from the checkpoint.
 
-`shiftlm train --nproc N` runs the ranks under `shiftlm.launch.run_ranks`; under torchrun each rank
+`launch` runs a training job from this process: here (one rank, or this rank of a torchrun job) or on
+N local workers. `shiftlm train --nproc N` runs the ranks under `shiftlm.launch.run_ranks`; under torchrun each rank
 runs `run_rank`. Either way a failure prints the failed rank's coordinates and its own traceback,
 the exit code says whether a restart can help (`shiftlm.monitor.failure`), and the last line says
 how to resume.
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from shiftlm.config import ConfigError
 from shiftlm.monitor import failure
 from shiftlm.train.config import TrainConfig
 
@@ -32,22 +34,52 @@ def _describe(config: TrainConfig):
     return lambda rank: failure.describe_coords(config.parallel, rank)
 
 
-def _usage_errors() -> tuple[type[Exception], ...]:
-    from shiftlm.config import ConfigError
+def run_training(config_dict: dict, quiet: bool = False) -> dict:
+    """One rank's training run (also the entry point of `--nproc` workers); returns a summary.
 
-    return (ConfigError,)
+    A user error comes back as {"user_error": ...} rather than a traceback, so that the launching
+    process reports it as one line with its exit code."""
+    from shiftlm.train.config import config_from_dict
+    from shiftlm.train.trainer import train
+
+    try:
+        result = train(config_from_dict(config_dict), quiet=quiet)
+    except ConfigError as err:
+        return {"user_error": {"message": str(err), "exit_code": err.exit_code, "type": type(err).__name__}}
+    return result.summary()
+
+
+def launch(config: TrainConfig, nproc: int, quiet: bool, elastic: bool = False, restarts: int = 0) -> dict:
+    """Run on this process (torchrun, or one rank) or on `nproc` supervised local gloo workers."""
+    import torch.distributed as dist
+
+    if nproc > 1 or elastic or restarts:
+        return launch_local(config, nproc, quiet, elastic, restarts)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        summary = run_rank(config, quiet)  # a failure: printed with its rank, RankFailure
+    else:
+        summary = run_training(config.to_dict(), quiet)
+    _raise_user_error(summary)
+    return summary if not dist.is_initialized() or dist.get_rank() == 0 else {}
+
+
+def _raise_user_error(summary: dict) -> dict:
+    """A rank's summary, or the user error it came back with, raised."""
+    if "user_error" in summary:
+        raise ConfigError(summary["user_error"]["message"], summary["user_error"]["exit_code"])
+    return summary
 
 
 def train_rank(config_dict: dict, quiet: bool) -> dict:
     """A `--nproc` rank: `run_training`, with a user error raised (so the launcher reports it as
     bad input with its exit code, whichever rank met it, and stops the others)."""
-    from shiftlm.config import ConfigError
-    from shiftlm.train.cli import run_training
-
-    summary = run_training(config_dict, quiet)
-    if "user_error" in summary:
-        raise ConfigError(summary["user_error"]["message"], summary["user_error"]["exit_code"])
-    return summary
+    return _raise_user_error(run_training(config_dict, quiet))
 
 
 def resume_hint(config: TrainConfig, fix_first: bool = False) -> str:
@@ -68,11 +100,10 @@ def run_rank(config: TrainConfig, quiet: bool) -> dict:
     """This process's rank of a torchrun job: a failure is printed with its rank and coordinates,
     written to torchrun's error file, and raised as `RankFailure` (the CLI returns its exit code)."""
     from shiftlm.launch import RankFailure
-    from shiftlm.train.cli import run_training
 
     try:
         return run_training(config.to_dict(), quiet)
-    except _usage_errors():
+    except ConfigError:
         raise
     except Exception as err:
         rank = int(os.environ.get("RANK", "0"))
@@ -136,7 +167,7 @@ def launch_local(
                 quiet,
                 env=env,
                 describe=_describe(config),
-                usage=_usage_errors(),
+                usage=ConfigError,
             )
         except RankFailure as err:
             restartable = err.exit_code in (failure.EXIT_TEMPFAIL, failure.EXIT_EXCLUDED)

@@ -68,14 +68,14 @@ def sample(
 
 
 def quickstart(out: Path, steps: int | None = None, quiet: bool = False) -> dict:
-    from shiftlm.train.cli import _launch
+    from shiftlm.train.elastic import launch
     from shiftlm.train.export import export_checkpoint
 
     started = time.perf_counter()
     config = quickstart_config(out, steps or 200)
     if not quiet:
         print(f"training the embedded default (tiny Llama, stdlib corpus) on 2 CPU ranks -> {out}")
-    summary = _launch(config, nproc=2, quiet=quiet)
+    summary = launch(config, nproc=2, quiet=quiet)
     hf_dir = export_checkpoint(out, out / "hf")
     texts = sample(hf_dir, PROMPTS)
     if not quiet:

@@ -57,7 +57,9 @@ def _on_local_leader_first(build) -> None:
         raise error
 
 
-def _model_config(name: str, vocab_size: int, eos_token_id: int) -> tuple[ModelConfig, Path | None]:
+def model_config(name: str, vocab_size: int, eos_token_id: int) -> tuple[ModelConfig, Path | None]:
+    """The model `model.name` names (an embedded model, an HF checkpoint or config, a preset) and the
+    checkpoint to initialise from, if it has weights."""
     if name in EMBEDDED_MODELS:
         return ModelConfig(
             vocab_size=vocab_size,
@@ -102,7 +104,7 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
 def model_shape(config: TrainConfig) -> ModelConfig:
     """The model's shape before any rank starts (the embedded models take data.vocab_size, which the
     embedded tokenizer has); checks the layout against it, so a bad layout fails in the first second."""
-    model, _ = _model_config(config.model.name, config.data.vocab_size, 0)
+    model, _ = model_config(config.model.name, config.data.vocab_size, 0)
     check_layout(config, model, config.parallel.world_size)
     return model
 
@@ -122,7 +124,7 @@ def resolve_inputs(config: TrainConfig) -> RunInputs:
     tokenizer_dir, shards = build()  # the others now find everything in the cache
     tokenizer = load_tokenizer(tokenizer_dir)
     eos = tokenizer.token_to_id("<|endoftext|>")
-    model, init = _model_config(config.model.name, tokenizer.get_vocab_size(), eos if eos is not None else 0)
+    model, init = model_config(config.model.name, tokenizer.get_vocab_size(), eos if eos is not None else 0)
     if tokenizer.get_vocab_size() > model.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model only {model.vocab_size}: "

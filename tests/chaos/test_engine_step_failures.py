@@ -63,4 +63,4 @@ def test_a_runner_failure_across_ranks_stops_the_engine_and_calls_the_fatal_hook
     asyncio.run(main())
     assert engine.error is not None and len(fatal) == 1
     with pytest.raises(EngineDead):
-        engine.check([1], SamplingParams())
+        engine.submit([[1]], SamplingParams())

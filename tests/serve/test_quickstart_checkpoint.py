@@ -16,7 +16,7 @@ from shiftlm.model import build_model
 from shiftlm.model.weights import save_hf_checkpoint
 from shiftlm.serve.local_server import local_server
 from shiftlm.train.config import DataSection
-from shiftlm.train.setup import _model_config
+from shiftlm.train.setup import model_config
 from shiftlm.train.tokenizer import END_OF_TEXT, copy_tokenizer, embedded_tokenizer, load_tokenizer
 
 QUICKSTART_FILES = {
@@ -32,7 +32,7 @@ def test_serve_answers_a_chat_completion_on_a_quickstart_format_checkpoint(tmp_p
     data = DataSection()
     tokenizer_dir = embedded_tokenizer(data.vocab_size, int(data.corpus_mb * 1_000_000))  # cached after once
     bpe = load_tokenizer(tokenizer_dir)
-    config, _ = _model_config("tiny", bpe.get_vocab_size(), bpe.token_to_id(END_OF_TEXT))
+    config, _ = model_config("tiny", bpe.get_vocab_size(), bpe.token_to_id(END_OF_TEXT))
     model_dir = tmp_path / "hf"
     save_hf_checkpoint(build_model(config, seed=0), model_dir)
     copy_tokenizer(tokenizer_dir, model_dir)

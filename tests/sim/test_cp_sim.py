@@ -66,7 +66,7 @@ def test_cp_goes_past_the_ulysses_head_cap_and_hides_its_traffic():
 
 def test_plan_train_picks_cp_for_128k_and_not_for_4k(tmp_path):
     from shiftlm.train.config import load_config
-    from shiftlm.train.setup import _model_config, check_layout
+    from shiftlm.train.setup import check_layout, model_config
 
     long = plan_training(MODEL, H100, 64, 131072, 8, top_k=3, efficiency=FITTED)
     assert long.ranked and long.ranked[0].layout.cp > 1
@@ -74,7 +74,7 @@ def test_plan_train_picks_cp_for_128k_and_not_for_4k(tmp_path):
     path.write_text(train_config_toml("llama3-70b", long.ranked[0].layout))
     config = load_config(path)
     assert config.parallel.cp == long.ranked[0].layout.cp
-    model, _ = _model_config(config.model.name, MODEL.vocab_size, 0)
+    model, _ = model_config(config.model.name, MODEL.vocab_size, 0)
     assert check_layout(config, model, 64).cp == config.parallel.cp
     short = plan_training(MODEL, H100, 64, 4096, 64, top_k=3, efficiency=FITTED)
     assert short.ranked and all(r.layout.cp == 1 for r in short.ranked)

@@ -25,7 +25,7 @@ CLUSTERS = [
 def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, seq, batch, tmp_path):
     from shiftlm.train.config import load_config
     from shiftlm.train.pipeline import build_schedule_for
-    from shiftlm.train.setup import _model_config, check_layout
+    from shiftlm.train.setup import check_layout, model_config
 
     plan = plan_training(PRESETS[name], CATALOG[gpu], gpus, seq, batch, top_k=5, efficiency=FITTED)
     assert plan.ranked, f"no plan for {name} on {gpus} x {gpu}"
@@ -33,7 +33,7 @@ def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, s
         path = tmp_path / "plan.toml"
         path.write_text(train_config_toml(name, ranked.layout))
         config = load_config(path)  # validates every key and value, ZeRO stage included
-        model, _ = _model_config(config.model.name, PRESETS[name].vocab_size, 0)
+        model, _ = model_config(config.model.name, PRESETS[name].vocab_size, 0)
         parallel = check_layout(config, model, gpus)
         assert parallel.world_size == gpus and not parallel.sequence_parallel
         assert config.train.zero in TRAINER_ZERO_STAGES

@@ -1,0 +1,66 @@
+"""The arguments every `simulate` and `plan` command shares (model, hardware, efficiencies) and how
+bad input is reported: one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, Efficiency, measured
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model (a preset, an HF config.json, or GPT-style dims)")
+    group.add_argument("--model", help="preset name (e.g. llama3-8b) or path to config.json")
+    for name in ("hidden", "layers", "heads", "kv-heads", "ffn"):
+        group.add_argument(f"--{name}", type=int)
+    group.add_argument("--vocab", type=int, default=51200)
+
+
+def add_hardware_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu", default="h100", help="catalog name (a100, h100-sxm, h200, b200, mi300x, ...) or 'this'"
+    )
+    parser.add_argument("--hardware", type=Path, help="hardware profile JSON (from `shiftlm calibrate`)")
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    parser.add_argument("--first-principles", action="store_true", help="use unfitted efficiencies")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def model_from_args(args: argparse.Namespace):
+    """--model (a preset or a config.json), or GPT dims from --hidden, --layers and --heads."""
+    from shiftlm.presets import gpt_style, resolve_model
+
+    if args.model:
+        return resolve_model(args.model)
+    if not (args.hidden and args.layers and args.heads):
+        raise ValueError("give --model PRESET|config.json, or --hidden, --layers and --heads")
+    return gpt_style(args.hidden, args.layers, args.heads, args.vocab, args.kv_heads, args.ffn)
+
+
+def hardware_from_args(args: argparse.Namespace):
+    from shiftlm.hardware import get_hardware
+
+    return get_hardware(args.gpu, args.hardware)
+
+
+def efficiency_for(args: argparse.Namespace, hardware) -> Efficiency:
+    if hardware.name == "this":
+        return measured(hardware.extra)
+    return FIRST_PRINCIPLES if args.first_principles else FITTED
+
+
+def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Bad input becomes one line on stderr and exit code 2, not a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+    return run

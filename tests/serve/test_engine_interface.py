@@ -1,0 +1,67 @@
+"""The engine's interface to the HTTP layer: `AsyncEngine.submit` validates a request once, queues
+nothing unless every prompt passes, counts refusals itself; `stats()` is what /metrics reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shiftlm.serve.async_engine import AsyncEngine, Overloaded
+from shiftlm.serve.engine import Engine
+from shiftlm.serve.metrics import render_engine_metrics
+from shiftlm.serve.scheduler import SchedulerConfig
+from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner
+
+
+class CountingEngine(Engine):
+    checks = 0
+
+    def check_request(self, prompt_ids, params):
+        self.checks += 1
+        super().check_request(prompt_ids, params)
+
+
+def _engine(max_pending: int = 512) -> AsyncEngine:
+    config = SchedulerConfig(num_blocks=32, block_size=4, max_model_len=64)
+    engine = CountingEngine(
+        SlotRunner(32, 4), config, LetterTokenizer(), eos_token_ids={EOS}, vocab_size=VOCAB
+    )
+    return AsyncEngine(engine, max_pending=max_pending)
+
+
+def test_a_request_of_three_prompts_is_validated_three_times_and_not_again_on_the_engine_thread():
+    engine = _engine()
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def main():
+        streams = engine.submit([[1, 2], [3], [4, 5, 6]], params)
+        outputs = []
+        for stream in streams:
+            outputs.append([out async for out in stream])
+        return outputs
+
+    outputs = asyncio.run(main())
+    engine.shutdown()
+    assert [len(o[-1].token_ids) for o in outputs] == [1, 1, 1] and engine.engine.checks == 3
+    assert engine.stats().prompt_tokens == 6 and engine.stats().generation_tokens == 9
+
+
+def test_one_bad_prompt_refuses_the_whole_request_with_nothing_queued():
+    engine = _engine()
+    with pytest.raises(InvalidRequest, match="prompt token ids"):
+        engine.submit([[1, 2], [VOCAB + 1]], SamplingParams())
+    with pytest.raises(InvalidRequest, match="logit_bias token"):
+        engine.submit([[1]], SamplingParams(logit_bias=((VOCAB, 1.0),)))
+    engine.shutdown()
+    assert engine.num_pending == 0 and engine.stats().waiting == 0
+
+
+def test_a_refusal_for_capacity_is_counted_in_the_metrics_by_the_engine():
+    engine = _engine(max_pending=1)
+    with pytest.raises(Overloaded):
+        engine.submit([[1], [2]], SamplingParams())
+    engine.shutdown()
+    assert "shiftlm_rejected_requests_total 1" in render_engine_metrics(engine)
+    assert "shiftlm_kv_cache_usage_ratio 0.0" in render_engine_metrics(engine)
