@@ -23,6 +23,8 @@ from shiftlm.serve.metrics import ServingMetrics
 from shiftlm.serve.sampling import SampleRow, TokenLogprob, make_generator, prompt_logprobs, sample_rows
 from shiftlm.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
 from shiftlm.serve.sequence import FinishReason, InvalidRequest, SamplingParams, Sequence
+from shiftlm.serve.stream_group import StreamGroup
+from shiftlm.serve.streams import StreamRequests
 from shiftlm.serve.text import StreamingText, Tokenizer
 
 
@@ -103,6 +105,7 @@ class Engine:
         self.metrics = ServingMetrics()
         self.step_log = step_log  # one JSON line per step: mode, tokens, sequences, model seconds
         self._requests: dict[str, _Request] = {}
+        self.streams = StreamRequests(self)  # multi-stream requests (serve/streams.py)
 
     @property
     def max_model_len(self) -> int:
@@ -162,7 +165,22 @@ class Engine:
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(prompt_ids)
 
+    def add_streams(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        prefixes: list[list[int]],
+        params: list[SamplingParams],
+        layout: str = "timestep",
+    ) -> None:
+        """A group of len(prefixes) streams over one prompt; outputs carry the stream as `index`."""
+        if request_id in self._requests or request_id in self.streams.groups:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        self.streams.add(request_id, prompt_ids, prefixes, params, layout)
+
     def abort(self, request_id: str) -> None:
+        if self.streams.abort(request_id):
+            return
         request = self._requests.pop(request_id, None)
         for seq in request.samples.values() if request else ():
             if not seq.is_finished:
@@ -186,6 +204,10 @@ class Engine:
         # of an n > 1 request whose prompt just finished (drawn from the same logits row).
         rows: list[SampleRow] = []
         forks: list[list[tuple[int, torch.Generator | None]]] = []
+        pairs = list(zip(sample_at, sampled))  # stream groups draw through self.streams
+        groups = [(row, seq) for row, seq in pairs if isinstance(seq, StreamGroup)]
+        sample_at = [row for row, seq in pairs if not isinstance(seq, StreamGroup)]
+        sampled = [seq for seq in sampled if not isinstance(seq, StreamGroup)]
         for row, seq in zip(sample_at, sampled):
             request = self._requests[seq.request_id]
             history = (seq.prompt_ids, seq.output_ids)
@@ -197,6 +219,8 @@ class Engine:
                     rows.append(SampleRow(row, seq.params, generator, *history))
                     siblings.append((index, generator))
             forks.append(siblings)
+        group_rows = [self.streams.sample_rows(group, row) for row, group in groups]
+        rows += [row for extra, _ in group_rows for row in extra]
         result = sample_rows(logits, rows, self.eos_token_ids)
         drawn = iter(zip(result.tokens, result.logprobs))
         outputs: list[RequestOutput] = []
@@ -208,6 +232,8 @@ class Engine:
             children = [self._fork(request, seq, index, gen, *next(drawn)) for index, gen in siblings]
             outputs.append(self._append(request, seq, token, now, logprob))
             outputs += [self._after_token(request, child, now, lp) for child, lp in children]
+        for (_, group), (_, streams) in zip(groups, group_rows):
+            outputs += self.streams.advance(group, streams, [next(drawn) for _ in streams], now)
         return outputs
 
     def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:

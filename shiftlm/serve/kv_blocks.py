@@ -95,7 +95,8 @@ class BlockManager:
             return
         tokens = seq.token_ids
         parent: int | None = None
-        while (len(seq.block_ids) + 1) * self.block_size < len(tokens):
+        limit = min(len(tokens) - 1, seq.num_cacheable)
+        while (len(seq.block_ids) + 1) * self.block_size <= limit:
             start = len(seq.block_ids) * self.block_size
             hash_value = block_hash(parent, tokens[start : start + self.block_size])
             block = self.allocator.cached_block(hash_value)
@@ -122,7 +123,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         tokens = seq.token_ids
-        while (seq.num_hashed_blocks + 1) * self.block_size <= seq.num_computed:
+        while (seq.num_hashed_blocks + 1) * self.block_size <= min(seq.num_computed, seq.num_cacheable):
             i = seq.num_hashed_blocks
             parent = seq.block_hashes[i - 1] if i else None
             hash_value = block_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])

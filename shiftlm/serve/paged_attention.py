@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from shiftlm.serve.stream_attention import QueryRotation, rotated_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -32,6 +34,8 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, Q, C] True where query i may read key position c
     block_index: torch.Tensor  # [S * C / block_size] physical blocks, sequence-major
     _folded: dict[int, torch.Tensor] = field(default_factory=dict)  # mask per GQA group size
+    # hogwild stream groups: the queries' extra RoPE rotation per key block (serve/stream_attention.py)
+    rotation: QueryRotation | None = None
 
     def folded_mask(self, groups: int) -> torch.Tensor:
         """The mask for queries folded as (query, head of the KV group): [S, 1, Q * groups, C]."""
@@ -119,6 +123,8 @@ class PagedAttention:
         v = self.cache.blocks(layer, 1).index_select(0, group.block_index)
         k = k.view(seqs, -1, kv_heads, d).transpose(1, 2)  # [S, Hkv, C, D]
         v = v.view(seqs, -1, kv_heads, d).transpose(1, 2)
+        if group.rotation is not None:
+            return rotated_attention(q, k, v, group.mask, group.rotation)
         # fold the `groups` query heads of each KV head into the query axis: [S, Hkv, Q * groups, D]
         folded = q.view(seqs, queries, kv_heads, groups, d).transpose(1, 2).reshape(seqs, kv_heads, -1, d)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.folded_mask(groups))

@@ -5,10 +5,12 @@ Rank 0 encodes the scheduler's `StepPlan` (Python) once; the tensor is what trav
 pickling the plan), and every rank, rank 0 included, decodes the same tensor with tensor ops only, so
 no rank does Python work per token or per block of context:
 
-    header   [step, mode (0 tp, 1 sp_tp), C chunks, N tokens, M new blocks]
-    chunks   [C, 7]: row, start, length, sample, all_logits, first_block, number of new blocks
+    header   [step, mode (0 tp, 1 sp_tp), C chunks, N tokens, M new blocks, G tagged tokens]
+    chunks   [C, 9]: row, start, length, sampled rows, all_logits, first_block, number of new blocks,
+                     layout (0: causal; a stream group's otherwise), prompt length (stream groups)
     tokens   [N]     the chunks' token ids, in plan order
     blocks   [M]     the chunks' new physical blocks, in plan order
+    tags     [G, 2]  (stream, position) of every token of a stream-group chunk (serve/stream_plan.py)
 
 Block tables live on every rank as one tensor [rows, max blocks] (`BlockTables`) that the plan's deltas
 update in place (vLLM's persistent batch); the scheduler names a sequence's row and only the blocks
@@ -21,31 +23,35 @@ import torch
 
 from shiftlm.serve.paged_attention import AttentionGroup, FlatBatch
 from shiftlm.serve.scheduler import Mode, StepPlan
+from shiftlm.serve.stream_plan import stream_group, tag_tokens
 
-HEADER = 5
-CHUNK_FIELDS = 7
+HEADER = 6
+CHUNK_FIELDS = 9
 MODES = (Mode.TP, Mode.SP_TP)
 STOP_CHUNKS = -1  # header[2] of the message that stops the workers
 
 
 def encode_plan(plan: StepPlan) -> torch.Tensor:
     """The plan as one int64 tensor (layout in the module docstring)."""
-    chunks, tokens, blocks = [], [], []
+    chunks, tokens, blocks, tags = [], [], [], []
     for c in plan.chunks:
-        chunks += (c.row, c.start, len(c.token_ids), c.sample, c.all_logits, c.first_block, len(c.new_blocks))
+        chunks += (c.row, c.start, len(c.token_ids), c.num_logits_rows * (not c.all_logits), c.all_logits)
+        chunks += (c.first_block, len(c.new_blocks), c.layout, c.prompt_len)
         tokens += c.token_ids
         blocks += c.new_blocks
-    header = [plan.step, MODES.index(plan.mode), len(plan.chunks), len(tokens), len(blocks)]
-    return torch.tensor(header + chunks + tokens + blocks, dtype=torch.long)
+        for stream, position in zip(c.streams, c.positions):
+            tags += (stream, position)
+    header = [plan.step, MODES.index(plan.mode), len(plan.chunks), len(tokens), len(blocks), len(tags) // 2]
+    return torch.tensor(header + chunks + tokens + blocks + tags, dtype=torch.long)
 
 
 def stop_message() -> torch.Tensor:
-    return torch.tensor([0, 0, STOP_CHUNKS, 0, 0], dtype=torch.long)
+    return torch.tensor([0, 0, STOP_CHUNKS, 0, 0, 0], dtype=torch.long)
 
 
 def payload_size(header: torch.Tensor) -> int:
-    _, _, chunks, tokens, blocks = header.tolist()
-    return chunks * CHUNK_FIELDS + tokens + blocks
+    _, _, chunks, tokens, blocks, tagged = header.tolist()
+    return chunks * CHUNK_FIELDS + tokens + blocks + 2 * tagged
 
 
 class BlockTables:
@@ -54,6 +60,7 @@ class BlockTables:
 
     def __init__(self, max_blocks_per_seq: int, rows: int = 64):
         self.table = torch.zeros(rows, max_blocks_per_seq, dtype=torch.long)
+        self.tags: torch.Tensor | None = None  # [slots, 2] (stream, position) of stream-group tokens
 
     def update(self, rows: torch.Tensor, first: torch.Tensor, counts: torch.Tensor, blocks: torch.Tensor):
         """Write `blocks` (grouped per chunk, counts[i] of them) at table[rows[i], first[i] + j]."""
@@ -74,30 +81,46 @@ def decode_plan(
     block_size: int,
     pad_to_multiple: int = 1,
     sliding_window: int | None = None,
+    inv_freq: torch.Tensor | None = None,
 ) -> tuple[int, Mode, FlatBatch]:
-    """Apply the plan's block deltas to `tables`; build the step's flat batch and attention groups."""
-    step, mode, num_chunks, num_tokens, _ = message[:HEADER].tolist()
+    """Apply the plan's block deltas to `tables`; build the step's flat batch and attention groups.
+    `inv_freq` (the model's RoPE) is needed only by hogwild stream groups (query rotation)."""
+    step, mode, num_chunks, num_tokens, num_blocks, _ = message[:HEADER].tolist()
     end_chunks = HEADER + num_chunks * CHUNK_FIELDS
     chunks = message[HEADER:end_chunks].view(num_chunks, CHUNK_FIELDS)
-    rows, starts, lengths, sample, all_logits, first_block, new_counts = chunks.unbind(1)
+    rows, starts, lengths, sample, all_logits, first_block, new_counts, layouts, prompt_lens = chunks.unbind(
+        1
+    )
     token_ids = message[end_chunks : end_chunks + num_tokens]
-    tables.update(rows, first_block, new_counts, message[end_chunks + num_tokens :])
+    end_blocks = end_chunks + num_tokens + num_blocks
+    tables.update(rows, first_block, new_counts, message[end_chunks + num_tokens : end_blocks])
 
     offsets = torch.cumsum(lengths, 0) - lengths  # first row of each chunk in the flat batch
     owner = torch.repeat_interleave(torch.arange(num_chunks), lengths, output_size=num_tokens)
     in_chunk = torch.arange(num_tokens) - offsets[owner]
-    positions = starts[owner] + in_chunk
+    positions = starts[owner] + in_chunk  # index in the sequence's table = position, but in stream groups
     seq_rows = rows[owner]
     slots = tables.table[seq_rows, positions // block_size] * block_size + positions % block_size
-    wanted = all_logits[owner].bool() | (sample[owner].bool() & (in_chunk == lengths[owner] - 1))
+    wanted = all_logits[owner].bool() | (in_chunk >= lengths[owner] - sample[owner])
     sample_rows = wanted.nonzero().flatten()
 
-    decode = lengths == 1
+    normal = layouts == 0
+    decode = (lengths == 1) & normal
+    prefill = (lengths > 1) & normal
     groups = []
-    if bool(decode.any()):
-        groups.append(_group(decode, rows, starts, lengths, offsets, tables, block_size, sliding_window))
-    if not bool(decode.all()):
-        groups.append(_group(~decode, rows, starts, lengths, offsets, tables, block_size, sliding_window))
+    for which in (decode, prefill):
+        if bool(which.any()):
+            groups.append(_group(which, rows, starts, lengths, offsets, tables, block_size, sliding_window))
+    if not bool(normal.all()):
+        row_streams, positions = tag_tokens(
+            message[end_blocks:], layouts[owner] > 0, slots, positions, tables, block_size
+        )
+        for layout in sorted(set(layouts[~normal].tolist())):
+            which = layouts == layout
+            chunk = _group(which, rows, starts, lengths, offsets, tables, block_size, None)
+            ends, lens = (starts + lengths)[which], prompt_lens[which]
+            args = (row_streams, positions, rows[which], ends, lens, tables, block_size, inv_freq)
+            groups.append(stream_group(chunk, layout, *args))
     padding = -num_tokens % pad_to_multiple
     if padding:
         token_ids = _pad(token_ids, padding, 0)

@@ -119,6 +119,7 @@ class ModelRunner:
             self.cache.block_size,
             pad_to_multiple=self.mesh.config.sp,
             sliding_window=self.model_config.sliding_window,
+            inv_freq=self.shift_model.model.inv_freq,
         )
         mine = self.shift_model.forward(batch, mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column

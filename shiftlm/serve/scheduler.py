@@ -83,10 +83,15 @@ class ScheduledChunk:
     all_logits: bool = False
     first_block: int = 0
     row: int = 0
+    sample_rows: int = 1  # with `sample`: logits of the last rows wanted (a stream group's timestep)
+    layout: int = 0  # a stream group's visibility layout (model/stream_mask.py), 0: causal
+    prompt_len: int = 0  # stream groups: the shared prompt's length
+    streams: tuple[int, ...] = ()  # stream groups: each token's stream (-1: prompt) ...
+    positions: tuple[int, ...] = ()  # ... and position
 
     @property
     def num_logits_rows(self) -> int:
-        return len(self.token_ids) if self.all_logits else int(self.sample)
+        return len(self.token_ids) if self.all_logits else self.sample_rows * self.sample
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed, budget)
+            num_new = seq.chunk_len(budget)
+            if num_new == 0:  # a stream group whose timestep does not fit the budget left
+                index += 1
+                continue
             while not self.blocks.allocate(seq, seq.num_computed + num_new):
                 self._preempt(self.running[-1])
                 preempted = True
@@ -191,7 +199,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.params.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
                 self.blocks.reuse_cached_prefix(seq)
-            num_new = min(seq.num_uncomputed, budget)
+            num_new = seq.chunk_len(budget)
+            if num_new == 0:
+                self.blocks.release(seq)
+                break
             # Keep one free block per running sequence so that decodes do not preempt at once.
             headroom = len(self.running)
             if (
@@ -234,6 +245,8 @@ class Scheduler:
             all_logits=seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids),
             first_block=sent,
             row=seq.row,
+            sample_rows=seq.num_sampled_rows,
+            **seq.chunk_tags(start, start + num_new),
         )
 
     def _preempt(self, seq: Sequence) -> None:

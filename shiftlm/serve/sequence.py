@@ -158,6 +158,25 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
+    # Hooks a stream group (serve/streams.py) overrides; an ordinary sequence is one causal stream.
+    def chunk_len(self, budget: int) -> int:
+        """Tokens to compute next within `budget` (0: wait for a larger budget)."""
+        return min(self.num_uncomputed, budget)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Logits rows wanted at the end of the tokens: the last one."""
+        return 1
+
+    @property
+    def num_cacheable(self) -> int:
+        """Leading tokens whose K/V depend on the tokens alone (may go to the prefix cache)."""
+        return self.num_tokens
+
+    def chunk_tags(self, start: int, end: int) -> dict:
+        """Extra `ScheduledChunk` fields for tokens [start, end) (a stream group's layout and tags)."""
+        return {}
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
