@@ -139,11 +139,6 @@ class Mesh:
     def is_last_stage(self) -> bool:
         return self.coords.pp == self.config.pp - 1
 
-    def pp_peer(self, stage: int) -> int:
-        """Global rank that holds pipeline stage `stage` at this rank's (dp, cp, sp, tp)."""
-        c = self.coords
-        return rank_of(self.config, c.dp, stage, c.sp, c.tp, c.cp)
-
     def __str__(self) -> str:
         c = self.config
         cp = f"-CP({c.cp})" if c.cp > 1 else ""

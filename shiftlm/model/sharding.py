@@ -99,11 +99,3 @@ def full_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
         "model.norm.weight": (h,),
     }
     return shapes[key]
-
-
-def shard_shape(name: str, config: ModelConfig, tp_rank: int, tp_size: int) -> tuple[int, ...]:
-    shape = list(full_shape(name, config))
-    spec = shard_spec(name, config, tp_rank, tp_size)
-    if spec.dim is not None:
-        shape[spec.dim] = spec.length
-    return tuple(shape)

@@ -36,7 +36,11 @@ def _simulate_train(args: argparse.Namespace) -> int:
     for name in ("tp", "pp", "sp", "cp", "micro_batch", "seq", "gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    chunks = args.chunks or (2 if args.schedule in ("zb_v", "bitpipe", "interleaved_1f1b") else 1)
+    from shiftlm.pipeline.schedules import SCHEDULES
+
+    if args.pp > 1 and args.schedule not in SCHEDULES:
+        raise ValueError(f"unknown --schedule {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+    chunks = args.chunks or (SCHEDULES[args.schedule].default_chunks if args.pp > 1 else 1)
     check_fits_model(Layout(1, args.pp, args.tp, args.sp, chunks=chunks if args.pp > 1 else 1), model)
     cut = args.tp * args.pp * args.sp * args.cp
     dp = args.dp or args.gpus // cut

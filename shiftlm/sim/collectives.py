@@ -48,11 +48,6 @@ def reduce_scatter_time(nbytes: float, per_node: int, nodes: int, links: Links) 
     return intra + inter
 
 
-def all_gather_time(nbytes: float, per_node: int, nodes: int, links: Links) -> float:
-    """All-gather producing `nbytes` on every rank: the mirror image of reduce-scatter."""
-    return reduce_scatter_time(nbytes, per_node, nodes, links)
-
-
 def all_reduce_time(nbytes: float, per_node: int, nodes: int, links: Links) -> float:
     """All-reduce = reduce-scatter + all-gather (ring; bus bandwidth 2(n-1)/n)."""
     return 2 * reduce_scatter_time(nbytes, per_node, nodes, links)

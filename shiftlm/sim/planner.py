@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
+from shiftlm.pipeline.schedules import SCHEDULES
 from shiftlm.sim.capabilities import TRAINER_MEGATRON_SEQUENCE_PARALLEL, planned_zero_stages
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout
@@ -26,7 +27,7 @@ from shiftlm.sim.train import StageCosts, StepResult, simulate_step, stage_costs
 # trainer implements, `planned_zero_stages` drops the dominated ones; with FlashAttention selective
 # recompute is free and saves what "none" would. Only what `shiftlm train` runs is proposed
 # (`capabilities.py`): e.g. no ZeRO-2/3 and no Megatron sequence parallelism until the trainer has them.
-SCHEDULE_CHUNKS = {"zb_h1": 1, "zb_v": 2}
+PLANNED_SCHEDULES = ("zb_h1", "zb_v")
 MICRO_BATCHES = (1, 2, 4, 8)
 PLANNED_RECOMPUTE = ("selective", "full")
 
@@ -96,7 +97,8 @@ def _schedules(model: ModelConfig, pp: int, microbatches: int) -> Iterator[tuple
         return
     if microbatches < pp:
         return
-    for name, chunks in SCHEDULE_CHUNKS.items():
+    for name in PLANNED_SCHEDULES:
+        chunks = SCHEDULES[name].default_chunks
         if model.num_layers % (pp * chunks) == 0:
             yield name, chunks
 
@@ -106,7 +108,6 @@ def step_time_bound(layout: Layout, stage: StageCosts) -> float:
     micro-batch, and cannot start before micro-batch 0's forward has crossed the stages (and the
     rank-to-rank messages) in front of its earliest stage. Admissible for any action order."""
     from shiftlm.pipeline.actions import Placement
-    from shiftlm.pipeline.schedules import SCHEDULES
 
     work = [f + i + w for f, i, w in zip(stage.forward, stage.backward_input, stage.backward_weight)]
     if layout.pp == 1:
