@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from shiftlm.model.stream_mask import HOGWILD, ISOLATED, TIMESTEP, interleave, sample_visibility, stream_visibility
+from shiftlm.model.stream_mask import (
+    HOGWILD,
+    ISOLATED,
+    TIMESTEP,
+    interleave,
+    sample_visibility,
+    stream_visibility,
+)
 from shiftlm.serve.plan_codec import BlockTables, decode_plan, encode_plan
 from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 
