@@ -324,24 +324,32 @@ class ParallelConfig:
                 f"or change the layout so that {product} = {world_size}"
             )
 
-    def check_model(self, model: ModelConfig) -> None:
-        """Fail early, with the fix, on layouts this model cannot be split into."""
-        p = self.shift_size
-        if model.num_heads % p:
+    def check_model(self, model: ModelConfig, chunks: int = 1) -> None:
+        """Fail early, with the fix, on layouts this model cannot be split into: the one place the
+        trainer, the server, `verify`, the simulator and the planners check divisibility. `chunks`:
+        pipeline stages per rank (interleaved and V schedules)."""
+        p, heads, kv = self.shift_size, model.num_heads, model.num_kv_heads
+        if heads % p:
             raise ConfigError(
-                f"sp*tp = {p} must divide num_attention_heads = {model.num_heads}: "
-                f"pick tp and sp whose product divides {model.num_heads}"
+                f"sp*tp = {p} must divide num_attention_heads = {heads}: use sp*tp in {_divisors(heads)}"
             )
-        kv = model.num_kv_heads
         if kv % p and p % kv:
+            valid = [d for d in _divisors(heads) if kv % d == 0 or d % kv == 0]
             raise ConfigError(
                 f"num_key_value_heads = {kv} and sp*tp = {p} must divide one another so that every "
-                f"rank's query heads share whole KV heads: use sp*tp in "
-                f"{sorted(d for d in range(1, model.num_heads + 1) if model.num_heads % d == 0 and (kv % d == 0 or d % kv == 0))}"
+                f"rank's query heads share whole KV heads: use sp*tp in {valid}"
             )
-        if self.pp > model.num_layers:
+        if model.intermediate_size % self.tp:
             raise ConfigError(
-                f"pp = {self.pp} is more than the model's {model.num_layers} layers: use pp <= {model.num_layers}"
+                f"tp = {self.tp} must divide intermediate_size = {model.intermediate_size}: use tp in "
+                f"{[d for d in _divisors(heads) if model.intermediate_size % d == 0]}"
+            )
+        stages = self.pp * chunks
+        if stages > model.num_layers:
+            what = f"pp x chunks = {stages} pipeline stages" if chunks > 1 else f"pp = {self.pp}"
+            raise ConfigError(
+                f"{what} is more than the model's {model.num_layers} layers: lower pp"
+                + (" or the chunks per rank" if chunks > 1 else f" to <= {model.num_layers}")
             )
         if self.cp > 1 and model.sliding_window is not None:
             raise ConfigError(
@@ -372,6 +380,10 @@ class ParallelConfig:
                 f"sequence length {seq_len} must split evenly into {split}"
                 f" = {sp_chunks} chunks: pad the sequence to a multiple of {sp_chunks} or lower sp"
             )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def ceil_to_multiple(value: int, multiple: int) -> int:

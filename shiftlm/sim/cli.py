@@ -29,7 +29,7 @@ from shiftlm.sim.args import (
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
-    from shiftlm.sim.layout import Layout, check_fits_model
+    from shiftlm.sim.layout import Layout
     from shiftlm.sim.train import simulate_step
 
     model, hardware = model_from_args(args), hardware_from_args(args)
@@ -41,7 +41,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if args.pp > 1 and args.schedule not in SCHEDULES:
         raise ValueError(f"unknown --schedule {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
     chunks = args.chunks or (SCHEDULES[args.schedule].default_chunks if args.pp > 1 else 1)
-    check_fits_model(Layout(1, args.pp, args.tp, args.sp, chunks=chunks if args.pp > 1 else 1), model)
+    Layout(1, args.pp, args.tp, args.sp, chunks=chunks if args.pp > 1 else 1, cp=args.cp).check_model(model)
     cut = args.tp * args.pp * args.sp * args.cp
     dp = args.dp or args.gpus // cut
     if dp * cut != args.gpus:

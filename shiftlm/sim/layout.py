@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shiftlm.config import ModelConfig, ParallelConfig
+
 SHIFTLM_ORDER = ("tp", "sp", "cp", "pp", "dp")
 MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-cp-ep-dp-pp"
 RECOMPUTE = ("none", "selective", "full")
@@ -37,6 +39,14 @@ class Layout:
     cp: int = 1  # context parallelism: ring attention over a zigzag split (docs/context_parallel.md)
 
     @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.dp, self.pp, self.sp, self.tp, self.tp_sequence_parallel, self.cp)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """The trainer's own divisibility checks (`ParallelConfig.check_model`) for this layout."""
+        self.parallel.check_model(model, self.chunks)
+
+    @property
     def gpus(self) -> int:
         return self.dp * self.pp * self.cp * self.sp * self.tp
 
@@ -58,7 +68,7 @@ class Layout:
 
     def check(self) -> None:
         """Raise ValueError naming what is inconsistent and how to fix it."""
-        for axis in ("dp", "pp", "cp", "tp", "sp", "micro_batch", "chunks"):
+        for axis in ("micro_batch", "chunks"):
             if self.size(axis) < 1:
                 raise ValueError(f"--{axis.replace('_', '-')} must be >= 1")
         if self.global_batch % (self.dp * self.micro_batch):
@@ -70,42 +80,7 @@ class Layout:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError("--zero must be 0, 1, 2 or 3")
-        if self.seq_len % self.sp:
-            raise ValueError(f"--seq {self.seq_len} must be a multiple of --sp {self.sp}")
-        if self.cp > 1 and self.seq_len % (2 * self.cp * self.sp):
-            raise ValueError(
-                f"--seq {self.seq_len} must be a multiple of 2 x cp x sp = {2 * self.cp * self.sp}"
-            )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_fits_model(layout: Layout, model) -> None:
-    """Raise ValueError (one line, with the valid values) if `model` (a `ModelConfig`) cannot be cut
-    this way: the same rules as the trainer's `ParallelConfig.check_model` and `check_layout`
-    (query heads split over tp x sp, whole KV heads per rank, FFN rows over tp, a layer per stage)."""
-    shards = layout.tp * layout.sp
-    if model.num_heads % shards:
-        valid = ", ".join(str(d) for d in _divisors(model.num_heads))
-        raise ValueError(
-            f"tp x sp = {layout.tp} x {layout.sp} = {shards} must divide the model's {model.num_heads} "
-            f"attention heads; valid tp x sp: {valid}"
-        )
-    kv = model.num_kv_heads
-    if kv % shards and shards % kv:
-        valid = ", ".join(str(d) for d in _divisors(model.num_heads) if kv % d == 0 or d % kv == 0)
-        raise ValueError(
-            f"tp x sp = {shards} and the model's {kv} KV heads must divide one another; valid tp x sp: {valid}"
-        )
-    if model.intermediate_size % layout.tp:
-        raise ValueError(f"--tp {layout.tp} must divide the model's FFN width {model.intermediate_size}")
-    stages = layout.pp * layout.chunks
-    if stages > model.num_layers:
-        raise ValueError(
-            f"pp x chunks = {stages} stages but the model has {model.num_layers} layers; lower --pp or --chunks"
-        )
+        self.parallel.check_sequence(self.seq_len)  # also: every axis a positive integer
 
 
 def group_placement(layout: Layout, axis: str, gpus_per_node: int) -> tuple[int, int]:

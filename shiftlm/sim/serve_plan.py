@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shiftlm.config import ConfigError
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.capabilities import SERVE_DATA_PARALLEL
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout
@@ -56,18 +57,12 @@ def layout_for(mode: str, gpus: int, tp: int, threshold: float = 256) -> ServeLa
 
 
 def check_serve_layout(setup: ServeHardware, layout: ServeLayout) -> None:
-    """One line naming the valid values if the model cannot be cut this way: the query heads split
-    over the sp x tp ranks of a replica (both modes shard heads P = sp x tp ways) and every rank's
-    query heads share whole KV heads, as `shiftlm serve` requires (`ParallelConfig.check_model`)."""
-    model, shards = setup.model, layout.gpus_per_replica
-    valid = [d for d in range(1, model.num_heads + 1) if model.num_heads % d == 0]
-    valid = [d for d in valid if model.num_kv_heads % d == 0 or d % model.num_kv_heads == 0]
-    if model.num_heads % shards or (model.num_kv_heads % shards and shards % model.num_kv_heads):
-        raise ValueError(
-            f"{layout.name}: sp x tp = {shards} GPUs per replica must divide the model's {model.num_heads} "
-            f"attention heads and share whole KV heads ({model.num_kv_heads}); valid sp x tp: "
-            + ", ".join(map(str, valid))
-        )
+    """One line naming the valid values if the model cannot be cut this way: `shiftlm serve`'s own
+    check (`ParallelConfig.check_model`) of the sp x tp ranks of one replica."""
+    try:
+        layout.parallel.check_model(setup.model)
+    except ConfigError as err:
+        raise ConfigError(f"{layout.name}: {err}") from None
 
 
 def fits(

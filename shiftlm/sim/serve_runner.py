@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shiftlm.config import ModelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.serve.scheduler import Mode, StepPlan
 from shiftlm.sim.collectives import Links
@@ -49,6 +49,11 @@ class ServeLayout:
     @property
     def gpus_per_replica(self) -> int:
         return self.tp * self.sp
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The layout as `shiftlm serve` runs it: `replicas` data-parallel engines of sp x tp."""
+        return ParallelConfig(dp=self.replicas, sp=self.sp, tp=self.tp)
 
     @property
     def gpus(self) -> int:

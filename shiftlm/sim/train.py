@@ -19,7 +19,7 @@ from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
-from shiftlm.sim.layout import Layout, check_fits_model, group_placement
+from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 
 
@@ -244,7 +244,7 @@ def simulate_step(
 ) -> StepResult:
     """Simulate one optimizer step of `layout` (see the module docstring for the composition)."""
     layout.check()
-    check_fits_model(layout, model)
+    layout.check_model(model)
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     timing = pipeline_timing(layout, stage)
     makespan, bubble, peak = timing.makespan, timing.bubble_fraction, timing.peak_activations

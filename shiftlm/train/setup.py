@@ -87,17 +87,10 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
     """The layout as the core's ParallelConfig, after every check that needs the model."""
     p = config.parallel
     parallel = ParallelConfig(dp=p.dp, pp=p.pp, sp=p.sp, tp=p.tp, cp=p.cp)
-    parallel.check_model(model)  # before the world size: a layout that cannot fit the model is the news
+    # before the world size: a layout that cannot fit the model is the news
+    parallel.check_model(model, resolved_chunks(config))
     parallel.check_world_size(world_size)
     parallel.check_sequence(config.train.seq_len)
-    stages = p.pp * resolved_chunks(config)
-    if stages > model.num_layers:
-        raise ConfigError(
-            f"pp x chunks = {stages} pipeline stages but the model has {model.num_layers} layers: "
-            "lower parallel.pp or train.chunks"
-        )
-    if model.intermediate_size % p.tp:
-        raise ConfigError(f"tp = {p.tp} must divide intermediate_size = {model.intermediate_size}")
     return parallel
 
 

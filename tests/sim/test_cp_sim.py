@@ -50,16 +50,14 @@ def test_ring_transfers_hide_behind_long_blocks_but_not_short_ones():
 def test_cp_goes_past_the_ulysses_head_cap_and_hides_its_traffic():
     """At tp = 8 a 64-head model allows sp <= 8; cp has no head cap. At 128k on 64 GPUs the ring's
     transfers hide behind attention, while Ulysses' cross-node all-to-alls do not."""
-    from shiftlm.sim.layout import check_fits_model
-
     ulysses = simulate_step(MODEL, _layout(131072, 1, 8), H100, FITTED)
     ring = simulate_step(MODEL, _layout(131072, 8), H100, FITTED)
     assert ring.step_time < ulysses.step_time
     assert ring.breakdown["tp_sp_comm"] < ulysses.breakdown["tp_sp_comm"]
-    with pytest.raises(ValueError, match="must divide the model's 64 attention heads"):
-        check_fits_model(_layout(262144, 1, 16), MODEL)
+    with pytest.raises(ValueError, match="sp\\*tp = 128 must divide num_attention_heads = 64"):
+        _layout(262144, 1, 16).check_model(MODEL)
     wide = _layout(262144, 16)
-    check_fits_model(wide, MODEL)
+    wide.check_model(MODEL)
     result = simulate_step(MODEL, wide, H100, FITTED)
     assert wide.gpus == 128 and result.memory.fits
 
