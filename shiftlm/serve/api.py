@@ -32,6 +32,7 @@ from shiftlm.serve.middleware import GuardMiddleware
 from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from shiftlm.serve.responses import Choices, merged, render_response, render_stream
 from shiftlm.serve.sequence import InvalidRequest
+from shiftlm.serve.streams_api import add_stream_routes
 from shiftlm.serve.text import Tokenizer
 
 log = logging.getLogger("shiftlm.serve")
@@ -122,6 +123,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             raise ApiError(400, f"the {param} is not valid Unicode (a lone surrogate?)", param) from None
         except Exception as err:  # noqa: BLE001 - the tokenizer's own error, as one line
             raise ApiError(400, f"the {param} could not be tokenized: {type(err).__name__}", param) from None
+
+    add_stream_routes(app, engine, tokenizer, model_name, options.default_max_tokens, tokenize)
 
     def admit(
         body: _SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs

@@ -137,26 +137,46 @@ class AsyncEngine:
             )
         return [self._outputs(prompt_ids, params, f"req-{next(self._ids)}") for prompt_ids in prompts]
 
+    def submit_streams(self, prompt_ids, prefixes, params: list[SamplingParams], layout: str):
+        """A stream group (serve/streams.py), checked here once; yields every stream's outputs
+        (`out.index` is the stream) until all of them finish."""
+        if self.error is not None:
+            self.engine.metrics.record_rejected()
+            raise EngineDead(f"the engine stopped: {self.error}")
+        self.engine.streams.check(prompt_ids, prefixes, params, layout)
+        if self.num_pending + 1 > self.max_pending:
+            self.engine.metrics.record_rejected()
+            raise Overloaded(
+                f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
+            )
+        request_id = f"req-{next(self._ids)}"
+        command = ("streams", request_id, prompt_ids, prefixes, params, layout)
+        return self._results(command, request_id, len(prefixes))
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """`submit` of one prompt."""
         return self.submit([prompt_ids], params)[0]
 
-    async def _outputs(
+    def _outputs(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
+        return self._results(("add", request_id, prompt_ids, params), request_id, params.n)
+
+    async def _results(self, command: tuple, request_id: str, count: int) -> AsyncIterator[RequestOutput]:
+        """Post `command` to the engine thread; yield outputs until `count` samples finish."""
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._sinks[request_id] = sink
-        self._post(("add", request_id, prompt_ids, params))
+        self._post(command)
         finished = 0
         try:
-            while finished < params.n:
+            while finished < count:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished += item.finish_reason is not None
                 yield item
         finally:
-            if self._sinks.pop(request_id, None) is not None and finished < params.n:
+            if self._sinks.pop(request_id, None) is not None and finished < count:
                 self._post(("abort", request_id))
 
     def fail(self, reason: str) -> None:
@@ -264,9 +284,12 @@ class AsyncEngine:
             if command[0] == "abort":
                 self.engine.abort(command[1])
                 continue
-            _, request_id, prompt_ids, params = command
+            request_id = command[1]
             try:
-                self.engine.enqueue(request_id, prompt_ids, params)  # `submit` checked it
+                if command[0] == "streams":  # `submit_streams` checked it
+                    self.engine.enqueue_streams(*command[1:])
+                else:
+                    self.engine.enqueue(*command[1:])  # `submit` checked it
             except Exception as err:  # noqa: BLE001 - a broken request must not stop the loop
                 log.exception("adding request %s failed", request_id)
                 self._deliver(

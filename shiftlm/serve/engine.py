@@ -154,8 +154,11 @@ class Engine:
 
     def enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request that `check_request` has passed."""
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.streams.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        if params.n > 1 and params.prompt_logprobs is None:  # n samples: an isolated stream group
+            self.streams.add_samples(request_id, prompt_ids, params)
+            return
         now = self.clock()
         seq = Sequence(request_id, list(prompt_ids), params, arrival_time=now)
         request = _Request(prompt_len=len(prompt_ids), n=params.n, arrival=now)
@@ -173,7 +176,12 @@ class Engine:
         params: list[SamplingParams],
         layout: str = "timestep",
     ) -> None:
-        """A group of len(prefixes) streams over one prompt; outputs carry the stream as `index`."""
+        """A group of len(prefixes) streams over one prompt; outputs carry the stream as `index`
+        (serve/streams.py). `streams.check` is its one validation, as `check_request` is a request's."""
+        self.streams.check(prompt_ids, prefixes, params, layout)
+        self.enqueue_streams(request_id, prompt_ids, prefixes, params, layout)
+
+    def enqueue_streams(self, request_id: str, prompt_ids, prefixes, params, layout: str) -> None:
         if request_id in self._requests or request_id in self.streams.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         self.streams.add(request_id, prompt_ids, prefixes, params, layout)

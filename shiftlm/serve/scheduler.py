@@ -144,8 +144,8 @@ class Scheduler:
             seq.row = -1
 
     def add(self, seq: Sequence) -> None:
-        if seq.num_tokens >= self.config.max_model_len:
-            raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds {self.config.max_model_len}")
+        if seq.context_len >= self.config.max_model_len:
+            raise ValueError(f"sequence of {seq.context_len} tokens exceeds {self.config.max_model_len}")
         self._by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 

@@ -169,6 +169,11 @@ class Sequence:
         return 1
 
     @property
+    def context_len(self) -> int:
+        """The longest context one of its tokens reads (bounded by max_model_len)."""
+        return self.num_tokens
+
+    @property
     def num_cacheable(self) -> int:
         """Leading tokens whose K/V depend on the tokens alone (may go to the prefix cache)."""
         return self.num_tokens

@@ -94,6 +94,10 @@ class StreamGroup(Sequence):
         return self.last_width
 
     @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + self.timesteps
+
+    @property
     def num_cacheable(self) -> int:
         return len(self.prompt_ids)
 

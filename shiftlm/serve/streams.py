@@ -12,12 +12,12 @@ strings), appending the next timestep and finishing streams one by one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from shiftlm.model.stream_mask import LAYOUTS, layout_code
-from shiftlm.serve.sampling import SampleRow, TokenLogprob, make_generator
+from shiftlm.serve.sampling import SEED_MODULUS, SampleRow, TokenLogprob, make_generator
 from shiftlm.serve.sequence import FinishReason, InvalidRequest, SamplingParams
 from shiftlm.serve.stream_group import StreamGroup
 from shiftlm.serve.text import StreamingText
@@ -72,12 +72,20 @@ class StreamRequests:
                     f"streams[{k}].prefix token ids must be in [0, {engine.vocab_size})", "streams"
                 )
         engine.check_request(prompt_ids, SamplingParams(max_tokens=1))
+        for k, (prefix, p) in enumerate(zip(prefixes, params)):
+            if len(prompt_ids) + len(prefix) + p.max_tokens > engine.max_model_len:
+                raise InvalidRequest(
+                    f"streams[{k}]: prompt + prefix + max_tokens = {len(prompt_ids) + len(prefix) + p.max_tokens}"
+                    f" tokens, more than the context of {engine.max_model_len}; shorten it",
+                    "streams",
+                )
+        config = engine.scheduler.config
         needed = len(prompt_ids) + sum(len(x) + p.max_tokens for x, p in zip(prefixes, params))
-        if needed > engine.max_model_len:
+        if needed > config.num_blocks * config.block_size:
             raise InvalidRequest(
-                f"too many streams for the cache: the group needs {needed} cache slots (prompt, every "
-                f"stream's prefix and max_tokens) but a sequence holds {engine.max_model_len}; send fewer "
-                "streams, shorter prefixes or a lower max_tokens",
+                f"too many streams for the cache: the group needs {needed} KV slots (the prompt once, "
+                f"every stream's prefix and max_tokens) but the cache holds {config.num_blocks * config.block_size};"
+                " send fewer streams, shorter prefixes or a lower max_tokens",
                 "streams",
             )
         window = getattr(getattr(engine.runner, "model_config", None), "sliding_window", None)
@@ -85,8 +93,15 @@ class StreamRequests:
             raise InvalidRequest("stream groups need a model without a sliding window", "layout")
         return layout_code(layout)
 
+    def add_samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """OpenAI's n > 1: n `isolated` streams with empty prefixes; sample i draws with seed + i."""
+        seeds = [None if params.seed is None else (params.seed + i) % SEED_MODULUS for i in range(params.n)]
+        samples = [replace(params, n=1, seed=seed) for seed in seeds]
+        self.add(request_id, prompt_ids, [[] for _ in samples], samples, "isolated")
+
     def add(self, request_id: str, prompt_ids, prefixes, params: list[SamplingParams], layout: str) -> None:
-        code = self.check(prompt_ids, prefixes, params, layout)
+        """Queue a group that `check` has passed."""
+        code = layout_code(layout)
         now = self.engine.clock()
         group = StreamGroup.create(request_id, prompt_ids, prefixes, params, code, arrival_time=now)
         texts = [StreamingText(self.engine.tokenizer, p.stop) for p in params]
@@ -147,7 +162,7 @@ class StreamRequests:
         reason = None
         if text.stopped or (token in engine.eos_token_ids and not params.ignore_eos):
             reason = FinishReason.STOP
-        elif len(group.generated[k]) >= params.max_tokens or group.num_tokens >= engine.max_model_len:
+        elif len(group.generated[k]) >= params.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
             delta += text.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shiftlm.model.stream_mask import ISOLATED
 from shiftlm.serve.scheduler import StepPlan
 
 VOCAB = 32
@@ -39,6 +40,7 @@ class SlotRunner:
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.plans: list[StepPlan] = []
         self.tables: dict[int, list[int]] = {}  # batch row -> block table, kept from the plans' deltas
+        self.streams: list[int] = [-1] * (num_blocks * block_size)  # stream-group tag of each slot
 
     def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
@@ -50,15 +52,27 @@ class SlotRunner:
             table[chunk.first_block :] = chunk.new_blocks
         for chunk in plan.chunks:
             for offset, token in enumerate(chunk.token_ids):
-                self.slots[self.slot(self.tables[chunk.row], chunk.start + offset)] = token
+                slot = self.slot(self.tables[chunk.row], chunk.start + offset)
+                self.slots[slot] = token
+                self.streams[slot] = chunk.streams[offset] if chunk.layout else -1
         rows = []
         for chunk in plan.chunks:
-            if chunk.sample:
-                end = chunk.start + len(chunk.token_ids)
-                rows.append(
-                    next_token_scores([self.slots[self.slot(self.tables[chunk.row], p)] for p in range(end)])
-                )
+            if not chunk.sample:
+                continue
+            last = chunk.start + len(chunk.token_ids)
+            for end in range(last - chunk.num_logits_rows + 1, last + 1):
+                rows.append(next_token_scores(self.context(chunk, end)))
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+    def context(self, chunk, end: int) -> list[int]:
+        """The tokens the row before `end` reads: all of them, or in an isolated stream group
+        (OpenAI's n samples) the prompt and the row's own stream."""
+        slots = [self.slot(self.tables[chunk.row], p) for p in range(end)]
+        if chunk.layout:
+            assert chunk.layout == ISOLATED, "the fake model runs only isolated stream groups"
+            own = self.streams[slots[-1]]
+            slots = [slot for slot in slots if self.streams[slot] in (-1, own)]
+        return [self.slots[slot] for slot in slots]
 
 
 class LetterTokenizer:

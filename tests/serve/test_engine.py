@@ -69,22 +69,27 @@ def test_a_small_cache_forces_preemption_and_still_every_output_is_exact():
         assert _tokens(results[(f"r{i}", 0)]) == reference_greedy(prompt, 20)
 
 
-def test_n_samples_share_the_prompt_blocks_and_each_continues_its_own_first_token():
+def test_n_samples_run_as_an_isolated_group_holding_the_prompt_once():
     engine = _engine()
     prompt = list(range(10))  # two full blocks of 4 and a tail of 2
-    engine.add_request(
-        "r", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True)
-    )
-    outputs = engine.step()
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    outputs = engine.step()  # the prompt; its last row gives each sample its first token
     assert sorted(out.index for out in outputs) == [0, 1, 2]
-    samples = engine._requests["r"].samples
-    shared = samples[0].block_ids[:2]
-    assert all(samples[i].block_ids[:2] == shared for i in (1, 2))
-    assert all(engine.scheduler.blocks.allocator.ref_counts[b] == 3 for b in shared)
+    outputs += engine.step()  # the 3 first tokens go after the prompt in the group's one table: 13 slots
+    allocator = engine.scheduler.blocks.allocator
+    assert allocator.num_blocks - allocator.num_free == 4  # not 3 copies of the prompt's blocks
     results = {key: _tokens(value) for key, value in _run(engine).items()}
-    first_tokens = {out.index: out.token_ids for out in outputs}
-    assert all(len(first_tokens[i] + results[("r", i)]) == 6 for i in range(3))
-    assert len({tuple(first_tokens[i] + results[("r", i)]) for i in range(3)}) > 1
+    samples = [_tokens([o for o in outputs if o.index == i]) + results[("r", i)] for i in range(3)]
+    assert all(len(sample) == 6 for sample in samples)
+    assert len({tuple(sample) for sample in samples}) > 1
+    # each sample saw the prompt and its own tokens only: it is the seeded request of seed 7 + i
+    for i in range(3):
+        alone = _engine()
+        alone.add_request(
+            "a", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=7 + i, ignore_eos=True)
+        )
+        assert _tokens(_run(alone)[("a", 0)]) == samples[i]
 
 
 def test_a_seed_makes_sampling_reproducible():
