@@ -17,6 +17,7 @@ from shiftlm.model.stream_mask import (
 from shiftlm.serve.plan_codec import BlockTables, decode_plan, encode_plan
 from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 
+# fmt: off
 #                 P0 P1 a0 b0 a1
 TIMESTEP_MASK = [[1, 0, 0, 0, 0],  # P0
                  [1, 1, 0, 0, 0],  # P1
@@ -29,13 +30,13 @@ ISOLATED_MASK[4] = [1, 1, 1, 0, 1]  # a1 does not see b0
 # position further for the prompt and for b0; nothing else moves
 HOGWILD_SHIFT = [[0] * 5, [0] * 5, [0] * 5, [0] * 5, [1, 1, 0, 1, 0]]
 STREAMS, POSITIONS = [-1, -1, 0, 1, 0], [0, 1, 2, 2, 3]  # stream token t sits at prompt_len + t
+# fmt: on
 
 
 def tags():
     return torch.tensor(STREAMS), torch.tensor(POSITIONS)
 
 
-# fmt: off
 def test_interleave_puts_each_timestep_of_every_stream_after_the_prompt():
     assert interleave(2, [2, 1]) == (STREAMS, POSITIONS)
 
@@ -53,10 +54,21 @@ def test_the_masks_and_the_hogwild_shift_are_the_hand_drawn_ones():
 
 def serving_mask(layout: int) -> torch.Tensor:
     """The mask decode_plan builds for a group chunk of the hand-drawn tokens (block size 2)."""
-    chunk = ScheduledChunk(0, (7, 8, 9, 10, 11), 0, (3, 1, 4), True, layout=layout, prompt_len=2,
-                           streams=tuple(STREAMS), positions=tuple(POSITIONS), sample_rows=2)
-    _, _, batch = decode_plan(encode_plan(StepPlan(0, Mode.TP, (chunk,))), BlockTables(8), 2,
-                              inv_freq=torch.ones(2))
+    chunk = ScheduledChunk(
+        0,
+        (7, 8, 9, 10, 11),
+        0,
+        (3, 1, 4),
+        True,
+        layout=layout,
+        prompt_len=2,
+        streams=tuple(STREAMS),
+        positions=tuple(POSITIONS),
+        sample_rows=2,
+    )
+    _, _, batch = decode_plan(
+        encode_plan(StepPlan(0, Mode.TP, (chunk,))), BlockTables(8), 2, inv_freq=torch.ones(2)
+    )
     (group,) = batch.chunks
     assert batch.positions.tolist() == POSITIONS
     assert batch.sample_rows.tolist() == [3, 4]  # the last timestep's rows
@@ -68,4 +80,3 @@ def test_serving_reads_the_same_mask_from_the_paged_cache():
         mask = serving_mask(layout)
         assert mask[:, :5].int().tolist() == expected
         assert not mask[:, 5:].any()  # the rest of the last block is not context
-# fmt: on
