@@ -18,7 +18,7 @@ from typing import Any
 
 import tomllib
 
-from shiftlm.config import ConfigError  # the one user-error type (re-exported for callers)
+from shiftlm.config import ConfigError, ParallelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
@@ -28,19 +28,6 @@ ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages the trainer implements (a stage th
 @dataclass
 class ModelSection:
     name: str = "tiny"  # a preset name, or a path to an HF config.json / checkpoint dir
-
-
-@dataclass
-class ParallelSection:
-    dp: int = 1
-    pp: int = 1
-    sp: int = 1
-    tp: int = 1
-    cp: int = 1  # context parallelism: ring attention over a zigzag split of each sequence
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.sp * self.tp
 
 
 @dataclass
@@ -116,7 +103,7 @@ class ValidationSection:
 @dataclass
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # [parallel]: the one layout type
     train: TrainSection = field(default_factory=TrainSection)
     optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
@@ -167,7 +154,8 @@ def _apply(config: TrainConfig, section: str, key: str, value: Any) -> None:
     if key not in keys:
         raise ConfigError(f"unknown config key '{section}.{key}'.{_did_you_mean(key, list(keys))}")
     kind = {"int": int, "float": float, "str": str, "bool": bool}[str(keys[key].type)]
-    setattr(target, key, _coerce(value, kind, f"{section}.{key}"))
+    # a new section rather than setattr: [parallel] is the frozen ParallelConfig, which checks itself
+    setattr(config, section, dataclasses.replace(target, **{key: _coerce(value, kind, f"{section}.{key}")}))
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, str, str]]:
@@ -219,6 +207,11 @@ def config_from_dict(raw: dict[str, dict[str, Any]]) -> TrainConfig:
 
 def validate(config: TrainConfig) -> None:
     """Checks that need no model: positive sizes, known modes, a batch that divides evenly."""
+    if config.parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel: the trainer does not run Megatron sequence parallelism yet "
+            "(the model does); remove the key (sp is Ulysses sequence parallelism)"
+        )
     for section in (config.parallel, config.train, config.checkpoint, config.validation):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import tempfile
 import time
@@ -85,8 +86,7 @@ def stand_in_config(
     from shiftlm.train.pipeline import resolved_chunks
 
     small = copy.deepcopy(config)
-    for axis, degree in degrees.items():
-        setattr(small.parallel, axis, degree)
+    small.parallel = dataclasses.replace(small.parallel, **degrees)
     split = 2 * degrees["cp"] * degrees["sp"] if degrees["cp"] > 1 else degrees["sp"]
     small.train.seq_len = split * -(-32 // split)
     small.train.global_batch = config.accumulation * config.train.micro_batch * degrees["dp"]
@@ -111,8 +111,7 @@ def _real_model(config: TrainConfig) -> ModelConfig:
 
 def single_rank(config: TrainConfig) -> TrainConfig:
     reference = copy.deepcopy(config)
-    for axis in AXES:
-        setattr(reference.parallel, axis, 1)
+    reference.parallel = dataclasses.replace(reference.parallel, **dict.fromkeys(AXES, 1))
     reference.train.zero = 0
     reference.train.schedule, reference.train.chunks = "1f1b", 1
     reference.log.dir = str(Path(config.log.dir).with_name("reference"))

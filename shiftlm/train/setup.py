@@ -85,8 +85,7 @@ def model_config(name: str, vocab_size: int, eos_token_id: int) -> tuple[ModelCo
 
 def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> ParallelConfig:
     """The layout as the core's ParallelConfig, after every check that needs the model."""
-    p = config.parallel
-    parallel = ParallelConfig(dp=p.dp, pp=p.pp, sp=p.sp, tp=p.tp, cp=p.cp)
+    parallel = config.parallel
     # before the world size: a layout that cannot fit the model is the news
     parallel.check_model(model, resolved_chunks(config))
     parallel.check_world_size(world_size)

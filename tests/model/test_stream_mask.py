@@ -19,11 +19,13 @@ from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
 
 # fmt: off
 #                 P0 P1 a0 b0 a1
-TIMESTEP_MASK = [[1, 0, 0, 0, 0],  # P0
-                 [1, 1, 0, 0, 0],  # P1
-                 [1, 1, 1, 0, 0],  # a0: prompt, itself
-                 [1, 1, 0, 1, 0],  # b0: prompt, itself (a0 is the same timestep)
-                 [1, 1, 1, 1, 1]]  # a1: prompt, timestep 0 of every stream, itself
+TIMESTEP_MASK = [
+    [1, 0, 0, 0, 0],  # P0
+    [1, 1, 0, 0, 0],  # P1
+    [1, 1, 1, 0, 0],  # a0: prompt, itself
+    [1, 1, 0, 1, 0],  # b0: prompt, itself (a0 is the same timestep)
+    [1, 1, 1, 1, 1],
+]  # a1: prompt, timestep 0 of every stream, itself
 ISOLATED_MASK = [row[:] for row in TIMESTEP_MASK]
 ISOLATED_MASK[4] = [1, 1, 1, 0, 1]  # a1 does not see b0
 # hogwild: a1's view is P0 P1 b0 a0 a1 (b's block before its own), so its query is rotated one
