@@ -20,6 +20,23 @@ Sources (datasheet values; where a datasheet gives a range the SXM/OAM variant i
   4x 200 Gb/s Slingshot (25 GB/s per module).
 - MI300X: AMD Instinct MI300X datasheet: 1,307 TFLOP/s bf16, 2,615 fp8, 163 fp32, 192 GB HBM3 at
   5.3 TB/s, 7 Infinity Fabric links (896 GB/s aggregate bidirectional), 8 per platform.
+
+`matmul_fraction` (per dtype): the Maximum Achievable Matmul FLOPS (MAMF, the fastest shape of a
+brute-force `torch.matmul` search, mean of 100 iterations) over the datasheet peak, measured by
+S. Bekman et al., "Machine Learning Engineering", compute/accelerator/README.md, MAMF comparison
+table (github.com/stas00/ml-engineering, CC BY-SA 4.0): bf16 A100 SXM 271.2/312 = 0.869, H100 SXM
+794.5/989 = 0.803 ("H200 is the same"), B200 1,745/2,250 = 0.776, MI250X 147.0/191.5 per GCD = 0.767,
+MI300X 668.4/1,300 = 0.514; fp8 H100 1,402.6/1,979 = 0.709, H200 1,453.4/1,979 = 0.734, B200
+3,432.5/4,500 = 0.763. Newer generations reach a smaller share of a larger peak (clocks drop under
+full tensor-core load). The simulator's fitted `gemm` is a fraction of this achievable rate, which
+is how the A100 fit carries to H100/H200/B200 (validated on llm-foundry's H100 table, never fitted).
+Entries without their own measurement take the same die's (A100 40GB: A100 SXM; H100 PCIe: H100 SXM).
+
+`attention_fraction` (bf16/fp16): the best forward + backward rate FlashAttention-2 reaches over the
+datasheet peak (Dao 2023, "FlashAttention-2", Sec. 4.1: up to 225 TFLOP/s on A100 = 0.72; the same
+kernels on H100 up to 335 TFLOP/s = 0.34, without Hopper's TMA / wgmma). Attention kernels of
+frameworks that predate FlashAttention-3 run at that share on Hopper; GPUs without a published
+number take their matmul share.
 """
 
 from __future__ import annotations
@@ -55,6 +72,24 @@ class Hardware:
     extra: dict[str, float] = field(default_factory=dict)
     # measured GEMM rates (`shiftlm calibrate`): (role, m, k, n, FLOP/s), role one of GEMM_ROLES
     gemm_table: tuple[tuple[str, int, int, int, float], ...] = ()
+    # achievable matmul FLOP/s over the datasheet peak, per dtype (module docstring); a calibrated
+    # profile's peaks are measured already (empty: 1.0)
+    matmul_fraction: dict[str, float] = field(default_factory=dict)
+    attention_fraction: float | None = None  # FlashAttention-2's best share of the peak (docstring)
+
+    def achievable_flops(self, dtype: str) -> float:
+        """The fastest a large GEMM runs on this GPU: the datasheet peak x its measured MAMF share
+        (fp16/tf32 take bf16's share where no own measurement exists)."""
+        share = self.matmul_fraction
+        fraction = share.get(dtype, share.get("bf16", 1.0) if dtype in ("fp16", "tf32") else 1.0)
+        return self.flops(dtype) * fraction
+
+    def attention_flops(self, dtype: str) -> float:
+        """The fastest a fused (flash) attention kernel runs: FlashAttention-2's published share of
+        the peak where there is one, else the achievable matmul rate."""
+        if self.attention_fraction is None or dtype not in ("bf16", "fp16"):
+            return self.achievable_flops(dtype)
+        return self.flops(dtype) * self.attention_fraction
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for `dtype`; a clear error if the GPU has no such tensor cores."""
@@ -103,6 +138,8 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=300 * GIGA,
             inter_node_bandwidth=25 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.869},
+            attention_fraction=0.72,
         ),
         Hardware(
             "a100-80gb",
@@ -112,6 +149,8 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=300 * GIGA,
             inter_node_bandwidth=25 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.869},
+            attention_fraction=0.72,
         ),
         Hardware(
             "h100-sxm",
@@ -121,6 +160,8 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=450 * GIGA,
             inter_node_bandwidth=50 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.803, "fp8": 0.709},
+            attention_fraction=0.34,
         ),
         Hardware(
             "h100-pcie",
@@ -130,6 +171,8 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=64 * GIGA,
             inter_node_bandwidth=50 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.803, "fp8": 0.709},
+            attention_fraction=0.34,
         ),
         Hardware(
             "h200",
@@ -139,6 +182,8 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=450 * GIGA,
             inter_node_bandwidth=50 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.803, "fp8": 0.734},
+            attention_fraction=0.34,
         ),
         Hardware(
             "b200",
@@ -148,6 +193,7 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=900 * GIGA,
             inter_node_bandwidth=50 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.776, "fp8": 0.763},
         ),
         Hardware(
             "mi250x",
@@ -157,6 +203,7 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=200 * GIGA,
             inter_node_bandwidth=25 * GIGA,
             gpus_per_node=4,
+            matmul_fraction={"bf16": 0.767},
         ),
         Hardware(
             "mi300x",
@@ -171,6 +218,7 @@ CATALOG: dict[str, Hardware] = {
             intra_node_bandwidth=448 * GIGA,
             inter_node_bandwidth=50 * GIGA,
             gpus_per_node=8,
+            matmul_fraction={"bf16": 0.514},
         ),
     ]
 }

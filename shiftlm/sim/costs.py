@@ -84,7 +84,15 @@ def forward_ops(
         # causal blocks above the diagonal are skipped (FlashAttention-2, Dao 2023, Sec. 3.1)
         visible = kv_tokens - query_tokens / 2
         kv_bytes = 2 * sequences * kv_tokens * heads * d * width
-        ops.append(Kernel("flash_attention", 4 * q_all * visible * d, 2 * q_all * d * width + kv_bytes, True))
+        ops.append(
+            Kernel(
+                "flash_attention",
+                4 * q_all * visible * d,
+                2 * q_all * d * width + kv_bytes,
+                True,
+                role="attention",  # timed at the GPU's flash-attention rate (Hardware.attention_flops)
+            )
+        )
     else:
         scores = q_all * kv_tokens
         ops += [
@@ -97,16 +105,20 @@ def forward_ops(
 
 def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
     """Roofline time of running `ops` back to back; a GEMM with a shape takes the measured rate of
-    its shape and role where the hardware has a GEMM table, else the peak times `efficiency.gemm`.
+    its shape and role where the hardware has a GEMM table, else the GPU's achievable matmul rate
+    (datasheet peak x its published MAMF share, `Hardware.achievable_flops`; a flash-attention
+    kernel: FlashAttention-2's published share, `Hardware.attention_flops`) times `efficiency.gemm`.
     No kernel runs faster than `Hardware.device_peak` (a fitted or calibrated efficiency cannot
     exceed the device's peak, so a predicted MFU cannot exceed 100%)."""
     device_peak = hardware.device_peak(dtype)
-    peak = min(hardware.flops(dtype) * efficiency.gemm, device_peak)
+    peak = min(hardware.achievable_flops(dtype) * efficiency.gemm, device_peak)
+    attention_peak = min(hardware.attention_flops(dtype) * efficiency.gemm, device_peak)
     bandwidth = hardware.hbm_bandwidth * efficiency.memory
     total = 0.0
     for op in ops:
         measured = hardware.gemm_rate(op.role, *op.shape) if op.gemm and op.shape is not None else None
-        rate = peak if measured is None else min(measured * efficiency.gemm, device_peak)
+        rate = attention_peak if op.role == "attention" else peak
+        rate = rate if measured is None else min(measured * efficiency.gemm, device_peak)
         total += max(op.flops / rate, op.nbytes / bandwidth) + efficiency.kernel_overhead
     return total
 

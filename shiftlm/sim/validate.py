@@ -59,7 +59,7 @@ def on_cluster(efficiency: Efficiency, hardware_name: str, clusters: Mapping[str
 def replay(
     table: str, cases: Sequence[Case], efficiency: Efficiency, clusters: Mapping[str, float] = {}
 ) -> list[RowResult]:
-    """Simulate every case of `table` (Megatron-era kernels ran fp16)."""
+    """Simulate every case of `table` in its own precision (Megatron-era kernels ran fp16)."""
     rows = []
     for index, case in enumerate(cases):
         step = simulate_step(
@@ -67,7 +67,7 @@ def replay(
             case.layout,
             case.hardware,
             on_cluster(efficiency, case.hardware.name, clusters),
-            dtype="fp16",
+            dtype=case.dtype,
         )
         rows.append(
             RowResult(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shiftlm.sim import jsonout
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FIT_PARAMETERS, FITTED, FITTED_CLUSTER
-from shiftlm.sim.measured import default_data_dir, load_cases
+from shiftlm.sim.measured import TABLES, default_data_dir, load_cases
 from shiftlm.sim.validate import RowResult, replay, table_summary
 
 # Held-out MAPE goals (issue 17); the vTrain single-node table also has p90 |error| <= 15%.
@@ -20,6 +20,11 @@ TARGET_PCT = {
     "vtrain_single_node": 8.0,
 }
 TARGET_P90_PCT = {"vtrain_single_node": 15.0}
+UNITS = {
+    "tflops_per_gpu": "TFLOP/s per GPU",
+    "iteration_s": "iteration s",
+    "tokens_per_s_per_gpu": "tokens/s per GPU",
+}
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -28,7 +33,7 @@ def run_validate(args: argparse.Namespace) -> int:
         data_dir = data_dir / "measured"
     tables = None
     if args.no_single_node:
-        tables = ["megatron_2021_table1", "korthikanti_2022_table5", "vtrain_multi_node"]
+        tables = [table for table in TABLES if table != "vtrain_single_node"]
     cases = load_cases(data_dir, tables)
     fitted, clusters = FITTED, FITTED_CLUSTER
     report: dict = {"tables": {}}
@@ -73,7 +78,7 @@ def run_validate(args: argparse.Namespace) -> int:
         entry["target_p90_abs_error_held_out_pct"] = TARGET_P90_PCT.get(table)
         report["tables"][table] = entry
     if args.plot is not None:
-        write_scatter(scatter, args.plot)
+        write_scatter(scatter, args.plot, {table: rows[0].metric for table, rows in cases.items()})
         report["plot"] = str(args.plot)
     if args.json:
         print(jsonout.dumps(report))
@@ -82,8 +87,9 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_scatter(tables: dict[str, list[RowResult]], path: Path) -> None:
-    """Predicted vs measured, log-log, one panel per dataset; fit rows hollow, held-out rows filled."""
+def write_scatter(tables: dict[str, list[RowResult]], path: Path, metrics: dict[str, str]) -> None:
+    """Predicted vs measured, log-log, one panel per dataset (`metrics`: table -> its metric, for the
+    axis label); fit rows hollow, held-out rows filled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +113,7 @@ def write_scatter(tables: dict[str, list[RowResult]], path: Path) -> None:
         for factor in (0.9, 1.1):
             ax.plot([low, high], [low * factor, high * factor], "k:", lw=0.6)
         ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), title=table)
-        unit = "TFLOP/s per GPU" if table.startswith("megatron") else "iteration s"
+        unit = UNITS.get(metrics.get(table, ""), "")
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel("predicted")
         ax.legend(fontsize=7)

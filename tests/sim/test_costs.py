@@ -61,12 +61,46 @@ def test_decode_gemms_are_memory_bound_and_prefill_gemms_compute_bound():
     from shiftlm.sim.efficiency import FIRST_PRINCIPLES
 
     model, h100 = PRESETS["llama3-8b"], CATALOG["h100-sxm"]
-    peak, bandwidth = h100.flops("bf16") * FIRST_PRINCIPLES.gemm, h100.hbm_bandwidth * FIRST_PRINCIPLES.memory
+    peak = h100.achievable_flops("bf16") * FIRST_PRINCIPLES.gemm
+    bandwidth = h100.hbm_bandwidth * FIRST_PRINCIPLES.memory
     for tokens, memory_bound in ((1, True), (4096, False)):
         mlp = next(
             op for op in costs.forward_ops(model, 1, tokens, 4096, costs.Shard()) if op.name == "mlp_in"
         )
         assert (mlp.nbytes / bandwidth > mlp.flops / peak) is memory_bound
+
+
+@pytest.mark.parametrize(
+    "name, peak_tflops, mamf_tflops",
+    # S. Bekman's MAMF table (shiftlm/hardware.py): the best-shape matmul each generation reaches
+    [("a100-80gb", 312, 271.2), ("h100-sxm", 989, 794.5), ("h200", 989, 794.5), ("b200", 2250, 1745.0)],
+)
+def test_a_large_gemm_runs_at_the_fitted_share_of_each_generations_published_achievable_rate(
+    name, peak_tflops, mamf_tflops
+):
+    from shiftlm.hardware import CATALOG
+    from shiftlm.sim.efficiency import FITTED
+
+    gpu = CATALOG[name]
+    gemm = costs.Kernel("big", 2 * 8192**3, 2 * 3 * 8192**2, True, (8192, 8192, 8192))
+    seconds = costs.kernels_time([gemm], gpu, FITTED, "bf16") - FITTED.kernel_overhead
+    achieved = gemm.flops / seconds / 1e12
+    assert achieved == pytest.approx(FITTED.gemm * mamf_tflops, rel=2e-3)
+    assert achieved < peak_tflops
+
+
+def test_flash_attention_runs_at_flashattention2s_published_share_on_hopper():
+    """FlashAttention-2 reaches up to 225 TFLOP/s on A100 but 335 on H100 (Dao 2023, Sec. 4.1): on
+    Hopper the attention kernels, not the GEMMs, are the slow part of a long sequence."""
+    from shiftlm.hardware import CATALOG
+    from shiftlm.sim.efficiency import FITTED
+
+    model = PRESETS["llama3-8b"]
+    ops = costs.forward_ops(model, 1, 32768, 32768, costs.Shard())
+    attention = next(op for op in ops if op.name == "flash_attention")
+    for name, tflops in (("a100-80gb", 225), ("h100-sxm", 335)):
+        seconds = costs.kernels_time([attention], CATALOG[name], FITTED, "bf16") - FITTED.kernel_overhead
+        assert attention.flops / seconds / 1e12 == pytest.approx(FITTED.gemm * tflops, rel=5e-3)
 
 
 def _profile_with_table(tmp_path):

@@ -22,24 +22,56 @@ from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
 from shiftlm.sim.validate import mape, percentile_abs_error, replay, table_summary
 
 
+def _held_out(table):
+    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER)
+    return [row for row in rows if not row.fit_row]
+
+
+GOALS = {  # issue 17's held-out goals: (MAPE %, p90 |error| % or None, met today)
+    "megatron_2021_table1": (4.0, None, False),  # 5.26% today
+    "korthikanti_2022_table5": (3.0, None, True),
+    "vtrain_multi_node": (7.0, None, False),  # 7.47% today
+    "vtrain_single_node": (8.0, 15.0, True),
+    "llmfoundry_h100": (8.0, None, False),  # never fitted; 36.3% today (docs/simulator.md says why)
+}
+
+
 @pytest.mark.parametrize(
-    "table, bound, p90_bound",
+    "table",
     [
-        # issue 17's goals are 4% (Megatron) and 7% (vTrain multi-node); today 5.25% and 7.47%: these
-        # bounds catch a regression from today, docs/simulator.md says which goals are not met
-        ("megatron_2021_table1", 5.5, None),
-        ("korthikanti_2022_table5", 3.0, None),
-        ("vtrain_multi_node", 7.7, None),
-        ("vtrain_single_node", 8.0, 15.0),
+        pytest.param(t, marks=[] if met else pytest.mark.xfail(strict=True, reason="goal not met yet"))
+        for t, (_, _, met) in GOALS.items()
     ],
 )
-def test_fitted_model_stays_within_its_held_out_error(table, bound, p90_bound):
-    # only the rows the fit never saw (is_fit_row is False)
-    rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER)
-    held_out = [row for row in rows if not row.fit_row]
+def test_fitted_model_meets_the_issue_goal_on_held_out_rows(table):
+    # strict xfail: a goal not met today fails the suite the day it is met, so the mark comes off
+    bound, p90_bound, _ = GOALS[table]
+    held_out = _held_out(table)
     assert held_out and mape(held_out) <= bound
     if p90_bound is not None:
         assert percentile_abs_error(held_out, 90) <= p90_bound
+
+
+@pytest.mark.parametrize(
+    "table, bound",
+    [
+        # where a goal is not met, the bound is today's value plus a little: a regression fails
+        ("megatron_2021_table1", 5.5),
+        ("korthikanti_2022_table5", 3.0),
+        ("vtrain_multi_node", 7.7),
+        ("vtrain_single_node", 8.0),
+        ("llmfoundry_h100", 38.0),
+    ],
+)
+def test_fitted_model_stays_within_its_held_out_error(table, bound):
+    # only the rows the fit never saw (is_fit_row is False; llm-foundry's H100 table has no fit rows)
+    held_out = _held_out(table)
+    assert held_out and mape(held_out) <= bound
+
+
+def test_the_h100_table_is_never_fitted():
+    cases = load_cases(default_data_dir(), ["llmfoundry_h100"])["llmfoundry_h100"]
+    assert len(cases) == 52 and len(_held_out("llmfoundry_h100")) == 52
 
 
 @pytest.mark.parametrize("family", ["tp>1", "pp>1", "dp>1"])
