@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.config import ConfigError, ParallelConfig
 
 DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}  # fmt: skip
@@ -45,6 +45,11 @@ class ServeOptions:
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
         return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__ if hasattr(args, name)})
 
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The layout --tensor-parallel-size / --sequence-parallel-size name, as the core's type."""
+        return ParallelConfig(tp=self.tp, sp=self.sp)
+
     def torch_dtype(self) -> str:
         """The weights' and cache's dtype; `auto` is float32 (the CPU/gloo engine's parity dtype)."""
         return DTYPES[self.dtype]
@@ -78,13 +83,13 @@ class ServeOptions:
     def check(self):
         """Fail before any process starts: the checkpoint, the layout, the limits, the tokenizer and
         the chat template. Returns the tokenizer."""
-        from shiftlm.config import ModelConfig, ParallelConfig
+        from shiftlm.config import ModelConfig
         from shiftlm.serve.tokenizer import load_tokenizer
 
         if self.tp < 1 or self.sp < 1:
             raise ConfigError("--tp and --sp must be >= 1")
         config = ModelConfig.from_hf(self.model)
-        ParallelConfig(tp=self.tp, sp=self.sp).check_model(config)
+        self.parallel.check_model(config)
         if self.mode not in ("tp", "sp_tp", "shift"):
             raise ConfigError(f"--mode {self.mode!r} is not one of tp, sp_tp, shift")
         if self.dtype not in DTYPES:

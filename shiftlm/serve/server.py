@@ -103,13 +103,12 @@ def _worker_main(
 def _load_runner(options: ServeOptions):
     import torch
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.serve.runner import ModelRunner
 
     if options.seed is not None:
         torch.manual_seed(options.seed)
-    mesh = Mesh(ParallelConfig(tp=options.tp, sp=options.sp))
+    mesh = Mesh(options.parallel)
     dtype = getattr(torch, options.torch_dtype())
     return ModelRunner.load(options.model, mesh, options.num_blocks, options.block_size, dtype=dtype)
 

@@ -50,10 +50,10 @@ def sample(
     """Top-k samples from an exported model, with shiftlm's own (single-rank) model."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
-    from shiftlm.train.tokenizer import load_tokenizer
+    from shiftlm.train.tokenizer import read_tokenizer_json
 
     model = build_model(ModelConfig.from_hf(model_dir), checkpoint=model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = read_tokenizer_json(model_dir)
     generator = torch.Generator().manual_seed(seed)
     texts = []
     for prompt in prompts:

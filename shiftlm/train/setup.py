@@ -17,7 +17,7 @@ from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.pipeline import resolved_chunks
 from shiftlm.train.sources import prepare_shards
-from shiftlm.train.tokenizer import embedded_tokenizer, load_tokenizer
+from shiftlm.train.tokenizer import embedded_tokenizer, read_tokenizer_json
 
 EMBEDDED_MODELS = {
     # 4 layers x 128 wide: ~1.3M parameters with a 2048-token vocabulary
@@ -114,7 +114,7 @@ def resolve_inputs(config: TrainConfig) -> RunInputs:
 
     _on_local_leader_first(build)
     tokenizer_dir, shards = build()  # the others now find everything in the cache
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = read_tokenizer_json(tokenizer_dir)
     eos = tokenizer.token_to_id("<|endoftext|>")
     model, init = model_config(config.model.name, tokenizer.get_vocab_size(), eos if eos is not None else 0)
     if tokenizer.get_vocab_size() > model.vocab_size:

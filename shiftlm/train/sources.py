@@ -19,7 +19,7 @@ import numpy as np
 
 from shiftlm.config import DataError
 from shiftlm.train.corpus import cache_dir, corpus_fingerprint, stdlib_corpus
-from shiftlm.train.tokenizer import END_OF_TEXT, load_tokenizer
+from shiftlm.train.tokenizer import END_OF_TEXT, read_tokenizer_json
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 RECORD_SUFFIXES = {".jsonl", ".parquet"}
@@ -78,7 +78,7 @@ def _documents(files: list[Path], text_key: str) -> Iterator[str]:
 
 def _write_shards(documents: Iterator[str], tokenizer_dir: str, out_dir: Path) -> Path:
     """Tokenize `documents` into out_dir/tokens.bin + meta.json, via a temp dir renamed at the end."""
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = read_tokenizer_json(tokenizer_dir)
     eot = tokenizer.token_to_id(END_OF_TEXT)
     dtype = token_dtype(tokenizer.get_vocab_size())
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from shiftlm.config import DataError
 from shiftlm.train.corpus import cache_dir, corpus_fingerprint, stdlib_corpus
 
 END_OF_TEXT = "<|endoftext|>"
@@ -69,15 +70,15 @@ def embedded_tokenizer(vocab_size: int = 2048, corpus_bytes: int = 4_000_000) ->
     return path
 
 
-def load_tokenizer(path: str | Path):
-    """Load an HF tokenizer dir as a `tokenizers.Tokenizer` (fast, no transformers import)."""
+def read_tokenizer_json(path: str | Path):
+    """The `tokenizer.json` of an HF tokenizer dir as a `tokenizers.Tokenizer`: what the data path
+    needs (encode to ids, fast, no transformers import on every rank). Serving loads the whole HF
+    tokenizer (chat template, special tokens) with `shiftlm.serve.tokenizer.load_tokenizer`."""
     from tokenizers import Tokenizer
 
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
-        raise FileNotFoundError(
-            f"{file} not found; data.tokenizer must name a dir holding an HF tokenizer.json"
-        )
+        raise DataError(f"{file} not found; data.tokenizer must name a dir holding an HF tokenizer.json")
     return Tokenizer.from_file(str(file))
 
 

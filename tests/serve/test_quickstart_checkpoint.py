@@ -17,7 +17,7 @@ from shiftlm.model.weights import save_hf_checkpoint
 from shiftlm.serve.local_server import local_server
 from shiftlm.train.config import DataSection
 from shiftlm.train.setup import model_config
-from shiftlm.train.tokenizer import END_OF_TEXT, copy_tokenizer, embedded_tokenizer, load_tokenizer
+from shiftlm.train.tokenizer import END_OF_TEXT, copy_tokenizer, embedded_tokenizer, read_tokenizer_json
 
 QUICKSTART_FILES = {
     "config.json",
@@ -31,7 +31,7 @@ QUICKSTART_FILES = {
 def test_serve_answers_a_chat_completion_on_a_quickstart_format_checkpoint(tmp_path):
     data = DataSection()
     tokenizer_dir = embedded_tokenizer(data.vocab_size, int(data.corpus_mb * 1_000_000))  # cached after once
-    bpe = load_tokenizer(tokenizer_dir)
+    bpe = read_tokenizer_json(tokenizer_dir)
     config, _ = model_config("tiny", bpe.get_vocab_size(), bpe.token_to_id(END_OF_TEXT))
     model_dir = tmp_path / "hf"
     save_hf_checkpoint(build_model(config, seed=0), model_dir)

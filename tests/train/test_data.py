@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from shiftlm.train.data import BatchPlan, BatchReader, SampleOrder, TokenDataset
 from shiftlm.train.sources import DataError, prepare_shards
-from shiftlm.train.tokenizer import embedded_tokenizer, load_tokenizer
+from shiftlm.train.tokenizer import embedded_tokenizer, read_tokenizer_json
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def _shard(tmp_path, tokens: int):
 
 
 def test_the_embedded_tokenizer_round_trips_python_source(tokenizer_dir):
-    tokenizer = load_tokenizer(tokenizer_dir)
+    tokenizer = read_tokenizer_json(tokenizer_dir)
     text = "def add(a, b):\n    return a + b  # ünïcode\n"
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
     config = json.loads((embedded_tokenizer() / "tokenizer_config.json").read_text())
