@@ -10,18 +10,27 @@ the same weights: dp x cp x sp), and `shift`: the SP*TP ranks of one (dp, pp, cp
 group rank (sp, tp) holds shard index `j = tp*SP + sp` ("head order"): full-TP shard j is sub-slice `sp` of TP shard `tp`. The group's own
 rank order is sorted global rank, which is *not* head order, so `shard_index` is computed here and
 never read from the group.
+
+The device is chosen here, once per process (`choose_device`, the only code that asks whether CUDA is
+there), and the backend with it: NCCL for CUDA tensors, gloo for CPU ones. `Mesh.device` is where
+every tensor of the engine is created (docs/architecture.md, "Devices").
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from shiftlm.comm.group import CommGroup
-from shiftlm.config import ParallelConfig
+from shiftlm.config import ConfigError, ParallelConfig
+
+DEVICES = ("auto", "cuda", "cpu")
+BACKEND_OF = {"cuda": "nccl", "cpu": "gloo"}
 
 AXES = ("dp", "pp", "cp", "sp", "tp")
 
@@ -62,6 +71,61 @@ def group_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]
     return groups
 
 
+def choose_device(requested: str = "auto", local_world: int | None = None) -> tuple[torch.device, str]:
+    """This process's device and the collective backend for its tensors, checked before any collective.
+
+    `auto`: the GPU `LOCAL_RANK` (made current) when CUDA is visible, else the CPU. Asking for `cuda`
+    without CUDA, or more local ranks (`local_world`, else torchrun's LOCAL_WORLD_SIZE) than visible
+    GPUs, is a `ConfigError` naming the fix. Under an initialised process group the device follows its
+    backend (NCCL: the current GPU; gloo: the CPU)."""
+    if requested not in DEVICES:
+        raise ConfigError(f"device {requested!r} is not one of {', '.join(DEVICES)}: pick one")
+    if dist.is_available() and dist.is_initialized():
+        kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        if requested not in ("auto", kind):
+            raise ConfigError(
+                f"device {requested} asked, but the process group runs {dist.get_backend()} ({kind}): "
+                f"start the ranks with the {BACKEND_OF[requested]} backend or ask for device {kind}"
+            )
+        index = torch.cuda.current_device() if kind == "cuda" else None
+        return torch.device(kind, index), dist.get_backend()
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested == "auto" and not visible):
+        return torch.device("cpu"), "gloo"
+    if not visible:
+        raise ConfigError(
+            "device cuda (NCCL) asked but no CUDA GPU is visible (torch.cuda.is_available() is False): "
+            "use device cpu (gloo), or run on a GPU node with a CUDA build of PyTorch"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if max(local_rank + 1, local_world) > visible:
+        raise ConfigError(
+            f"{local_world} ranks on this node need {local_world} GPUs but {visible} are visible: "
+            f"use torchrun --nproc-per-node {visible} (and a layout of that many ranks per node), "
+            "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse (one line) a dtype the device cannot compute in: bf16 on a GPU older than Ampere."""
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"bf16 asked but {torch.cuda.get_device_name(device)} has no bf16: use float16 or float32 "
+            "(serve --dtype float16; train --train.dtype=fp32)"
+        )
+
+
+def process_group_device() -> torch.device:
+    """The device the initialised process group's backend moves (CPU without one)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Mesh:
     """This rank's view of a DP x PP x CP x SP x TP layout.
 
@@ -69,6 +133,8 @@ class Mesh:
     one, or before torch.distributed is initialised with a one-rank layout, every group has size 1
     and no process group is created. `timeout` bounds every collective on the groups (the backend's
     default, 30 minutes on gloo, when None): a server whose workers idle between requests wants longer.
+    `device` (from `choose_device`) is where this rank's tensors live; by default the one the process
+    group's backend moves (NCCL: the current GPU), else the CPU.
     """
 
     def __init__(
@@ -77,7 +143,9 @@ class Mesh:
         rank: int | None = None,
         world_size: int | None = None,
         timeout: datetime.timedelta | None = None,
+        device: torch.device | str | None = None,
     ):
+        self.device = torch.device(device) if device is not None else process_group_device()
         initialized = dist.is_available() and dist.is_initialized()
         if world_size is None:
             world_size = dist.get_world_size() if initialized else 1

@@ -63,7 +63,7 @@ def unzigzag(gathered: torch.Tensor, cp: int, dim: int = 1) -> torch.Tensor:
         return gathered
     seq_len = gathered.shape[dim]
     order = np.concatenate([zigzag_indices(seq_len, cp, r) for r in range(cp)])
-    inverse = torch.from_numpy(np.argsort(order))
+    inverse = torch.as_tensor(np.argsort(order), device=gathered.device)
     return gathered.index_select(dim, inverse)
 
 

@@ -119,9 +119,13 @@ class Transformer(nn.Module):
                 f"layer range [{first}, {last}) is outside the model's {config.num_layers} layers"
             )
         self.config, self.mesh = config, mesh
-        self.layer_range = (first, last)
         self.with_embedding = first == 0 if with_embedding is None else with_embedding
         self.with_head = last == config.num_layers if with_head is None else with_head
+        with torch.device(mesh.device):  # parameters and buffers are created on the mesh's device
+            self._build(config, mesh, first, last)
+
+    def _build(self, config: ModelConfig, mesh: Mesh, first: int, last: int) -> None:
+        self.layer_range = (first, last)
         self.sequence_parallel = mesh.config.sequence_parallel and mesh.tp.size > 1
         tp, sp = mesh.tp, mesh.sp
 
@@ -159,7 +163,7 @@ class Transformer(nn.Module):
         cp, sp = self.mesh.cp, self.mesh.sp
         seq_len = tokens_local * sp.size * cp.size
         index = sequence_indices(seq_len, cp.size, cp.rank, sp.size, sp.rank)
-        return torch.from_numpy(index).unsqueeze(0).expand(batch, -1)
+        return torch.as_tensor(index, device=self.mesh.device).unsqueeze(0).expand(batch, -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.hidden_states(x, positions)

@@ -25,10 +25,11 @@ from shiftlm.model.sharding import ShardSpec, full_shape, shard_spec
 from shiftlm.model.transformer import Transformer
 
 
-def open_safetensors(file: Path):
-    """`safe_open(file)`, with a truncated or corrupt file named as a `CheckpointError`."""
+def open_safetensors(file: Path, device: torch.device | str = "cpu"):
+    """`safe_open(file)` reading tensors onto `device`, with a truncated or corrupt file named as a
+    `CheckpointError`."""
     try:
-        return safe_open(file, framework="pt")
+        return safe_open(file, framework="pt", device=str(device))
     except FileNotFoundError:
         raise CheckpointError(f"{file} does not exist: the checkpoint is incomplete") from None
     except Exception as err:  # safetensors raises its own SafetensorError (not an OSError)
@@ -75,18 +76,23 @@ def place_shard(full: torch.Tensor, shard: torch.Tensor, spec: ShardSpec) -> Non
 
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int = 0) -> None:
-    """Seeded full-size init, then slice: identical weights in every layout (one generator per tensor)."""
+    """Seeded full-size init, then slice: identical weights in every layout (one generator per tensor).
+
+    Each full tensor is drawn on the CPU (CPU and CUDA generators draw different numbers, so the
+    weights are also the same on every device); only this rank's slice is copied to its device."""
     tp = model.mesh.tp
     for name, param in model.named_parameters():
         source = source_name(model, name)
         shape = full_shape(source, model.config)
         if source.endswith("layernorm.weight") or source == "model.norm.weight":
-            full = torch.ones(shape)
+            full = torch.ones(shape, device="cpu")
         elif source.endswith(".bias"):
-            full = torch.zeros(shape)
+            full = torch.zeros(shape, device="cpu")
         else:
             generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(source.encode()))
-            full = torch.empty(shape).normal_(0.0, model.config.initializer_range, generator=generator)
+            full = torch.empty(shape, device="cpu").normal_(
+                0.0, model.config.initializer_range, generator=generator
+            )
         param.copy_(take_shard(full, shard_spec(source, model.config, tp.rank, tp.size)))
 
 
@@ -112,7 +118,8 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 @torch.no_grad()
 def load_hf_checkpoint(model: Transformer, path: str | Path) -> None:
-    """Fill this rank's shards from a HF checkpoint directory, reading only those slices."""
+    """Fill this rank's shards from a HF checkpoint directory, reading only those slices, straight
+    onto the model's device (no full-model copy in host memory)."""
     path = Path(path)
     files = _tensor_files(path)
     tp = model.mesh.tp
@@ -136,22 +143,28 @@ def load_hf_checkpoint(model: Transformer, path: str | Path) -> None:
                     f"config.json implies {expected}: the weights and config.json do not belong together"
                 )
             spec = shard_spec(source, model.config, tp.rank, tp.size)
-            param.copy_(_read_shard(tensor_slice, spec, expected, param.dtype))
+            param.copy_(_read_shard(tensor_slice, spec, expected, param.dtype, param.device))
     finally:
         opened.clear()
 
 
-def _read_shard(tensor_slice, spec: ShardSpec, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    if spec.dim is None:
-        return tensor_slice[:].to(dtype)
-    parts = []
-    for a, b in spec.ranges:
-        parts.append(tensor_slice[a:b] if spec.dim == 0 else tensor_slice[:, a:b])
+def _read_shard(
+    tensor_slice, spec: ShardSpec, shape: list[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """This rank's rows of one checkpoint tensor on `device`: each slice is read from the memory-mapped
+    file and moved on its own (safetensors builds a slice with torch's default device, hence the
+    explicit host scope), so no more than one tensor's shard is ever staged in host memory."""
+    with torch.device("cpu"):
+        if spec.dim is None:
+            parts = [tensor_slice[:]]
+        else:
+            parts = [tensor_slice[a:b] if spec.dim == 0 else tensor_slice[:, a:b] for a, b in spec.ranges]
+    parts = [part.to(device=device, dtype=dtype) for part in parts]
     if spec.pad:
         pad_shape = list(shape)
         pad_shape[spec.dim] = spec.pad
-        parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype if parts else dtype))
-    return torch.cat(parts, dim=spec.dim).to(dtype)
+        parts.append(torch.zeros(pad_shape, dtype=dtype, device=device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
 @torch.no_grad()
@@ -165,7 +178,7 @@ def gather_to_full(model: Transformer, local: dict[str, torch.Tensor]) -> dict[s
     for name, shard in local.items():
         source = source_name(model, name)
         shards = all_gather(shard.detach().unsqueeze(0), tp, dim=0)
-        full = torch.zeros(full_shape(source, model.config), dtype=shard.dtype)
+        full = torch.zeros(full_shape(source, model.config), dtype=shard.dtype, device=shard.device)
         for rank in range(tp.size):
             place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size))
         out[name] = full
@@ -208,7 +221,7 @@ def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     if writer:
         save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, directory / file, metadata={"format": "pt"}
+            {k: v.contiguous().cpu() for k, v in tensors.items()}, directory / file, metadata={"format": "pt"}
         )
     names = [(name, file) for name in tensors] if writer else []
     if distributed:

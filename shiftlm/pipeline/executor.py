@@ -69,7 +69,11 @@ class PipelineExecutor:
         pp_ranks: Sequence[int] | None = None,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         on_stage_grads_ready: Callable[[tuple[int, int]], None] | None = None,
+        device: torch.device | str | None = None,
     ):
+        """`device`: where received activations, gradients and shape headers are allocated (the
+        stages' device; NCCL moves CUDA tensors only); None is torch's default device."""
+        self.device = device
         self.schedule = lower(schedule)
         self.rank = rank
         self.pp_ranks = list(pp_ranks) if pp_ranks is not None else list(range(schedule.pp))
@@ -120,7 +124,7 @@ class PipelineExecutor:
         self._sends.append((isend(tensor, peer, self.group, tag=tag), tensor))
 
     def _irecv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int):
-        buffer = torch.empty(tuple(shape), dtype=dtype)
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         return irecv(buffer, peer, self.group, tag=tag), buffer
 
     def _post_recv_f(self, action: Action) -> None:
@@ -197,9 +201,8 @@ class PipelineExecutor:
         peer = self._peer(action.stage + 1, action.replica)
         sent = self._sent_shapes.get(key)
         if sent is None:
-            header = torch.zeros(_HEADER_SLOTS, dtype=torch.int64)
-            header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
-            header[2 : 2 + out.dim()] = torch.tensor(out.shape)
+            fields = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
+            header = torch.tensor(fields + [0] * (_HEADER_SLOTS - len(fields)), device=self.device)
             self._isend(header, peer, self._tag(0, action.stage + 1, action.microbatch, action.replica))
             self._sent_shapes[key] = (tuple(out.shape), out.dtype)
         elif sent != (tuple(out.shape), out.dtype):

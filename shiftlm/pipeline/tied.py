@@ -49,7 +49,7 @@ def sync_tied_embedding_grads(stages: Transformer | Sequence[Transformer], mesh:
     if not stages or not stages[0].config.tie_word_embeddings or mesh.pp.size == 1:
         return
     copies = tied_embedding_copies(stages)
-    holds = all_gather(torch.tensor([int(len(copies) > 0)]), mesh.pp, dim=0)
+    holds = all_gather(torch.tensor([int(len(copies) > 0)], device=mesh.device), mesh.pp, dim=0)
     if not copies:
         return
     mine = copies[0].grad if copies[0].grad is not None else torch.zeros_like(copies[0])

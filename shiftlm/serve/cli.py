@@ -86,7 +86,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="context length (default: what the model and cache hold)",
     )
     serve.add_argument(
-        "--dtype", default="auto", help="weights and KV cache: auto (float32), float32, bfloat16, float16"
+        "--dtype",
+        default="auto",
+        help="weights and KV cache: auto (bfloat16 on GPUs, float32 on the CPU), float32, bfloat16, float16",
+    )
+    serve.add_argument(
+        "--device",
+        default="auto",
+        help="auto (GPU LOCAL_RANK + NCCL when CUDA is visible), cuda, or cpu (gloo)",
     )
     serve.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling (per process)")
     serve.add_argument("--host", default="127.0.0.1")

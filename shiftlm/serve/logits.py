@@ -51,7 +51,7 @@ def logits_block(
         index = ((local_rows >= 0) & (local_rows < per_rank)).nonzero().flatten()
         return LogitsBlock(index, local_rows[index], coords.tp * vocab_per_tp, vocab_per_tp)
     start, length = full_tp_vocab_part(coords.sp, sp_size, vocab_per_tp)
-    every_row = torch.arange(batch.sample_rows.numel())
+    every_row = torch.arange(batch.sample_rows.numel(), device=batch.sample_rows.device)
     return LogitsBlock(every_row, batch.sample_rows, coords.tp * vocab_per_tp + start, length)
 
 

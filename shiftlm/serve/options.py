@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shiftlm.config import ConfigError, ParallelConfig
 
-DTYPES = {"auto": "float32", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}  # fmt: skip
 API_KEY_ENV = "SHIFTLM_API_KEY"
 
@@ -32,6 +32,7 @@ class ServeOptions:
     step_log: str | None = None
     max_model_len: int | None = None
     dtype: str = "auto"
+    device: str = "auto"
     chat_template: str | None = None
     seed: int | None = None
     api_key: str | None = None
@@ -50,9 +51,18 @@ class ServeOptions:
         """The layout --tensor-parallel-size / --sequence-parallel-size name, as the core's type."""
         return ParallelConfig(tp=self.tp, sp=self.sp)
 
-    def torch_dtype(self) -> str:
-        """The weights' and cache's dtype; `auto` is float32 (the CPU/gloo engine's parity dtype)."""
-        return DTYPES[self.dtype]
+    def torch_dtype(self, device_type: str = "cpu") -> str:
+        """The weights' and cache's dtype; `auto` is bfloat16 on a GPU, float32 on the CPU (the
+        CPU/gloo engine's parity dtype)."""
+        dtype = DTYPES[self.dtype]
+        return ("bfloat16" if device_type == "cuda" else "float32") if dtype == "auto" else dtype
+
+    def engine_device(self, under_torchrun: bool):
+        """This rank's device (`mesh.choose_device`): --device checked against what is visible; the
+        local ranks `shiftlm serve` starts itself (tp*sp) all sit on this node."""
+        from shiftlm.mesh import choose_device
+
+        return choose_device(self.device, None if under_torchrun else self.tp * self.sp)[0]
 
     def context_length(self, max_position_embeddings: int) -> int:
         """--max-model-len, or what the model and the KV cache allow."""
@@ -94,6 +104,12 @@ class ServeOptions:
             raise ConfigError(f"--mode {self.mode!r} is not one of tp, sp_tp, shift")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        import torch
+
+        from shiftlm.mesh import check_dtype
+
+        device = self.engine_device("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+        check_dtype(device, getattr(torch, self.torch_dtype(device.type)))
         fits = min(config.max_position_embeddings, self.num_blocks * self.block_size)
         if self.max_model_len is not None and not 1 < self.max_model_len <= fits:
             raise ConfigError(

@@ -67,7 +67,7 @@ class PagedKVCache:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
     ):
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -91,7 +91,7 @@ class PagedAttention:
     def __init__(self, cache: PagedKVCache, batch: FlatBatch):
         self.cache, self.batch = cache, batch
         real = batch.num_tokens
-        self._rows = None if real == batch.slots.numel() else torch.arange(real)
+        self._rows = None if real == batch.slots.numel() else torch.arange(real, device=batch.slots.device)
         self._slots = batch.slots[:real]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

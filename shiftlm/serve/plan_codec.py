@@ -42,11 +42,11 @@ def encode_plan(plan: StepPlan) -> torch.Tensor:
         for stream, position in zip(c.streams, c.positions):
             tags += (stream, position)
     header = [plan.step, MODES.index(plan.mode), len(plan.chunks), len(tokens), len(blocks), len(tags) // 2]
-    return torch.tensor(header + chunks + tokens + blocks + tags, dtype=torch.long)
+    return torch.tensor(header + chunks + tokens + blocks + tags, dtype=torch.long, device="cpu")
 
 
 def stop_message() -> torch.Tensor:
-    return torch.tensor([0, 0, STOP_CHUNKS, 0, 0, 0], dtype=torch.long)
+    return torch.tensor([0, 0, STOP_CHUNKS, 0, 0, 0], dtype=torch.long, device="cpu")
 
 
 def payload_size(header: torch.Tensor) -> int:
@@ -58,20 +58,22 @@ class BlockTables:
     """Every running sequence's block table as rows of one tensor, updated in place from plan deltas.
     Entries past a sequence's own blocks hold stale but valid block ids: the attention mask hides them."""
 
-    def __init__(self, max_blocks_per_seq: int, rows: int = 64):
-        self.table = torch.zeros(rows, max_blocks_per_seq, dtype=torch.long)
+    def __init__(self, max_blocks_per_seq: int, rows: int = 64, device: torch.device | str | None = None):
+        self.table = torch.zeros(rows, max_blocks_per_seq, dtype=torch.long, device=device)
         self.tags: torch.Tensor | None = None  # [slots, 2] (stream, position) of stream-group tokens
 
     def update(self, rows: torch.Tensor, first: torch.Tensor, counts: torch.Tensor, blocks: torch.Tensor):
         """Write `blocks` (grouped per chunk, counts[i] of them) at table[rows[i], first[i] + j]."""
         if int(rows.max()) >= self.table.shape[0]:  # more rows than ever before: grow (metadata only)
-            grown = torch.zeros(2 * int(rows.max()) + 1, self.table.shape[1], dtype=torch.long)
+            grown = self.table.new_zeros(2 * int(rows.max()) + 1, self.table.shape[1])
             grown[: self.table.shape[0]] = self.table
             self.table = grown
         if blocks.numel() == 0:
             return
-        owner = torch.repeat_interleave(torch.arange(rows.numel()), counts)
-        index_in_chunk = torch.arange(blocks.numel()) - (torch.cumsum(counts, 0) - counts)[owner]
+        owner = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), counts)
+        index_in_chunk = (
+            torch.arange(blocks.numel(), device=rows.device) - (torch.cumsum(counts, 0) - counts)[owner]
+        )
         self.table[rows[owner], first[owner] + index_in_chunk] = blocks
 
 
@@ -96,8 +98,9 @@ def decode_plan(
     tables.update(rows, first_block, new_counts, message[end_chunks + num_tokens : end_blocks])
 
     offsets = torch.cumsum(lengths, 0) - lengths  # first row of each chunk in the flat batch
-    owner = torch.repeat_interleave(torch.arange(num_chunks), lengths, output_size=num_tokens)
-    in_chunk = torch.arange(num_tokens) - offsets[owner]
+    device = message.device  # the engine's: the batch is built where the model runs
+    owner = torch.repeat_interleave(torch.arange(num_chunks, device=device), lengths, output_size=num_tokens)
+    in_chunk = torch.arange(num_tokens, device=device) - offsets[owner]
     positions = starts[owner] + in_chunk  # index in the sequence's table = position, but in stream groups
     seq_rows = rows[owner]
     slots = tables.table[seq_rows, positions // block_size] * block_size + positions % block_size
@@ -148,11 +151,11 @@ def _group(
     starts, lengths, offsets = starts[which], lengths[which], offsets[which]
     longest, context = int(lengths.max()), int((starts + lengths).max())
     num_blocks = -(-context // block_size)
-    step = torch.arange(longest)
+    step = torch.arange(longest, device=rows.device)
     valid = step < lengths.unsqueeze(1)  # [S, Q]
     query_rows = offsets.unsqueeze(1) + torch.minimum(step, lengths.unsqueeze(1) - 1)
     query_pos = starts.unsqueeze(1) + torch.minimum(step, lengths.unsqueeze(1) - 1)
-    key_pos = torch.arange(num_blocks * block_size)
+    key_pos = torch.arange(num_blocks * block_size, device=rows.device)
     distance = query_pos.unsqueeze(-1) - key_pos  # [S, Q, C]
     mask = distance >= 0  # causal, which also cuts each sequence at its own length
     if sliding_window is not None:

@@ -52,11 +52,15 @@ class ModelRunner:
         self.shift_model = shift_model
         self.mesh = mesh
         self.cache = shift_model.cache
-        self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks)
+        self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks, device=mesh.device)
         group = mesh.shift
-        # new_group is collective: every rank builds the runner, in the same order
+        # new_group is collective: every rank builds the runner, in the same order. The plan's group
+        # is gloo whatever the engine's backend: the message is a host tensor (a CPU side-channel under
+        # NCCL; idle ranks wait on a socket, not on a GPU kernel), decoded on the engine's device.
         self._plan_group = (
-            dist.new_group(list(group.ranks), timeout=PLAN_WAIT_TIMEOUT) if group.size > 1 else None
+            dist.new_group(list(group.ranks), timeout=PLAN_WAIT_TIMEOUT, backend="gloo")
+            if group.size > 1
+            else None
         )
 
     @classmethod
@@ -72,7 +76,9 @@ class ModelRunner:
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
-        cache = PagedKVCache(config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype)
+        cache = PagedKVCache(
+            config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
+        )
         return cls(config, ShiftModel(model, mesh, cache), mesh)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -98,11 +104,11 @@ class ModelRunner:
 
     def _receive(self) -> torch.Tensor | None:
         src = self.mesh.shift.ranks[0]
-        header = torch.empty(HEADER, dtype=torch.long)
+        header = torch.empty(HEADER, dtype=torch.long, device="cpu")
         dist.broadcast(header, src=src, group=self._plan_group)
         if int(header[2]) == STOP_CHUNKS:
             return None
-        payload = torch.empty(payload_size(header), dtype=torch.long)
+        payload = torch.empty(payload_size(header), dtype=torch.long, device="cpu")
         if payload.numel():
             dist.broadcast(payload, src=src, group=self._plan_group)
         return torch.cat((header, payload))
@@ -114,7 +120,7 @@ class ModelRunner:
 
     def _run(self, message: torch.Tensor) -> torch.Tensor | None:
         _, mode, batch = decode_plan(
-            message,
+            message.to(self.mesh.device),
             self.tables,
             self.cache.block_size,
             pad_to_multiple=self.mesh.config.sp,

@@ -72,11 +72,11 @@ def filter_logits(
     squeeze = logits.dim() == 1
     x = logits.unsqueeze(0) if squeeze else logits
     rows, vocab = x.shape
-    k = torch.as_tensor(top_k, dtype=torch.long).expand(rows).clone()
-    p = torch.as_tensor(top_p, dtype=x.dtype).expand(rows)
+    k = torch.as_tensor(top_k, dtype=torch.long, device=x.device).expand(rows).clone()
+    p = torch.as_tensor(top_p, dtype=x.dtype, device=x.device).expand(rows)
     k[(k <= 0) | (k > vocab)] = vocab
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
-    drop = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)  # ranks past k
+    drop = torch.arange(vocab, device=x.device).unsqueeze(0) >= k.unsqueeze(1)  # ranks past k
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
     # drop a token when the tokens ranked above it already reach top_p; the top token always stays
     drop |= ((torch.cumsum(probs, dim=-1) - probs) >= p.unsqueeze(1)) & (p.unsqueeze(1) < 1.0)
@@ -85,14 +85,12 @@ def filter_logits(
     return out.squeeze(0) if squeeze else out
 
 
-def _history(sequences: list[Sequence[int]], vocab: int) -> torch.Tensor:
+def _history(sequences: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """Counts [rows, vocab] of each row's tokens (one scatter_add over a padded id tensor)."""
     width = max((len(s) for s in sequences), default=0)
-    ids = torch.full((len(sequences), width), vocab, dtype=torch.long)
-    for row, tokens in enumerate(sequences):
-        if tokens:
-            ids[row, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
-    counts = torch.zeros(len(sequences), vocab + 1)
+    padded = [list(tokens) + [vocab] * (width - len(tokens)) for tokens in sequences]
+    ids = torch.tensor(padded, dtype=torch.long, device=device).view(len(sequences), width)
+    counts = torch.zeros(len(sequences), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab]
 
@@ -103,18 +101,18 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -
     for i, row in enumerate(rows):
         if row.params.logit_bias:
             ids, values = zip(*row.params.logit_bias)
-            x[i, torch.tensor(ids)] += torch.tensor(values, dtype=x.dtype)
+            x[i, torch.tensor(ids, device=x.device)] += torch.tensor(values, dtype=x.dtype, device=x.device)
         if len(row.output_ids) < row.params.min_tokens and eos_ids:
-            x[i, torch.tensor(sorted(eos_ids))] = float("-inf")
-    repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype)
+            x[i, torch.tensor(sorted(eos_ids), device=x.device)] = float("-inf")
+    repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype, device=x.device)
     if bool((repetition != 1.0).any()):
-        seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], vocab) > 0
+        seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], vocab, x.device) > 0
         penalty = repetition.unsqueeze(1).expand_as(x)
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-    frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=x.dtype)
-    presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=x.dtype)
+    frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=x.dtype, device=x.device)
+    presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=x.dtype, device=x.device)
     if bool((frequency != 0).any() or (presence != 0).any()):
-        counts = _history([r.output_ids for r in rows], vocab)
+        counts = _history([r.output_ids for r in rows], vocab, x.device)
         x = x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(x.dtype)
     return x
 
@@ -143,15 +141,16 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
     """Draw one token for each of `rows` from `logits` [R, V] (rows may share a logits row)."""
     if not rows:
         return SampleResult([], [])
-    raw = logits[torch.tensor([row.logits_row for row in rows])].float()
+    device = logits.device
+    raw = logits[torch.tensor([row.logits_row for row in rows], device=device)].float()
     x = apply_penalties(raw.clone(), rows, eos_ids)
-    greedy = torch.tensor([row.params.greedy for row in rows])
+    greedy = torch.tensor([row.params.greedy for row in rows], device=device)
     tokens = torch.argmax(x, dim=-1)
     if not bool(greedy.all()):
-        temperature = torch.tensor([max(row.params.temperature, GREEDY_BELOW) for row in rows])
+        temperature = torch.tensor([max(row.params.temperature, GREEDY_BELOW) for row in rows], device=device)
         scaled = x / temperature.unsqueeze(1)
-        top_k = torch.tensor([row.params.top_k for row in rows])
-        top_p = torch.tensor([row.params.top_p for row in rows], dtype=scaled.dtype)
+        top_k = torch.tensor([row.params.top_k for row in rows], device=device)
+        top_p = torch.tensor([row.params.top_p for row in rows], dtype=scaled.dtype, device=device)
         narrow = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
         if narrow.numel():  # sorting the vocab is the costly part: only rows that filter pay it
             scaled[narrow] = filter_logits(scaled[narrow], top_k[narrow], top_p[narrow])
@@ -159,7 +158,10 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
         usable = (~greedy) & (probs.sum(dim=-1) > 0)  # all -inf or NaN logits: keep the argmax
         for i, row in enumerate(rows):
             if usable[i]:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=row.generator)[0]
+                # a seeded row draws on its generator's device (the CPU: a seed picks the same token
+                # on every device), an unseeded one where the logits are
+                where = row.generator.device if row.generator is not None else device
+                tokens[i] = torch.multinomial(probs[i].to(where), 1, generator=row.generator)[0]
     logprobs = token_logprobs(torch.log_softmax(raw, dim=-1), tokens, [row.params.logprobs for row in rows])
     return SampleResult(tokens.tolist(), logprobs)
 
@@ -167,7 +169,8 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
 def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> list[TokenLogprob]:
     """Logprob of each `next_ids[i]` under logits row i (the token the prompt actually has next)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    result = token_logprobs(logprobs, torch.as_tensor(list(next_ids), dtype=torch.long), [k] * len(next_ids))
+    chosen = torch.as_tensor(list(next_ids), dtype=torch.long, device=logprobs.device)
+    result = token_logprobs(logprobs, chosen, [k] * len(next_ids))
     return [entry for entry in result if entry is not None]
 
 

@@ -39,15 +39,21 @@ log = logging.getLogger("shiftlm.serve")
 _LISTENERS: list[socket.socket] = []
 
 
-def _init_distributed(rank: int, world_size: int, store=None) -> None:
-    """Join the gloo group: through `store` (local ranks) or torchrun's environment (store=None)."""
+def _init_distributed(rank: int, world_size: int, device: str, store=None) -> None:
+    """Join the group (NCCL on GPUs, gloo on the CPU: `mesh.choose_device`): through `store` (local
+    ranks, all on this node: rank r takes GPU r) or torchrun's environment (store=None)."""
     import torch
     import torch.distributed as dist
 
+    from shiftlm.mesh import choose_device
+
+    if store is not None:
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    _, backend = choose_device(device)
     torch.set_num_threads(1)
     if world_size > 1:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, store=store, timeout=STARTUP_TIMEOUT
+            backend, rank=rank, world_size=world_size, store=store, timeout=STARTUP_TIMEOUT
         )
 
 
@@ -86,7 +92,7 @@ def _worker_main(
     os.environ["OMP_NUM_THREADS"] = "1"
     start_heartbeat(clock, parent)
     try:
-        _init_distributed(rank, world_size, _local_store(world_size, store_port))
+        _init_distributed(rank, world_size, options.device, _local_store(world_size, store_port))
         runner = _load_runner(options)
     except Exception as err:  # one clear line; rank 0 sees this rank exit and stops too
         print(f"error: shiftlm serve rank {rank} failed to start: {err}", file=sys.stderr, flush=True)
@@ -103,13 +109,14 @@ def _worker_main(
 def _load_runner(options: ServeOptions):
     import torch
 
-    from shiftlm.mesh import Mesh
+    from shiftlm.mesh import Mesh, choose_device
     from shiftlm.serve.runner import ModelRunner
 
     if options.seed is not None:
         torch.manual_seed(options.seed)
-    mesh = Mesh(options.parallel)
-    dtype = getattr(torch, options.torch_dtype())
+    device = choose_device(options.device)[0]  # the process group's device (or this process's, alone)
+    mesh = Mesh(options.parallel, device=device)
+    dtype = getattr(torch, options.torch_dtype(device.type))
     return ModelRunner.load(options.model, mesh, options.num_blocks, options.block_size, dtype=dtype)
 
 
@@ -161,7 +168,7 @@ def _start_local_ranks(options: ServeOptions) -> list[tuple[int, object, object]
         workers.append((rank, ctx.Process(target=_worker_main, args=args, daemon=True), clock))
     for _, proc, _ in workers:
         proc.start()
-    _init_distributed(0, world_size, store)
+    _init_distributed(0, world_size, options.device, store)
     return workers
 
 
@@ -175,7 +182,7 @@ def run_server(options: ServeOptions) -> int:
     workers = []
     try:
         if under_torchrun:
-            _init_distributed(rank, int(os.environ["WORLD_SIZE"]))
+            _init_distributed(rank, int(os.environ["WORLD_SIZE"]), options.device)
         else:
             workers = _start_local_ranks(options)
         runner = _load_runner(options)

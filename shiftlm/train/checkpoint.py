@@ -129,21 +129,23 @@ def fsync_tree(root: Path) -> None:
 
 
 def rng_tensors() -> dict[str, torch.Tensor]:
-    """This process's torch, numpy and python (and CUDA) RNG states as plain tensors."""
+    """This process's torch, numpy and python (and CUDA, once used) RNG states as plain host tensors."""
     _, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     tensors = {
         "torch": torch.get_rng_state(),
         "numpy.keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-        "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64),
-        "numpy.cached_gaussian": torch.tensor([cached], dtype=torch.float64),
-        "python.internal": torch.tensor(internal, dtype=torch.int64),
-        "python.version": torch.tensor([version], dtype=torch.int64),
+        "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64, device="cpu"),
+        "numpy.cached_gaussian": torch.tensor([cached], dtype=torch.float64, device="cpu"),
+        "python.internal": torch.tensor(internal, dtype=torch.int64, device="cpu"),
+        "python.version": torch.tensor([version], dtype=torch.int64, device="cpu"),
         "python.gauss_next": torch.tensor(
-            [0.0 if gauss_next is None else gauss_next, gauss_next is not None], dtype=torch.float64
+            [0.0 if gauss_next is None else gauss_next, gauss_next is not None],
+            dtype=torch.float64,
+            device="cpu",
         ),
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         for index, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda.{index}"] = state
     return tensors
@@ -159,7 +161,7 @@ def set_rng_tensors(tensors: dict[str, torch.Tensor]) -> None:
     internal = tuple(int(v) for v in tensors["python.internal"])
     random.setstate((int(tensors["python.version"][0]), internal, gauss if has_next else None))
     cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1]))
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+    if cuda and torch.cuda.is_initialized() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
 
 

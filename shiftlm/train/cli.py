@@ -175,6 +175,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="relaunch without a rank named dead, hung or persistently slow (smaller dp, same global batch)",
     )
+    train.add_argument(
+        "--peak-tflops",
+        dest="log.peak_tflops",
+        metavar="TFLOPS",
+        default=None,
+        help="one device's peak TFLOP/s for MFU (default: from the GPU's name; MFU n/a on the CPU)",
+    )
     defaults = TrainConfig()
     for section in dataclasses.fields(defaults):
         for key in dataclasses.fields(getattr(defaults, section.name)):

@@ -44,6 +44,7 @@ class TrainSection:
     steps: int = 100
     seed: int = 0
     dtype: str = "auto"  # auto: bf16 autocast where the device supports it, fp32 on CPU
+    device: str = "auto"  # auto: GPU LOCAL_RANK + NCCL where CUDA is visible, else CPU + gloo; cuda; cpu
 
 
 @dataclass
@@ -79,6 +80,7 @@ class CheckpointSection:
 class LogSection:
     dir: str = "runs/train"  # metrics.jsonl, loss.png and checkpoints/ go here
     progress: str = "auto"  # auto: a progress bar when stderr is a terminal; on; off
+    peak_tflops: float = 0.0  # one device's peak for MFU; 0: from its name (hardware catalog), else n/a
 
 
 @dataclass

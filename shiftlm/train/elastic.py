@@ -56,11 +56,9 @@ def launch(config: TrainConfig, nproc: int, quiet: bool, elastic: bool = False, 
     if nproc > 1 or elastic or restarts:
         return launch_local(config, nproc, quiet, elastic, restarts)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():  # under torchrun
-        import torch
+        from shiftlm.mesh import choose_device
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        _, backend = choose_device(config.train.device)  # NCCL on GPU LOCAL_RANK (made current), else gloo
         dist.init_process_group(backend)
         summary = run_rank(config, quiet)  # a failure: printed with its rank, RankFailure
     else:

@@ -37,7 +37,9 @@ class FlatParameters:
         named_parameters: list[tuple[str, torch.nn.Parameter]],
         pad_to: int = 1,
         units: list[str] | None = None,
+        device: torch.device | None = None,
     ):
+        """`device`: where the flat buffers live (by default the parameters' device)."""
         self.parameters = [param for _, param in named_parameters]
         self.slots: list[FlatSlot] = []
         self.units: list[tuple[int, int]] = []  # (offset, padded length) of each sharding unit
@@ -56,8 +58,10 @@ class FlatParameters:
         padded = max(offset, pad_to)
         if not self.units:
             self.units.append((0, padded))
-        self.params = torch.zeros(padded, dtype=torch.float32)
-        self.grads = torch.zeros(padded, dtype=torch.float32)
+        if device is None:
+            device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self.params = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.grads = torch.zeros(padded, dtype=torch.float32, device=device)
         with torch.no_grad():
             for slot, param in zip(self.slots, self.parameters):
                 self.params[slot.offset : slot.offset + slot.numel].copy_(param.reshape(-1))

@@ -83,10 +83,11 @@ def make_executor(
         pp_ranks=list(mesh.pp.ranks),
         loss_fn=loss_fn,
         on_stage_grads_ready=on_stage_grads_ready,
+        device=mesh.device,
     )
 
     def run(inputs: list[torch.Tensor], targets: list[torch.Tensor], target_tokens: int) -> torch.Tensor:
         result = executor.step(inputs, [(y, target_tokens) for y in targets])
-        return torch.zeros(()) if result is None else result.float()
+        return torch.zeros((), device=mesh.device) if result is None else result.float()
 
     return run

@@ -56,12 +56,12 @@ def check_run_dir(config: TrainConfig) -> None:
         check_data_shaping(latest, read_trainer_state(latest), config.to_dict())
 
 
-def _available_bytes() -> tuple[float, str, int]:
+def _available_bytes(device) -> tuple[float, str, int]:
     """(bytes one rank may use, a description of the device, local ranks sharing it)."""
     import torch
 
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
         return float(props.total_memory), f"one {props.name}", 1
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return float(available), "this machine's available RAM", 0
@@ -69,6 +69,9 @@ def _available_bytes() -> tuple[float, str, int]:
 
 def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
     """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory."""
+    import torch
+
+    from shiftlm.mesh import choose_device
     from shiftlm.sim.layout import Layout
     from shiftlm.sim.memory import estimate_memory, stage_params
     from shiftlm.train.pipeline import resolved_chunks
@@ -99,8 +102,10 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
             in_flight = peak_in_flight(t.schedule, p.pp, layout.microbatches, chunks)
         except Exception:  # noqa: BLE001 - a schedule the simulator does not build: assume all in flight
             in_flight = layout.microbatches * chunks
-    capacity, device, sharing = _available_bytes()
-    activation_bytes = 2 if autocast_dtype(config) is not None else 4
+    # the device the ranks will run on: `--nproc` starts local gloo (CPU) ranks
+    engine_device = choose_device(config.train.device)[0] if nproc <= 1 else torch.device("cpu")
+    capacity, device, sharing = _available_bytes(engine_device)
+    activation_bytes = 2 if autocast_dtype(config, engine_device) is not None else 4
     memory = estimate_memory(model, layout, in_flight, capacity, activation_bytes)
     params = stage_params(model, layout)
     memory = replace(

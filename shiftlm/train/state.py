@@ -51,7 +51,8 @@ def save_moments(
     c = stages[0].mesh.coords
     if c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0:
         save_file(
-            {k: v.contiguous() for k, v in full.items()}, directory / f"optimizer-{c.pp:05d}.safetensors"
+            {k: v.contiguous().cpu() for k, v in full.items()},
+            directory / f"optimizer-{c.pp:05d}.safetensors",
         )
 
 
@@ -75,7 +76,7 @@ def load_moments(stages: list[Transformer], directory: Path) -> dict[str, dict[s
             key = next((k for k in (f"{moment}.{name}", f"{moment}.{source}") if k in where), None)
             if key is None:
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for {name!r}")
-            with open_safetensors(where[key]) as handle:
+            with open_safetensors(where[key], param.device) as handle:
                 full = handle.get_tensor(key)
             out[moment][name] = take_shard(full, shard_spec(source, model.config, tp.rank, tp.size)).to(
                 param.dtype

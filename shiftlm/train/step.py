@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from shiftlm.config import ModelConfig
-from shiftlm.mesh import Mesh
+from shiftlm.mesh import Mesh, check_dtype
 from shiftlm.model import Transformer, build_model, stage_layers
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.train.config import TrainConfig
@@ -56,13 +56,17 @@ def sequence_slice(array: np.ndarray, mesh: Mesh) -> torch.Tensor:
     Ulysses slice over sp (the split the model's positions follow, `ring_attention.sequence_indices`)."""
     cp, sp = mesh.cp, mesh.sp
     index = sequence_indices(array.shape[1], cp.size, cp.rank, sp.size, sp.rank)
-    return torch.from_numpy(np.ascontiguousarray(array[:, index]))
+    return torch.as_tensor(np.ascontiguousarray(array[:, index]), device=mesh.device)
 
 
-def autocast_dtype(config: TrainConfig) -> torch.dtype | None:
-    """bf16 autocast where asked, or on `auto` where the GPU supports it; None means plain fp32."""
+def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast where asked, or on `auto` on a GPU that has bf16 (fp32 on the CPU); None means
+    plain fp32. Parameters, gradients and Adam moments stay fp32 either way (master weights)."""
     dtype = config.train.dtype
-    if dtype == "bf16" or (dtype == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()):
+    if dtype == "bf16":
+        check_dtype(device, torch.bfloat16)
+        return torch.bfloat16
+    if dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return None
 
@@ -78,7 +82,7 @@ class StepRunner:
         """`on_stage_grads_ready((stage, replica))`: with a pipeline, called when a stage's gradients
         are final (the executor computes them itself, so autograd's accumulate hooks do not fire)."""
         self.stages, self.mesh, self.config = stages, mesh, config
-        self.autocast_dtype = autocast_dtype(config)
+        self.autocast_dtype = autocast_dtype(config, mesh.device)
         self.pipeline = None
         if mesh.config.pp > 1:
             from shiftlm.train.pipeline import make_executor
@@ -88,8 +92,7 @@ class StepRunner:
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.autocast(device, dtype=self.autocast_dtype)
+        return torch.autocast(self.mesh.device.type, dtype=self.autocast_dtype)
 
     def run(self, micro_batches: list[tuple[np.ndarray, np.ndarray]], target_tokens: int) -> torch.Tensor:
         """Forward + backward of every micro-batch; returns this rank's share of the global loss."""
@@ -98,7 +101,7 @@ class StepRunner:
         with self._autocast():
             if self.pipeline is not None:
                 return self.pipeline(inputs, targets, target_tokens)
-            total = torch.zeros(())
+            total = torch.zeros((), device=self.mesh.device)
             stage = self.stages[0]
             for x, y in zip(inputs, targets):
                 loss = normalised_loss(stage, stage(x), y, target_tokens)

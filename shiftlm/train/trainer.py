@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from shiftlm.comm import all_reduce
 from shiftlm.hardware import device_peak_flops
-from shiftlm.mesh import Mesh
+from shiftlm.mesh import Mesh, choose_device
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_files
@@ -102,7 +102,7 @@ class Trainer:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.inputs = resolve_inputs(config)
         parallel = check_layout(config, self.inputs.model, world)
-        self.mesh = Mesh(parallel)
+        self.mesh = Mesh(parallel, device=choose_device(config.train.device)[0])
         self.stage_keys = stage_keys(config, self.mesh)
         self.stages = build_stages(self.inputs.model, self.mesh, config, self.inputs.init_checkpoint)
         # this rank's stages per model replica (BitPipe has two; replica 0 is the copy that is saved)
@@ -287,8 +287,11 @@ class Trainer:
             result.already_complete, result.checkpoint = True, self.resumed_from
         elif self.resumed_from is not None and self.log is not None and not self.log.quiet:
             print(f"resumed from step {self.start_step} ({self.resumed_from})", flush=True)
-        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        peak = device_peak_flops(device_name, "bf16" if self.runner.autocast_dtype else "fp32")
+        device = self.mesh.device
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = self.config.log.peak_tflops * 1e12 or device_peak_flops(
+            device_name, "bf16" if self.runner.autocast_dtype else "fp32"
+        )
         started = time.perf_counter()
         for step in range(self.start_step, cfg.steps):
             faults.set_step(step + 1)
@@ -327,7 +330,7 @@ class Trainer:
                         tokens_per_s=tokens_per_s,
                         tflops_per_device=achieved / 1e12,
                         mfu=mfu,
-                        memory_gb=_memory_gb(),
+                        memory_gb=_memory_gb(device),
                         step_time_s=elapsed,
                         eta_s=(time.perf_counter() - started) / done * (cfg.steps - step - 1),
                         val_loss=val_loss,
@@ -370,13 +373,14 @@ class Trainer:
     def _global_target_tokens(self, micro_batches) -> int:
         """Target tokens (not -100) in the whole global batch: this DP rank's, summed over DP."""
         local = sum(int((targets != -100).sum()) for _, targets in micro_batches)
-        return int(all_reduce(torch.tensor([local], dtype=torch.float64), self.mesh.dp).item())
+        total = torch.tensor([local], dtype=torch.float64, device=self.mesh.device)
+        return int(all_reduce(total, self.mesh.dp).item())
 
 
-def _memory_gb() -> float:
-    """Peak memory of this process: allocated on the GPU, or resident set size on the CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 1e9
+def _memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocated on its GPU, or resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB

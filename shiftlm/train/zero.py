@@ -53,8 +53,8 @@ class ShardedAdamW:
         self.ranges = owned_ranges(flat, group, self.sharded)
         self.decay_mask = torch.cat([decay_mask[a:b] for a, b in self.ranges])
         size = sum(b - a for a, b in self.ranges)
-        self.exp_avg = torch.zeros(size)
-        self.exp_avg_sq = torch.zeros(size)
+        self.exp_avg = torch.zeros(size, device=flat.grads.device)  # fp32 moments next to the fp32 master
+        self.exp_avg_sq = torch.zeros(size, device=flat.grads.device)
         self.step_count = 0
         self.shards = None  # stage 3: the ParameterShards holding the fp32 master shards
 

@@ -72,7 +72,8 @@ class ParameterShards:
                 unit = self.buffers[flat.unit_of[index]]
                 start = slot.offset - offset
                 param.data = unit[start : start + slot.numel].view(slot.shape)
-        flat.params = torch.empty(0)  # the full flat copy is gone: shards + in-use units only
+        # the full flat copy is gone: shards + in-use units only
+        flat.params = torch.empty(0, device=flat.grads.device)
         self.current_bytes = sum(t.numel() * t.element_size() for t in self.master)
         self.current_bytes += sum(b.numel() * b.element_size() for b in self.buffers)
         self.peak_bytes = self.checkpoint_peak_bytes = 0
