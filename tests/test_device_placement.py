@@ -104,6 +104,50 @@ def test_device_placement_serving_step_allocates_nothing_off_the_mesh_device(ran
         assert torch.equal(logits, expected_logits) and tokens == expected_tokens
 
 
+def engine_under_guard(model_dir: str, guarded: bool = True) -> dict | None:
+    """The whole engine loop on 4 ranks: plans broadcast to the workers, logits gathered, a request
+    next to a hogwild stream group, in shift mode (full TP and SP x TP steps)."""
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.serve.engine import Engine
+    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
+    from shiftlm.serve.sequence import SamplingParams
+    from tests.serve.fakes import LetterTokenizer
+
+    mesh = Mesh(ParallelConfig(tp=2, sp=2), device="cpu")
+    with allocations_default_to_meta() if guarded else contextlib.nullcontext():
+        runner = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=4)
+        if mesh.rank != 0:
+            runner.serve_steps()
+            return None
+        policy = ShiftPolicy.named("shift", threshold=4)
+        config = SchedulerConfig(
+            num_blocks=32, block_size=4, max_tokens_per_step=8, max_model_len=64, policy=policy
+        )
+        vocab = runner.model_config.vocab_size
+        engine = Engine(runner, config, LetterTokenizer(), eos_token_ids=set(), vocab_size=vocab)
+        greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        engine.add_request("r", [5, 17, 33, 2, 9, 100, 7], greedy)
+        engine.add_streams("g", [240, 1, 77, 8, 8], [[3, 4], [6]], [greedy, greedy], "hogwild")
+        outputs: dict = {}
+        while engine.has_work():
+            for out in engine.step():
+                outputs.setdefault((out.request_id, out.index), []).extend(out.token_ids)
+        runner.stop_workers()
+    return outputs
+
+
+def test_device_placement_engine_loop_allocates_nothing_off_the_mesh_device(ranks, tmp_path):
+    from shiftlm.model.tiny import make_tiny_checkpoint
+
+    model_dir = str(make_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa"))
+    guarded = ranks.run(4, engine_under_guard, model_dir)[0]
+    assert sorted(guarded) == [("g", 0), ("g", 1), ("r", 0)]
+    assert all(len(tokens) == 4 for tokens in guarded.values())
+    assert guarded == ranks.run(4, engine_under_guard, model_dir, False)[0]
+
+
 class _TorchWithoutDevice:
     """The torch module as one engine file sees it, except that `zeros` forgets its `device=`."""
 

@@ -74,7 +74,7 @@ def _hogwild_shift(mask: torch.Tensor, q_stream: torch.Tensor, k_stream: torch.T
     shift = own offset - offset of the key's block (0 for own keys, own offset for prompt keys)."""
     workers = int(k_stream.max()) + 1 if k_stream.numel() else 0
     if workers <= 0:
-        return torch.zeros(mask.shape, dtype=torch.long)
+        return torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
     key_is_stream = k_stream != PROMPT
     onehot = F.one_hot(k_stream.clamp(min=0), workers) * key_is_stream.unsqueeze(-1)  # [..., C, W]
     counts = torch.matmul(mask.double(), onehot.double()).round().long()  # [..., Q, W] visible per worker

@@ -34,7 +34,7 @@ class QueryRotation:
         """From the per-key shift [S, Q, C] of `stream_visibility` (one value per key block and query)."""
         key_block = k_stream + 1  # prompt (-1) -> block 0
         blocks = int(key_block.max()) + 1
-        per_block = torch.zeros(*shift.shape[:-1], blocks, dtype=torch.long)
+        per_block = shift.new_zeros(*shift.shape[:-1], blocks)
         per_block.scatter_(-1, key_block.unsqueeze(1).expand(shift.shape), shift)
         cos, sin = rope_cos_sin(inv_freq, per_block, dtype)
         return cls(cos, sin, key_block)

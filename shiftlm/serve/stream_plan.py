@@ -34,7 +34,7 @@ def tag_tokens(
     stream (PROMPT for untagged rows) and RoPE position."""
     tags = tags.view(-1, 2)
     if tables.tags is None:
-        tables.tags = torch.zeros(tables.table.shape[1] * block_size, 2, dtype=torch.long)
+        tables.tags = tables.table.new_zeros(tables.table.shape[1] * block_size, 2)
     tables.tags[slots[tagged]] = tags
     streams = torch.full_like(positions, PROMPT)
     streams[tagged] = tags[:, 0]
@@ -59,7 +59,7 @@ def stream_group(
     `stream_visibility` over each chunk's whole context, and the query rotation for hogwild."""
     q_stream, q_pos = row_streams[group.query_rows], positions[group.query_rows]  # [S, Q]
     context = group.mask.shape[-1]
-    index = torch.arange(context)
+    index = torch.arange(context, device=rows.device)
     slots = tables.table[rows][:, index // block_size] * block_size + index % block_size  # [S, C]
     cached = tables.tags[slots]  # [S, C, 2]
     valid = index < ends.unsqueeze(1)
