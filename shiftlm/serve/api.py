@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from shiftlm.serve.async_engine import AsyncEngine, EngineDead, Overloaded, StepFailed
 from shiftlm.serve.engine import PromptTooLong
 from shiftlm.serve.middleware import GuardMiddleware
-from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from shiftlm.serve.responses import Choices, merged, render_response, render_stream
 from shiftlm.serve.sequence import InvalidRequest
 from shiftlm.serve.streams_api import add_stream_routes
@@ -126,9 +126,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
     add_stream_routes(app, engine, tokenizer, model_name, options.default_max_tokens, tokenize)
 
-    def admit(
-        body: _SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs
-    ):
+    def admit(body: SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs):
         if body.model != model_name:
             raise ApiError(
                 404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model"
@@ -145,7 +143,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         except (Overloaded, EngineDead) as err:
             raise ApiError(429 if isinstance(err, Overloaded) else 503, str(err)) from None
 
-    async def run(request: Request, body: _SamplingFields, streams, choices: Choices):
+    async def run(request: Request, body: SamplingFields, streams, choices: Choices):
         if body.stream:
             return StreamingResponse(render_stream(merged(streams), choices), media_type="text/event-stream")
         task = asyncio.ensure_future(_consume(merged(streams), choices))

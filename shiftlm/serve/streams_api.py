@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from shiftlm.serve.async_engine import EngineDead, Overloaded, StepFailed
 from shiftlm.serve.engine import PromptTooLong
-from shiftlm.serve.protocol import ApiError, _SamplingFields, new_id, now, usage
+from shiftlm.serve.protocol import ApiError, SamplingFields, new_id, now, usage
 from shiftlm.serve.sampling import SEED_MODULUS
 from shiftlm.serve.sequence import InvalidRequest
 
@@ -38,7 +38,7 @@ class StreamSpec(BaseModel):
     seed: int | None = None
 
 
-class StreamsRequest(_SamplingFields):
+class StreamsRequest(SamplingFields):
     prompt: str | list[int]
     streams: list[StreamSpec]
     layout: str = "timestep"
