@@ -17,22 +17,14 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from shiftlm.sim import jsonout
-from shiftlm.sim.args import (
-    add_hardware_args,
-    add_model_args,
-    efficiency_for,
-    guarded,
-    hardware_from_args,
-    model_from_args,
-)
+from shiftlm.sim import flags, jsonout
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.layout import Layout
     from shiftlm.sim.train import simulate_step
 
-    model, hardware = model_from_args(args), hardware_from_args(args)
+    model, hardware = flags.model_from(args), flags.hardware_from(args)
     for name in ("tp", "pp", "sp", "cp", "micro_batch", "seq", "gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -65,7 +57,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         args.zero,
         cp=args.cp,
     )
-    result = simulate_step(model, layout, hardware, efficiency_for(args, hardware), args.dtype)
+    result = simulate_step(model, layout, hardware, flags.efficiency_for(args, hardware), args.dtype)
     report = {
         "model": model.name,
         "gpu": hardware.name,
@@ -97,8 +89,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
 
 def _register_simulate_train(subparsers) -> None:
     parser = subparsers.add_parser("train", help="predict one training step of a layout on a cluster")
-    add_model_args(parser)
-    add_hardware_args(parser)
+    flags.add_model_args(parser)
+    flags.add_hardware_args(parser)
     parser.add_argument("--seq", type=int, default=2048)
     for name, default in (
         ("tp", 1),
@@ -114,7 +106,7 @@ def _register_simulate_train(subparsers) -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
     parser.add_argument("--zero", type=int, default=1)
-    parser.set_defaults(func=guarded(_simulate_train))
+    parser.set_defaults(func=flags.guarded(_simulate_train))
 
 
 def _register_simulate_validate(subparsers) -> None:
@@ -142,14 +134,14 @@ def _register_simulate_validate(subparsers) -> None:
     )
     parser.add_argument("--rows", action="store_true", help="also print every row")
     parser.add_argument("--json", action="store_true")
-    parser.set_defaults(func=guarded(run_validate))
+    parser.set_defaults(func=flags.guarded(run_validate))
 
 
 def _plan_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.planner import plan_training, train_config_toml
 
-    model, hardware = model_from_args(args), hardware_from_args(args)
-    efficiency = efficiency_for(args, hardware)
+    model, hardware = flags.model_from(args), flags.hardware_from(args)
+    efficiency = flags.efficiency_for(args, hardware)
     plan = plan_training(
         model, hardware, args.gpus, args.seq, args.global_batch, args.top, efficiency, args.dtype
     )
@@ -202,13 +194,13 @@ def _register_plan_train(subparsers) -> None:
     parser = subparsers.add_parser(
         "train", help="rank the layouts that fit, write a train config for the best"
     )
-    add_model_args(parser)
-    add_hardware_args(parser)
+    flags.add_model_args(parser)
+    flags.add_hardware_args(parser)
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--global-batch", type=int, required=True)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("train.toml"))
-    parser.set_defaults(func=guarded(_plan_train))
+    parser.set_defaults(func=flags.guarded(_plan_train))
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -291,4 +283,4 @@ def register(subparsers) -> None:
         "--engine-out", type=Path, help="engine profile path (default: engine.json next to --out)"
     )
     calibrate.add_argument("--json", action="store_true")
-    calibrate.set_defaults(func=guarded(_calibrate))
+    calibrate.set_defaults(func=flags.guarded(_calibrate))

@@ -11,15 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shiftlm.sim import jsonout
-from shiftlm.sim.args import (
-    add_hardware_args,
-    add_model_args,
-    efficiency_for,
-    guarded,
-    hardware_from_args,
-    model_from_args,
-)
+from shiftlm.sim import flags, jsonout
 from shiftlm.sim.serve_plan import (
     DEFAULT_THRESHOLDS,
     MODES,
@@ -32,8 +24,8 @@ from shiftlm.sim.serve_sim import ROUTINGS, EngineLimits, ServeRun, Slo, simulat
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_model_args(parser)
-    add_hardware_args(parser)
+    flags.add_model_args(parser)
+    flags.add_hardware_args(parser)
     parser.set_defaults(dtype="fp8")
     parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
     parser.add_argument(
@@ -58,9 +50,9 @@ def _inputs(args: argparse.Namespace):
     from shiftlm.serve.trace import load_trace, scale_trace
     from shiftlm.sim.serve_runner import ServeHardware
 
-    hardware = hardware_from_args(args)
+    hardware = flags.hardware_from(args)
     setup = ServeHardware(
-        model_from_args(args), hardware, efficiency_for(args, hardware), args.dtype, args.kv_dtype
+        flags.model_from(args), hardware, flags.efficiency_for(args, hardware), args.dtype, args.kv_dtype
     )
     if args.engine_profile is not None:
         from shiftlm.sim.serve_calibrate import EngineProfile
@@ -132,7 +124,7 @@ def register_simulate_serve(subparsers) -> None:
         "--shift-threshold", type=float, default=256, help="TP for steps with <= this many tokens"
     )
     parser.add_argument("--routing", choices=ROUTINGS, default="least_loaded", help="DP request routing")
-    parser.set_defaults(func=guarded(_simulate_serve))
+    parser.set_defaults(func=flags.guarded(_simulate_serve))
 
 
 def _plan_serve(args: argparse.Namespace) -> int:
@@ -170,4 +162,4 @@ def register_plan_serve(subparsers) -> None:
         "--thresholds", type=int, nargs="+", help=f"shift thresholds to try {DEFAULT_THRESHOLDS}"
     )
     parser.add_argument("--top", type=int, default=5)
-    parser.set_defaults(func=guarded(_plan_serve))
+    parser.set_defaults(func=flags.guarded(_plan_serve))

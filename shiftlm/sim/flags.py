@@ -30,7 +30,7 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def model_from_args(args: argparse.Namespace):
+def model_from(args: argparse.Namespace):
     """--model (a preset or a config.json), or GPT dims from --hidden, --layers and --heads."""
     from shiftlm.presets import gpt_style, resolve_model
 
@@ -41,7 +41,7 @@ def model_from_args(args: argparse.Namespace):
     return gpt_style(args.hidden, args.layers, args.heads, args.vocab, args.kv_heads, args.ffn)
 
 
-def hardware_from_args(args: argparse.Namespace):
+def hardware_from(args: argparse.Namespace):
     from shiftlm.hardware import get_hardware
 
     return get_hardware(args.gpu, args.hardware)
