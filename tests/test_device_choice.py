@@ -94,3 +94,14 @@ def test_a_mesh_without_a_process_group_or_device_is_on_the_cpu():
 
     assert Mesh(ParallelConfig()).device == torch.device("cpu")
     assert Mesh(ParallelConfig(), device="meta").device == torch.device("meta")
+
+
+def test_a_pipeline_on_gpus_is_refused_until_its_p2p_follows_nccls_posting_order(monkeypatch):
+    from shiftlm.train.config import load_config
+    from shiftlm.train.preflight import run_device
+
+    fake_gpus(monkeypatch, 8)
+    with pytest.raises(ConfigError, match="pp = 2 does not run on GPUs yet.*--train.device=cpu"):
+        run_device(load_config(None, ["--parallel.pp=2"]), 1)
+    assert run_device(load_config(None, ["--parallel.pp=2", "--train.device=cpu"]), 1).type == "cpu"
+    assert run_device(load_config(None, ["--parallel.tp=2"]), 1) == torch.device("cuda", 0)

@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
-    from shiftlm.train.preflight import check_memory, check_run_dir, check_world
+    from shiftlm.train.preflight import check_memory, check_run_dir, check_world, run_device
     from shiftlm.train.setup import model_shape
 
     overrides = _overrides(args)
@@ -55,6 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _dry_run(config, args)
     model = model_shape(config)  # the layout against the model, before the world size
     check_world(config, args.nproc)
+    run_device(config, args.nproc)  # the device (and what it cannot run) before any rank starts
     check_run_dir(config)
     if not args.skip_memory_check:
         memory = check_memory(config, model, args.nproc)

@@ -40,6 +40,24 @@ def check_world(config: TrainConfig, nproc: int) -> None:
         )
 
 
+def run_device(config: TrainConfig, nproc: int):
+    """The device the ranks will run on (`--nproc` starts local gloo, CPU, ranks), refusing what the
+    GPU path cannot run yet: the pipeline executor's hand-offs rely on p2p tags, which NCCL ignores
+    (it matches messages in posting order; tests/pipeline/test_p2p_posting_order.py)."""
+    import torch
+
+    from shiftlm.mesh import choose_device
+
+    device = choose_device(config.train.device)[0] if nproc <= 1 else torch.device("cpu")
+    if device.type == "cuda" and config.parallel.pp > 1:
+        raise ConfigError(
+            f"pp = {config.parallel.pp} does not run on GPUs yet (the pipeline executor's hand-offs are "
+            "not in NCCL's posting order): use pp = 1 with tp, sp, cp and dp on GPUs, or "
+            "--train.device=cpu"
+        )
+    return device
+
+
 def check_run_dir(config: TrainConfig) -> None:
     """The run-dir checks the trainer repeats, done first so that a refusal costs no worker start."""
     from shiftlm.train.checkpoint import (
@@ -69,9 +87,6 @@ def _available_bytes(device) -> tuple[float, str, int]:
 
 def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
     """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory."""
-    import torch
-
-    from shiftlm.mesh import choose_device
     from shiftlm.sim.layout import Layout
     from shiftlm.sim.memory import estimate_memory, stage_params
     from shiftlm.train.pipeline import resolved_chunks
@@ -102,8 +117,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
             in_flight = peak_in_flight(t.schedule, p.pp, layout.microbatches, chunks)
         except Exception:  # noqa: BLE001 - a schedule the simulator does not build: assume all in flight
             in_flight = layout.microbatches * chunks
-    # the device the ranks will run on: `--nproc` starts local gloo (CPU) ranks
-    engine_device = choose_device(config.train.device)[0] if nproc <= 1 else torch.device("cpu")
+    engine_device = run_device(config, nproc)
     capacity, device, sharing = _available_bytes(engine_device)
     activation_bytes = 2 if autocast_dtype(config, engine_device) is not None else 4
     memory = estimate_memory(model, layout, in_flight, capacity, activation_bytes)
