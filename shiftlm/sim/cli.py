@@ -33,7 +33,9 @@ def _simulate_train(args: argparse.Namespace) -> int:
     if args.pp > 1 and args.schedule not in SCHEDULES:
         raise ValueError(f"unknown --schedule {args.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
     chunks = args.chunks or (SCHEDULES[args.schedule].default_chunks if args.pp > 1 else 1)
-    Layout(1, args.pp, args.tp, args.sp, chunks=chunks if args.pp > 1 else 1, cp=args.cp).check_model(model)
+    Layout(
+        dp=1, pp=args.pp, tp=args.tp, sp=args.sp, chunks=chunks if args.pp > 1 else 1, cp=args.cp
+    ).check_model(model)
     cut = args.tp * args.pp * args.sp * args.cp
     dp = args.dp or args.gpus // cut
     if dp * cut != args.gpus:
@@ -44,17 +46,17 @@ def _simulate_train(args: argparse.Namespace) -> int:
     schedule = args.schedule if args.pp > 1 else "none"
     chunks = chunks if args.pp > 1 else 1
     layout = Layout(
-        dp,
-        args.pp,
-        args.tp,
-        args.sp,
-        args.micro_batch,
-        args.global_batch or dp * args.micro_batch * max(args.pp, 1),
-        args.seq,
-        schedule,
-        chunks,
-        args.recompute,
-        args.zero,
+        dp=dp,
+        pp=args.pp,
+        tp=args.tp,
+        sp=args.sp,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch or dp * args.micro_batch * max(args.pp, 1),
+        seq_len=args.seq,
+        schedule=schedule,
+        chunks=chunks,
+        recompute=args.recompute,
+        zero=args.zero,
         cp=args.cp,
     )
     result = simulate_step(model, layout, hardware, flags.efficiency_for(args, hardware), args.dtype)

@@ -17,11 +17,12 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
-class Layout:
-    dp: int
-    pp: int
-    tp: int
-    sp: int = 1
+class Layout(ParallelConfig):
+    """A training run on a cluster: the core's layout (`ParallelConfig`: dp, pp, sp, tp, cp, Megatron
+    sequence parallelism, which the simulator prices by default) plus the batch, the schedule, the
+    memory knobs and how the ranks sit on nodes."""
+
+    sequence_parallel: bool = True  # Megatron SP: norms/dropout sharded over tp (Korthikanti 2022)
     micro_batch: int = 1
     global_batch: int = 1
     seq_len: int = 2048
@@ -29,26 +30,20 @@ class Layout:
     chunks: int = 1
     recompute: str = "selective"
     zero: int = 1
-    tp_sequence_parallel: bool = True  # Megatron SP: norms/dropout sharded over tp (Korthikanti 2022)
     flash_attention: bool = True  # no s x s score matrix in memory; 2021-22 Megatron had none
     overlap_grad_sync: bool = True  # DP all-reduce under the last backward; 2021-22 Megatron did not
     rank_order: tuple[str, ...] = SHIFTLM_ORDER
     # Megatron-LM 2021-22 hands activations off with blocking p2p (batch_isend_irecv, then
     # torch.cuda.synchronize()): the sender waits for its transfer; shiftlm's executor uses isend
     blocking_p2p: bool = False
-    cp: int = 1  # context parallelism: ring attention over a zigzag split (docs/context_parallel.md)
 
-    @property
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(self.dp, self.pp, self.sp, self.tp, self.tp_sequence_parallel, self.cp)
-
-    def check_model(self, model: ModelConfig) -> None:
-        """The trainer's own divisibility checks (`ParallelConfig.check_model`) for this layout."""
-        self.parallel.check_model(model, self.chunks)
+    def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
+        """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""
+        super().check_model(model, self.chunks if chunks is None else chunks)
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.pp * self.cp * self.sp * self.tp
+        return self.world_size
 
     @property
     def microbatches(self) -> int:
@@ -80,7 +75,7 @@ class Layout:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError("--zero must be 0, 1, 2 or 3")
-        self.parallel.check_sequence(self.seq_len)  # also: every axis a positive integer
+        self.check_sequence(self.seq_len)  # also: every axis a positive integer
 
 
 def group_placement(layout: Layout, axis: str, gpus_per_node: int) -> tuple[int, int]:

@@ -60,13 +60,13 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int 
     """Activations one layer keeps for one micro-batch until its backward (Korthikanti Table 2)."""
     s, b, h, t = layout.seq_len / (layout.sp * layout.cp), layout.micro_batch, model.hidden_size, layout.tp
     if layout.recompute == "full":
-        return dtype_bytes * s * b * h / (t if layout.tp_sequence_parallel else 1)
+        return dtype_bytes * s * b * h / (t if layout.sequence_parallel else 1)
     width = dtype_bytes / 2  # the paper counts fp16 (2 bytes) plus 1-byte dropout masks
     replicated = 10 * s * b * h  # norm inputs, linear inputs, dropout masks
     ffn = model.intermediate_size * (3 if model.gated_mlp else 2) / h  # tensors in ffn width, in units of h
     kv = 2 * model.kv_dim / h
     sharded = s * b * h * (2 * (1 + kv) + 2 + 2 * ffn)  # q,k,v + attention out + MLP (= 24sbh for GPT)
-    total = replicated / (t if layout.tp_sequence_parallel else 1) + sharded / t
+    total = replicated / (t if layout.sequence_parallel else 1) + sharded / t
     if layout.recompute == "none" and not layout.flash_attention:
         total += 5 * model.num_heads * s * layout.seq_len * b / (t * layout.sp)  # (ring attention: no scores)
     return total * width

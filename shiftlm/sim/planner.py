@@ -57,18 +57,18 @@ def enumerate_layouts(
                         for recompute in PLANNED_RECOMPUTE:
                             for zero in planned_zero_stages(dp * cp * sp, pp=pp):  # ZeRO group: dp_sp
                                 yield Layout(
-                                    dp,
-                                    pp,
-                                    tp,
-                                    sp,
-                                    micro_batch,
-                                    global_batch,
-                                    seq_len,
-                                    schedule,
-                                    chunks,
-                                    recompute,
-                                    zero,
-                                    tp_sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
+                                    dp=dp,
+                                    pp=pp,
+                                    tp=tp,
+                                    sp=sp,
+                                    micro_batch=micro_batch,
+                                    global_batch=global_batch,
+                                    seq_len=seq_len,
+                                    schedule=schedule,
+                                    chunks=chunks,
+                                    recompute=recompute,
+                                    zero=zero,
+                                    sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
                                     cp=cp,
                                 )
 

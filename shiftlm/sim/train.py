@@ -65,7 +65,7 @@ def stage_costs(
     links = Links.of(hardware, efficiency)
     width = DTYPE_BYTES[dtype]
     shard = costs.Shard(
-        layout.tp, layout.sp, layout.tp_sequence_parallel, layout.flash_attention, width, layout.cp
+        layout.tp, layout.sp, layout.sequence_parallel, layout.flash_attention, width, layout.cp
     )
     tokens = layout.micro_batch * layout.seq_len
     tp_links = group_placement(layout, "tp", hardware.gpus_per_node)

@@ -106,7 +106,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
         chunks=chunks,
         recompute=t.recompute,
         zero=min(t.zero, 3),
-        tp_sequence_parallel=False,
+        sequence_parallel=False,
         flash_attention=True,  # PyTorch SDPA's fused causal path keeps no s x s scores
     )
     in_flight = 1

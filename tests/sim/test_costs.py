@@ -45,13 +45,13 @@ def test_activation_bytes_match_korthikanti_table2(tp):
     model = gpt_style(6144, 4, 48)
     s, b, h, a = 2048, 2, model.hidden_size, model.num_heads
     base = Layout(dp=1, pp=1, tp=tp, micro_batch=b, seq_len=s, flash_attention=False)
-    plain = Layout(**{**base.__dict__, "recompute": "none", "tp_sequence_parallel": False})
+    plain = Layout(**{**base.__dict__, "recompute": "none", "sequence_parallel": False})
     assert layer_activation_bytes(model, plain) == pytest.approx(
         s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     )
-    selective_sp = Layout(**{**base.__dict__, "recompute": "selective", "tp_sequence_parallel": True})
+    selective_sp = Layout(**{**base.__dict__, "recompute": "selective", "sequence_parallel": True})
     assert layer_activation_bytes(model, selective_sp) == pytest.approx(34 * s * b * h / tp)
-    full = Layout(**{**base.__dict__, "recompute": "full", "tp_sequence_parallel": False})
+    full = Layout(**{**base.__dict__, "recompute": "full", "sequence_parallel": False})
     assert layer_activation_bytes(model, full) == pytest.approx(2 * s * b * h)
 
 

@@ -21,7 +21,21 @@ MODEL, H100 = PRESETS["llama3-70b"], CATALOG["h100-sxm"]
 
 
 def _layout(seq: int, cp: int, sp: int = 1) -> Layout:
-    return Layout(1, 1, 8, sp, 1, 8, seq, "none", 1, "full", 1, tp_sequence_parallel=False, cp=cp)
+    return Layout(
+        dp=1,
+        pp=1,
+        tp=8,
+        sp=sp,
+        micro_batch=1,
+        global_batch=8,
+        seq_len=seq,
+        schedule="none",
+        chunks=1,
+        recompute="full",
+        zero=1,
+        sequence_parallel=False,
+        cp=cp,
+    )
 
 
 def test_cp_divides_activations_and_per_rank_attention_work():

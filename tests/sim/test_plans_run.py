@@ -40,7 +40,7 @@ def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, s
         if config.parallel.pp > 1:
             build_schedule_for(config)  # the schedule exists for this many micro-batches
         # priced as the trainer runs it: no Megatron sequence parallelism
-        assert not ranked.layout.tp_sequence_parallel
+        assert not ranked.layout.sequence_parallel
 
 
 def test_zero_stages_follow_the_trainer_table():

@@ -92,7 +92,7 @@ def test_mfu_is_never_above_100_percent(hidden, seq, micro_batch, tp, recompute,
     hardware = _calibrated_cpu() if calibrated else CATALOG["h100-sxm"]
     efficiency = measured(hardware.extra) if calibrated else FITTED
     layout = Layout(
-        1, 1, tp, micro_batch=micro_batch, global_batch=micro_batch, seq_len=seq, recompute=recompute
+        dp=1, pp=1, tp=tp, micro_batch=micro_batch, global_batch=micro_batch, seq_len=seq, recompute=recompute
     )
     result = simulate_step(model, layout, hardware, efficiency, "fp32" if calibrated else "bf16")
     assert 0 < result.mfu <= 1
@@ -174,5 +174,7 @@ def test_calibrate_names_the_exact_flag(monkeypatch, tmp_path, capsys):
 
 
 def test_llama3_8b_presets_still_simulate():
-    result = simulate_step(PRESETS["llama3-8b"], Layout(1, 1, 8, seq_len=8192), CATALOG["h100-sxm"], FITTED)
+    result = simulate_step(
+        PRESETS["llama3-8b"], Layout(dp=1, pp=1, tp=8, seq_len=8192), CATALOG["h100-sxm"], FITTED
+    )
     assert 0 < result.mfu < 1

@@ -130,14 +130,27 @@ LLAMA_8B, H100 = PRESETS["llama3-8b"], CATALOG["h100-sxm"]
 def test_step_time_bound_never_exceeds_the_simulated_makespan(schedule, pp, rounds, micro_batch, recompute):
     chunks = 1 if schedule in ("1f1b", "zb_h1") else 2
     microbatches = pp * rounds  # interleaved 1F1B needs a multiple of pp
-    layout = Layout(1, pp, 2, 1, micro_batch, microbatches * micro_batch, 2048, schedule, chunks, recompute)
+    layout = Layout(
+        dp=1,
+        pp=pp,
+        tp=2,
+        sp=1,
+        micro_batch=micro_batch,
+        global_batch=microbatches * micro_batch,
+        seq_len=2048,
+        schedule=schedule,
+        chunks=chunks,
+        recompute=recompute,
+    )
     stage = stage_costs(LLAMA_8B, layout, H100, FIRST_PRINCIPLES, "bf16", pp * chunks)
     # the bound and the simulator sum the same costs in different orders: 1e-12 is float round-off
     assert step_time_bound(layout, stage) <= pipeline_timing(layout, stage).makespan * (1 + 1e-9)
 
 
 def test_memoised_pipeline_timing_scales_with_the_costs():
-    layout = Layout(1, 4, 1, 1, 1, 8, 2048, "zb_v", 2)
+    layout = Layout(
+        dp=1, pp=4, tp=1, sp=1, micro_batch=1, global_batch=8, seq_len=2048, schedule="zb_v", chunks=2
+    )
     stage = stage_costs(LLAMA_8B, layout, H100, FIRST_PRINCIPLES, "bf16", 8)
     doubled = replace(
         stage,
