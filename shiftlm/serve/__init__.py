@@ -4,21 +4,5 @@ one interface the HTTP `api` uses); `server` starts the ranks; `options` are vLL
 
 The public modules; the others are the engine's and the API's internals (`shiftlm serve` is `cli`)."""
 
-__all__ = [
-    "engine",
-    "async_engine",
-    "api",
-    "server",
-    "options",
-    "scheduler",
-    "sequence",
-    "kv_blocks",
-    "runner",
-    "sampling",
-    "streams",
-    "metrics",
-    "tokenizer",
-    "trace",
-    "replay",
-    "local_server",
-]
+__all__ = ["engine", "async_engine", "api", "server", "options", "scheduler", "sequence", "kv_blocks",
+           "runner", "sampling", "streams", "metrics", "tokenizer", "trace", "replay", "local_server"]  # fmt: skip

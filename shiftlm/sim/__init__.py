@@ -5,19 +5,5 @@ machine (`calibrate`, `serve_calibrate`). Torch-free.
 
 The public modules (`shiftlm simulate|plan|calibrate` are `cli`, `serve_cli`, `validate_cli`)."""
 
-__all__ = [
-    "train",
-    "serve_sim",
-    "planner",
-    "serve_plan",
-    "layout",
-    "memory",
-    "costs",
-    "collectives",
-    "efficiency",
-    "capabilities",
-    "serve_runner",
-    "validate",
-    "calibrate",
-    "serve_calibrate",
-]
+__all__ = ["train", "serve_sim", "planner", "serve_plan", "layout", "memory", "costs", "collectives",
+           "efficiency", "capabilities", "serve_runner", "validate", "calibrate", "serve_calibrate"]  # fmt: skip
