@@ -153,19 +153,14 @@ def simulate_70b() -> list[dict]:
     for seq in (32768, 131072):
         for name, (cp, sp) in SIM_LAYOUTS.items():
             layout = Layout(
-                dp=1,
-                pp=1,
                 tp=8,
                 sp=sp,
-                micro_batch=1,
+                cp=cp,
                 global_batch=8,
                 seq_len=seq,
                 schedule="none",
-                chunks=1,
                 recompute="full",
-                zero=1,
                 sequence_parallel=False,
-                cp=cp,
             )
             result = simulate_step(PRESETS["llama3-70b"], layout, CATALOG["h100-sxm"], FITTED).as_dict()
             rows.append({"seq_len": seq, "layout": name, **result})

@@ -22,19 +22,14 @@ MODEL, H100 = PRESETS["llama3-70b"], CATALOG["h100-sxm"]
 
 def _layout(seq: int, cp: int, sp: int = 1) -> Layout:
     return Layout(
-        dp=1,
-        pp=1,
         tp=8,
         sp=sp,
-        micro_batch=1,
+        cp=cp,
         global_batch=8,
         seq_len=seq,
         schedule="none",
-        chunks=1,
         recompute="full",
-        zero=1,
         sequence_parallel=False,
-        cp=cp,
     )
 
 
