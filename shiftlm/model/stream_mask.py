@@ -98,3 +98,17 @@ def sample_visibility(
     s, p = torch.tensor(streams, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
     mask, _ = stream_visibility(layout_code(layout), s, p, s, p)
     return s, p, mask
+
+
+class MaskedAttention:
+    """A dense attention backend (`attention.AttentionBackend`) with an explicit mask [B, S, S]: the
+    training forward of multi-stream samples (train/streams.py), the mask from `stream_visibility`."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask.unsqueeze(1)  # [B, 1, S, S], broadcast over heads
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        gqa = q.shape[2] != k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+        return out.transpose(1, 2)

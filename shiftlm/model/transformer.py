@@ -165,8 +165,11 @@ class Transformer(nn.Module):
         index = sequence_indices(seq_len, cp.size, cp.rank, sp.size, sp.rank)
         return torch.as_tensor(index, device=self.mesh.device).unsqueeze(0).expand(batch, -1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.hidden_states(x, positions)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, backend: AttentionBackend | None = None
+    ) -> torch.Tensor:
+        """`backend`: attention other than dense causal (multi-stream samples: `stream_mask.MaskedAttention`)."""
+        hidden = self.hidden_states(x, positions, backend)
         if not self.with_head:
             return hidden
         return self.head(hidden)

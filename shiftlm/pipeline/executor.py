@@ -183,7 +183,10 @@ class PipelineExecutor:
             received = self._handoff.pop(key, None)
             x = received if received is not None else self._recvs.pop(("act", *key))
             x = x.detach().requires_grad_(True)
-        out = self.modules[(stage, action.replica)](x)
+        module = self.modules[(stage, action.replica)]
+        if hasattr(module, "micro_batch"):  # a stage that needs its micro-batch's context (train/streams.py)
+            module.micro_batch = action.microbatch
+        out = module(x)
         if stage == last:
             out = self.loss_fn(out, self._targets[action.microbatch])
             self._loss = out.detach() if self._loss is None else self._loss + out.detach()

@@ -62,6 +62,7 @@ class OptimSection:
 @dataclass
 class DataSection:
     source: str = "stdlib"  # "stdlib" (embedded corpus) or a file/dir of text, JSONL, parquet, .bin shards
+    format: str = "text"  # "streams": source is JSONL {prefix, streams: [...]} samples (train/streams.py)
     text_key: str = "text"  # the field holding the text in JSONL and parquet records
     tokenizer: str = ""  # an HF tokenizer dir; empty: the byte-level BPE trained on the stdlib corpus
     vocab_size: int = 2048  # of the embedded tokenizer

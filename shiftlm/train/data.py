@@ -115,5 +115,8 @@ class BatchReader:
         micro_batches = []
         for positions in self.plan.positions(step, self.dp_rank):
             windows = np.stack([self.dataset[self.order[p]] for p in positions])
-            micro_batches.append((windows[:, :-1], windows[:, 1:]))
+            if windows.ndim == 3:  # multi-stream samples (train/streams.py): ids, targets, tags
+                micro_batches.append((windows[..., 0], windows[..., 1], windows[..., 2:]))
+            else:
+                micro_batches.append((windows[:, :-1], windows[:, 1:]))
         return micro_batches

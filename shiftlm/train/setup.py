@@ -17,6 +17,7 @@ from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.pipeline import resolved_chunks
 from shiftlm.train.sources import prepare_shards
+from shiftlm.train.streams import check_data_format
 from shiftlm.train.tokenizer import embedded_tokenizer, read_tokenizer_json
 
 EMBEDDED_MODELS = {
@@ -90,6 +91,7 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
     parallel.check_model(model, resolved_chunks(config))
     parallel.check_world_size(world_size)
     parallel.check_sequence(config.train.seq_len)
+    check_data_format(config)
     return parallel
 
 
@@ -110,6 +112,8 @@ def resolve_inputs(config: TrainConfig) -> RunInputs:
         tokenizer_dir = (
             Path(data.tokenizer) if data.tokenizer else embedded_tokenizer(data.vocab_size, corpus_bytes)
         )
+        if data.format == "streams":  # train/streams.py reads the JSONL itself
+            return tokenizer_dir, []
         return tokenizer_dir, prepare_shards(data.source, str(tokenizer_dir), data.text_key, corpus_bytes)
 
     _on_local_leader_first(build)

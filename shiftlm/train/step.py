@@ -22,6 +22,7 @@ from shiftlm.model import Transformer, build_model, stage_layers
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.recompute import apply_recompute
+from shiftlm.train.streams import stream_context
 
 
 def build_stages(
@@ -87,7 +88,13 @@ class StepRunner:
         if mesh.config.pp > 1:
             from shiftlm.train.pipeline import make_executor
 
-            self.pipeline = make_executor(stages, mesh, config, normalised_loss, on_stage_grads_ready)
+            modules = stages
+            if config.data.format == "streams":  # each stage runs its micro-batch's positions and mask
+                from shiftlm.train.streams import StreamStage
+
+                modules = [StreamStage(stage) for stage in stages]
+            self.modules = modules
+            self.pipeline = make_executor(modules, mesh, config, normalised_loss, on_stage_grads_ready)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -96,15 +103,20 @@ class StepRunner:
 
     def run(self, micro_batches: list[tuple[np.ndarray, np.ndarray]], target_tokens: int) -> torch.Tensor:
         """Forward + backward of every micro-batch; returns this rank's share of the global loss."""
-        inputs = [sequence_slice(x, self.mesh) for x, _ in micro_batches]
-        targets = [sequence_slice(y, self.mesh) for _, y in micro_batches]
+        inputs = [sequence_slice(batch[0], self.mesh) for batch in micro_batches]
+        targets = [sequence_slice(batch[1], self.mesh) for batch in micro_batches]
+        device = self.mesh.device
+        contexts = [stream_context(batch[2], device) if len(batch) > 2 else None for batch in micro_batches]
         with self._autocast():
             if self.pipeline is not None:
+                for module in self.modules if contexts and contexts[0] is not None else ():
+                    module.contexts = contexts
                 return self.pipeline(inputs, targets, target_tokens)
             total = torch.zeros((), device=self.mesh.device)
             stage = self.stages[0]
-            for x, y in zip(inputs, targets):
-                loss = normalised_loss(stage, stage(x), y, target_tokens)
+            for x, y, context in zip(inputs, targets, contexts):
+                logits = stage(x) if context is None else stage(x, context.positions, context.backend)
+                loss = normalised_loss(stage, logits, y, target_tokens)
                 loss.backward()
                 total += loss.detach().float()
         return total

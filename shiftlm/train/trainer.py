@@ -140,7 +140,7 @@ class Trainer:
         self.norm_mask = self._norm_mask(owned)
         validation = config.validation
         holdout = validation.steps * config.train.global_batch if validation.freq else 0
-        dataset, held_out = split_holdout(TokenDataset(self.inputs.shards, config.train.seq_len), holdout)
+        dataset, held_out = split_holdout(self._dataset(), holdout)
         self.dataset_samples = len(dataset)
         plan = BatchPlan(config.train.global_batch, config.train.micro_batch, config.parallel.dp)
         self.reader = BatchReader(dataset, plan, self.mesh.coords.dp, config.train.seed)
@@ -156,6 +156,17 @@ class Trainer:
             if self.mesh.rank == 0
             else None
         )
+
+    def _dataset(self):
+        """Token windows from the shards, or multi-stream samples (`data.format = "streams"`)."""
+        config = self.config
+        if config.data.format == "streams":
+            from shiftlm.train.streams import StreamSamples
+            from shiftlm.train.tokenizer import read_tokenizer_json
+
+            tokenizer = read_tokenizer_json(self.inputs.tokenizer_dir)
+            return StreamSamples(config.data.source, tokenizer, config.train.seq_len)
+        return TokenDataset(self.inputs.shards, config.train.seq_len)
 
     def _norm_mask(self, owned: list) -> torch.Tensor:
         """Count each element of the whole model once: replica 0 only (BitPipe), the embedding and not
@@ -372,7 +383,7 @@ class Trainer:
 
     def _global_target_tokens(self, micro_batches) -> int:
         """Target tokens (not -100) in the whole global batch: this DP rank's, summed over DP."""
-        local = sum(int((targets != -100).sum()) for _, targets in micro_batches)
+        local = sum(int((batch[1] != -100).sum()) for batch in micro_batches)
         total = torch.tensor([local], dtype=torch.float64, device=self.mesh.device)
         return int(all_reduce(total, self.mesh.dp).item())
 

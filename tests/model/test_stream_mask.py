@@ -82,3 +82,16 @@ def test_serving_reads_the_same_mask_from_the_paged_cache():
         mask = serving_mask(layout)
         assert mask[:, :5].int().tolist() == expected
         assert not mask[:, 5:].any()  # the rest of the last block is not context
+
+
+def test_training_builds_the_same_mask_and_positions_for_a_sample():
+    from shiftlm.train.streams import stream_context, stream_sample
+
+    sample = stream_sample([7, 8], [[9, 11], [10]], seq_len=6)  # one padding token
+    assert sample[:5, 0].tolist() == [7, 8, 9, 10, 11]
+    assert sample[:5, 1].tolist() == [-100, -100, 11, -100, -100]  # a0 -> a1; nothing else has a next
+    context = stream_context(sample[None, :, 2:])
+    assert context.positions[0, :5].tolist() == POSITIONS
+    mask = context.backend.mask[0, 0]
+    assert mask[:5, :5].int().tolist() == TIMESTEP_MASK
+    assert not mask[:5, 5].any()  # no real token reads the padding
