@@ -5,4 +5,4 @@ layout-free `checkpoint`s, the pre-launch checks (`preflight`, `dryrun`), `expor
 The public modules (`shiftlm train|quickstart|export` are `cli`)."""
 
 __all__ = ["config", "trainer", "elastic", "setup", "preflight", "dryrun", "checkpoint", "data", "sources",
-           "tokenizer", "metrics", "export", "quickstart"]  # fmt: skip
+           "streams", "tokenizer", "metrics", "export", "quickstart"]  # fmt: skip
