@@ -1,8 +1,8 @@
 """A step plan as one fixed-layout int64 tensor, and the step's batch tensors decoded from it.
 
 Rank 0 encodes the scheduler's `StepPlan` (Python) once; the tensor is what travels to the other ranks
-(two gloo broadcasts: the fixed 5-int header, then the payload whose size the header gives; instead of
-pickling the plan), and every rank, rank 0 included, decodes the same tensor with tensor ops only, so
+(one gloo broadcast of a fixed 1024 ints holding the header and the payload when it fits, a second for
+the rest of a larger plan; instead of pickling the plan), and every rank, rank 0 included, decodes the same tensor with tensor ops only, so
 no rank does Python work per token or per block of context:
 
     header   [step, mode (0 tp, 1 sp_tp), C chunks, N tokens, M new blocks, G tagged tokens]

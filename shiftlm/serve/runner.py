@@ -7,8 +7,8 @@
     else:
         runner.serve_steps()                  # loops until rank 0 stops it
 
-The plan travels as one int64 tensor (`plan_codec`: a fixed 5-int header broadcast, then the payload it
-sizes), not as a pickle; every rank decodes it with tensor ops into the same flat batch and applies its
+The plan travels as one int64 tensor (`plan_codec`: one broadcast of a fixed 1024 ints, header and the
+payload when it fits, a second one for the rest of a larger plan), not as a pickle; every rank decodes it with tensor ops into the same flat batch and applies its
 block-table deltas to its own copy of the tables. Logits come back with one `gather` of the block each
 rank owns (`logits.py`).
 """
@@ -42,6 +42,7 @@ from shiftlm.serve.shift_model import ShiftModel
 # Ranks > 0 block in the plan broadcast while the server idles. Groups made by `Mesh` carry gloo's
 # default timeout (30 minutes), after which an idle worker would die, so plans get a group of their own.
 PLAN_WAIT_TIMEOUT = datetime.timedelta(days=7)
+FIRST_MESSAGE = 1024  # int64s of a plan's first broadcast (8 KiB): header + payload when it fits
 
 
 class ModelRunner:
@@ -96,22 +97,29 @@ class ModelRunner:
         self._send(stop_message())
 
     def _send(self, message: torch.Tensor) -> None:
+        """One broadcast of a fixed `FIRST_MESSAGE` ints (the header and as much of the payload as fits;
+        a decode step of 64 sequences fits), a second one only for the rest: every collective is a
+        point where all ranks wait for the slowest, which on a loaded machine costs more than bytes."""
         if self._plan_group is not None:
             src = self.mesh.shift.ranks[0]
-            dist.broadcast(message[:HEADER].clone(), src=src, group=self._plan_group)
-            if message.numel() > HEADER:
-                dist.broadcast(message[HEADER:].clone(), src=src, group=self._plan_group)
+            first = torch.zeros(FIRST_MESSAGE, dtype=torch.long, device="cpu")  # gloo: always CPU
+            first[: min(message.numel(), FIRST_MESSAGE)] = message[:FIRST_MESSAGE]
+            dist.broadcast(first, src=src, group=self._plan_group)
+            if message.numel() > FIRST_MESSAGE:
+                dist.broadcast(message[FIRST_MESSAGE:].clone(), src=src, group=self._plan_group)
 
     def _receive(self) -> torch.Tensor | None:
         src = self.mesh.shift.ranks[0]
-        header = torch.empty(HEADER, dtype=torch.long, device="cpu")
-        dist.broadcast(header, src=src, group=self._plan_group)
-        if int(header[2]) == STOP_CHUNKS:
+        first = torch.empty(FIRST_MESSAGE, dtype=torch.long, device="cpu")
+        dist.broadcast(first, src=src, group=self._plan_group)
+        if int(first[2]) == STOP_CHUNKS:
             return None
-        payload = torch.empty(payload_size(header), dtype=torch.long, device="cpu")
-        if payload.numel():
-            dist.broadcast(payload, src=src, group=self._plan_group)
-        return torch.cat((header, payload))
+        size = HEADER + payload_size(first[:HEADER])
+        if size <= FIRST_MESSAGE:
+            return first[:size]
+        rest = torch.empty(size - FIRST_MESSAGE, dtype=torch.long, device="cpu")
+        dist.broadcast(rest, src=src, group=self._plan_group)
+        return torch.cat((first, rest))
 
     def run_step(self, plan: StepPlan) -> torch.Tensor | None:
         """Run `plan` without sending it (every rank must pass the same plan, as in SPMD code);
