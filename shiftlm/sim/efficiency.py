@@ -55,18 +55,17 @@ class Efficiency:
 FIRST_PRINCIPLES = Efficiency()
 
 # Output of `shiftlm simulate validate --refit` (fit.py: coordinate descent on the fit split of all
-# four tables; `memory` stays at its first-principles value). docs/simulator.md gives each one's
+# A100 tables that have fit rows; `memory` stays at its first-principles value). docs/simulator.md gives each one's
 # physical meaning and the evidence for it.
-# `gemm` was fitted as 0.766 of the A100 datasheet peak, stored as that over A100's MAMF share
-# (0.766 / 0.869): the same A100 rate, a fraction of the achievable rate on every GPU.
+# `gemm` is a share of the GPU's achievable matmul rate (0.883 x A100's 0.869 = 0.767 of its peak).
 FITTED = Efficiency(
-    gemm=0.8815,
-    intra_comm=0.749,
-    inter_comm=0.475,
-    kernel_overhead=5.03e-6,
-    host_op=2.19e-5,
-    handoff_latency=3.18e-4,
-    host_overlap=5.24,
+    gemm=0.883,
+    intra_comm=0.746,
+    inter_comm=0.473,
+    kernel_overhead=5.11e-6,
+    host_op=2.18e-5,
+    handoff_latency=3.76e-4,
+    host_overlap=5.22,
 )
 
 # The same fit's one cluster-specific parameter: vTrain's testbed NVLink as a fraction of the

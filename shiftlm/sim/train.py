@@ -17,7 +17,7 @@ from functools import lru_cache
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.sim import costs
-from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time
+from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time, reduce_scatter_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
@@ -107,6 +107,13 @@ def stage_costs(
     if layout.blocking_p2p and p2p:  # each stage waits for its own send: forward out, gradient back
         forward = [f + p2p for f in forward[:-1]] + forward[-1:]
         backward_input = backward_input[:1] + [b + p2p for b in backward_input[1:]]
+        if layout.tp > 1 and not layout.tp_sequence_parallel:
+            # Megatron-LM's scatter/gather hand-off (Narayanan et al. 2021, Sec. 4.1): each tp rank
+            # sends 1/tp of the (tp-replicated) activation and the receiver all-gathers it over
+            # the tp group before it can start (with Megatron SP the activation is sharded already)
+            gather = reduce_scatter_time(activation_bytes * layout.tp, *tp_links, links)
+            forward = forward[:1] + [f + gather for f in forward[1:]]
+            backward_input = [b + gather for b in backward_input[:-1]] + backward_input[-1:]
     return StageCosts(forward, backward_input, backward_weight, [comm_per_stage] * num_stages, p2p)
 
 

@@ -1,7 +1,7 @@
 """Replay the measured tables, report per-row and per-table error, and fit the free parameters.
 
-The fit uses only the fit split (`is_fit_row`: every other row of each multi-node table, every
-fourth of vTrain multi-node, none of vTrain single-node) and reports MAPE on the held-out rows, so
+The fit uses only the fit split (`is_fit_row`: every other row of Megatron T1 and Korthikanti T5,
+every fourth of the two vTrain tables, none of llm-foundry's H100 table) and reports MAPE on the held-out rows, so
 a parameter set that memorises rows shows up as a gap between the two. For Korthikanti Table 5 the
 even rows are the full-recompute runs, so its held-out rows are exactly the SP + selective runs.
 """

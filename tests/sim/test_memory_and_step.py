@@ -70,3 +70,33 @@ def test_step_breakdown_adds_up_to_the_step_time():
     result = simulate_step(model, layout, H100, FIRST_PRINCIPLES)
     assert sum(result.breakdown.values()) == pytest.approx(result.step_time)
     assert 0 < result.mfu < 1
+
+
+def test_a_megatron_hand_off_without_sp_waits_for_the_receivers_tp_all_gather():
+    """Megatron-LM's scatter/gather hand-off (Narayanan et al. 2021, Sec. 4.1): 1/tp of the
+    activation per rank, then an all-gather over the tp group on the receiver; with Megatron SP the
+    activation is sharded already and nothing is gathered."""
+    from dataclasses import replace
+
+    from shiftlm.sim.collectives import Links, reduce_scatter_time
+    from shiftlm.sim.efficiency import FITTED
+    from shiftlm.sim.layout import MEGATRON_ORDER
+    from shiftlm.sim.train import stage_costs
+
+    model, a100 = gpt_style(4096, 8, 32), CATALOG["a100-80gb"]
+    layout = Layout(
+        dp=1, pp=2, tp=8, micro_batch=1, global_batch=8, seq_len=2048, recompute="full", zero=0,
+        tp_sequence_parallel=False, flash_attention=False, overlap_grad_sync=False,
+        rank_order=MEGATRON_ORDER, blocking_p2p=True,
+    )  # fmt: skip
+
+    def first_stage_backward(lay):
+        return stage_costs(model, lay, a100, FITTED, "fp16", 2).backward_input[0]
+
+    gather = reduce_scatter_time(2048 * 4096 * 2, 8, 1, Links.of(a100, FITTED))
+    extra = first_stage_backward(layout) - first_stage_backward(replace(layout, blocking_p2p=False))
+    assert extra == pytest.approx(gather) and gather > 0
+    with_sp = replace(layout, tp_sequence_parallel=True)
+    assert first_stage_backward(with_sp) == pytest.approx(
+        first_stage_backward(replace(with_sp, blocking_p2p=False))
+    )
