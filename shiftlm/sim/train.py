@@ -107,7 +107,7 @@ def stage_costs(
     if layout.blocking_p2p and p2p:  # each stage waits for its own send: forward out, gradient back
         forward = [f + p2p for f in forward[:-1]] + forward[-1:]
         backward_input = backward_input[:1] + [b + p2p for b in backward_input[1:]]
-        if layout.tp > 1 and not layout.tp_sequence_parallel:
+        if layout.tp > 1 and not layout.sequence_parallel:
             # Megatron-LM's scatter/gather hand-off (Narayanan et al. 2021, Sec. 4.1): each tp rank
             # sends 1/tp of the (tp-replicated) activation and the receiver all-gathers it over
             # the tp group before it can start (with Megatron SP the activation is sharded already)

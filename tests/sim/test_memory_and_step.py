@@ -86,7 +86,7 @@ def test_a_megatron_hand_off_without_sp_waits_for_the_receivers_tp_all_gather():
     model, a100 = gpt_style(4096, 8, 32), CATALOG["a100-80gb"]
     layout = Layout(
         dp=1, pp=2, tp=8, micro_batch=1, global_batch=8, seq_len=2048, recompute="full", zero=0,
-        tp_sequence_parallel=False, flash_attention=False, overlap_grad_sync=False,
+        sequence_parallel=False, flash_attention=False, overlap_grad_sync=False,
         rank_order=MEGATRON_ORDER, blocking_p2p=True,
     )  # fmt: skip
 
@@ -96,7 +96,7 @@ def test_a_megatron_hand_off_without_sp_waits_for_the_receivers_tp_all_gather():
     gather = reduce_scatter_time(2048 * 4096 * 2, 8, 1, Links.of(a100, FITTED))
     extra = first_stage_backward(layout) - first_stage_backward(replace(layout, blocking_p2p=False))
     assert extra == pytest.approx(gather) and gather > 0
-    with_sp = replace(layout, tp_sequence_parallel=True)
+    with_sp = replace(layout, sequence_parallel=True)
     assert first_stage_backward(with_sp) == pytest.approx(
         first_stage_backward(replace(with_sp, blocking_p2p=False))
     )
