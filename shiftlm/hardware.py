@@ -120,108 +120,52 @@ class Hardware:
         return min(rows, key=distance)[4]
 
 
-def _nvidia(bf16: float, fp8: float | None, fp32: float, **kwargs) -> dict:
-    peaks = {"bf16": bf16 * TERA, "fp16": bf16 * TERA, "fp32": fp32 * TERA, "tf32": bf16 / 2 * TERA}
-    if fp8:
-        peaks["fp8"] = fp8 * TERA
-    return {"peak_flops": peaks, **kwargs}
+def _nvidia(bf16: float, fp8: float | None, fp32: float) -> dict[str, float]:
+    """Dense TFLOP/s by dtype of an NVIDIA GPU: fp16 runs at the bf16 rate, tf32 at half of it."""
+    peaks = {"bf16": bf16, "fp16": bf16, "fp32": fp32, "tf32": bf16 / 2}
+    return peaks | ({"fp8": fp8} if fp8 else {})
 
 
-CATALOG: dict[str, Hardware] = {
-    hw.name: hw
-    for hw in [
-        Hardware(
-            "a100-40gb",
-            **_nvidia(312, None, 19.5),
-            hbm_bytes=40 * GIGA,
-            hbm_bandwidth=1555 * GIGA,
-            intra_node_bandwidth=300 * GIGA,
-            inter_node_bandwidth=25 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.869},
-            attention_fraction=0.72,
-        ),
-        Hardware(
-            "a100-80gb",
-            **_nvidia(312, None, 19.5),
-            hbm_bytes=80 * GIGA,
-            hbm_bandwidth=2039 * GIGA,
-            intra_node_bandwidth=300 * GIGA,
-            inter_node_bandwidth=25 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.869},
-            attention_fraction=0.72,
-        ),
-        Hardware(
-            "h100-sxm",
-            **_nvidia(989, 1979, 67),
-            hbm_bytes=80 * GIGA,
-            hbm_bandwidth=3350 * GIGA,
-            intra_node_bandwidth=450 * GIGA,
-            inter_node_bandwidth=50 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.803, "fp8": 0.709},
-            attention_fraction=0.34,
-        ),
-        Hardware(
-            "h100-pcie",
-            **_nvidia(756, 1513, 51),
-            hbm_bytes=80 * GIGA,
-            hbm_bandwidth=2000 * GIGA,
-            intra_node_bandwidth=64 * GIGA,
-            inter_node_bandwidth=50 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.803, "fp8": 0.709},
-            attention_fraction=0.34,
-        ),
-        Hardware(
-            "h200",
-            **_nvidia(989, 1979, 67),
-            hbm_bytes=141 * GIGA,
-            hbm_bandwidth=4800 * GIGA,
-            intra_node_bandwidth=450 * GIGA,
-            inter_node_bandwidth=50 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.803, "fp8": 0.734},
-            attention_fraction=0.34,
-        ),
-        Hardware(
-            "b200",
-            **_nvidia(2250, 4500, 80),
-            hbm_bytes=180 * GIGA,
-            hbm_bandwidth=8000 * GIGA,
-            intra_node_bandwidth=900 * GIGA,
-            inter_node_bandwidth=50 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.776, "fp8": 0.763},
-        ),
-        Hardware(
-            "mi250x",
-            peak_flops={"bf16": 383 * TERA, "fp16": 383 * TERA, "fp32": 47.9 * TERA},
-            hbm_bytes=128 * GIGA,
-            hbm_bandwidth=3200 * GIGA,
-            intra_node_bandwidth=200 * GIGA,
-            inter_node_bandwidth=25 * GIGA,
-            gpus_per_node=4,
-            matmul_fraction={"bf16": 0.767},
-        ),
-        Hardware(
-            "mi300x",
-            peak_flops={
-                "bf16": 1307 * TERA,
-                "fp16": 1307 * TERA,
-                "fp8": 2615 * TERA,
-                "fp32": 163 * TERA,
-            },
-            hbm_bytes=192 * GIGA,
-            hbm_bandwidth=5300 * GIGA,
-            intra_node_bandwidth=448 * GIGA,
-            inter_node_bandwidth=50 * GIGA,
-            gpus_per_node=8,
-            matmul_fraction={"bf16": 0.514},
-        ),
-    ]
-}
+def _gpu(
+    name: str,
+    tflops: dict[str, float],
+    hbm_gb: float,
+    hbm_gb_s: float,
+    intra_gb_s: float,
+    inter_gb_s: float,
+    gpus_per_node: int,
+    matmul_fraction: dict[str, float],
+    attention_fraction: float | None = None,
+) -> Hardware:
+    """One catalog row in the datasheets' units (TFLOP/s, GB, GB/s per GPU per direction)."""
+    return Hardware(
+        name,
+        {dtype: rate * TERA for dtype, rate in tflops.items()},
+        hbm_gb * GIGA,
+        hbm_gb_s * GIGA,
+        intra_gb_s * GIGA,
+        inter_gb_s * GIGA,
+        gpus_per_node,
+        matmul_fraction=matmul_fraction,
+        attention_fraction=attention_fraction,
+    )
+
+
+# fmt: off
+CATALOG: dict[str, Hardware] = {hw.name: hw for hw in [
+    # name, dense TFLOP/s by dtype, HBM GB, HBM GB/s, intra- and inter-node GB/s, GPUs per node,
+    # achievable-matmul share by dtype (MAMF), FlashAttention-2 share (sources: module docstring)
+    _gpu("a100-40gb", _nvidia(312, None, 19.5),  40, 1555, 300, 25, 8, {"bf16": 0.869}, 0.72),
+    _gpu("a100-80gb", _nvidia(312, None, 19.5),  80, 2039, 300, 25, 8, {"bf16": 0.869}, 0.72),
+    _gpu("h100-sxm",  _nvidia(989, 1979, 67),    80, 3350, 450, 50, 8, {"bf16": 0.803, "fp8": 0.709}, 0.34),
+    _gpu("h100-pcie", _nvidia(756, 1513, 51),    80, 2000,  64, 50, 8, {"bf16": 0.803, "fp8": 0.709}, 0.34),
+    _gpu("h200",      _nvidia(989, 1979, 67),   141, 4800, 450, 50, 8, {"bf16": 0.803, "fp8": 0.734}, 0.34),
+    _gpu("b200",      _nvidia(2250, 4500, 80),  180, 8000, 900, 50, 8, {"bf16": 0.776, "fp8": 0.763}),
+    _gpu("mi250x", {"bf16": 383, "fp16": 383, "fp32": 47.9}, 128, 3200, 200, 25, 4, {"bf16": 0.767}),
+    _gpu("mi300x", {"bf16": 1307, "fp16": 1307, "fp8": 2615, "fp32": 163}, 192, 5300, 448, 50, 8,
+         {"bf16": 0.514}),
+]}
+# fmt: on
 
 ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "mi300": "mi300x", "mi250": "mi250x"}
 

@@ -163,6 +163,9 @@ class Mesh:
             "pp": ("pp",),
             "dp": ("dp",),
             "shift": ("tp", "sp"),
+            # the data-parallel replicas of a parameter shard: ranks that hold the same weights and see
+            # different tokens (Ulysses and ring attention split tokens too), so their gradients are summed
+            "dp_sp": ("dp", "cp", "sp"),
         }
         self.groups: dict[str, CommGroup] = {}
         for name, axes in axes_of.items():
@@ -175,16 +178,6 @@ class Mesh:
                 )
                 if rank in ranks:
                     self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
-        # the data-parallel replicas of a parameter shard: ranks that hold the same weights and see
-        # different tokens (Ulysses and ring attention split tokens too), so their gradients are summed
-        for ranks in group_ranks(config, ("dp", "cp", "sp")):
-            pg = (
-                dist.new_group(sorted(ranks), timeout=timeout)
-                if initialized and world_size > 1 and len(ranks) > 1
-                else None
-            )
-            if rank in ranks:
-                self.groups["dp_sp"] = CommGroup("dp_sp", tuple(sorted(ranks)), pg, rank)
 
     tp = property(lambda self: self.groups["tp"])
     sp = property(lambda self: self.groups["sp"])

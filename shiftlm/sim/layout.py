@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.train.config import RECOMPUTE_MODES
 
 SHIFTLM_ORDER = ("tp", "sp", "cp", "pp", "dp")
 MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-cp-ep-dp-pp"
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class Layout(ParallelConfig):
                 f"global batch {self.global_batch} is not a multiple of dp x micro-batch "
                 f"= {self.dp * self.micro_batch}; change --global-batch or --micro-batch"
             )
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError("--zero must be 0, 1, 2 or 3")
         self.check_sequence(self.seq_len)  # also: every axis a positive integer
