@@ -14,6 +14,8 @@ import contextlib
 import pytest
 import torch
 
+from tests.train.test_streams_training import samples  # noqa: F401 - the multi-stream data fixture
+
 SHORT = ["--train.steps=2", "--optim.warmup_steps=1"]  # after test_layouts' BASE: the later value wins
 
 
@@ -57,6 +59,28 @@ def test_device_placement_training_step_allocates_nothing_off_the_mesh_device(
     assert all(rank_losses == losses[0] for rank_losses in losses)
     for step, expected in one_rank_losses.items():  # and the guarded run computes the same numbers
         assert losses[0][step] == pytest.approx(expected, rel=1e-5), f"step {step}"
+
+
+def stream_train_under_guard(overrides: list[str], log_dir: str, guarded: bool = True) -> dict[int, float]:
+    """Training on multi-stream samples (stream masks and positions built per micro-batch)."""
+    from tests.train.test_streams_training import train_losses
+
+    with allocations_default_to_meta() if guarded else contextlib.nullcontext():
+        return train_losses(overrides, log_dir)
+
+
+def test_device_placement_multi_stream_training_allocates_nothing_off_the_mesh_device(
+    ranks,
+    tmp_path,
+    samples,  # noqa: F811 - the fixture imported above
+):
+    from tests.train.test_streams_training import base
+
+    one = ranks.run(1, stream_train_under_guard, base(samples), str(tmp_path / "one"), False)[0]
+    layout = ["--parallel.pp=2", "--parallel.tp=2", "--train.steps=2"]
+    losses = ranks.run(4, stream_train_under_guard, base(samples) + layout, str(tmp_path / "four"))[0]
+    for step, expected in losses.items():
+        assert expected == pytest.approx(one[step], rel=1e-5), f"step {step}"
 
 
 def serve_under_guard(model_dir: str, tp: int, sp: int, guarded: bool = True) -> list | None:
