@@ -27,7 +27,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from shiftlm.serve.async_engine import AsyncEngine, EngineDead, Overloaded, StepFailed
-from shiftlm.serve.engine import PromptTooLong
 from shiftlm.serve.middleware import GuardMiddleware
 from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from shiftlm.serve.responses import Choices, merged, render_response, render_stream
@@ -136,12 +135,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         try:
             params = body.sampling_params(default_tokens, logprobs, prompt_logprobs)
             return params, engine.submit(prompts, params)
-        except PromptTooLong as err:
-            raise ApiError(413, str(err), err.param) from None
-        except InvalidRequest as err:
-            raise ApiError(400, str(err), err.param) from None
-        except (Overloaded, EngineDead) as err:
-            raise ApiError(429 if isinstance(err, Overloaded) else 503, str(err)) from None
+        except (InvalidRequest, Overloaded, EngineDead) as err:
+            raise ApiError(err.status, str(err), err.param) from None
 
     async def run(request: Request, body: SamplingFields, streams, choices: Choices):
         if body.stream:

@@ -37,9 +37,13 @@ log = logging.getLogger("shiftlm.serve")
 class Overloaded(RuntimeError):
     """Too many requests in flight; the client should retry later (HTTP 429)."""
 
+    status, param = 429, None
+
 
 class EngineDead(RuntimeError):
     """The engine stopped (a rank failed, or the server is shutting down); HTTP 503."""
+
+    status, param = 503, None
 
 
 class StepFailed(RuntimeError):

@@ -52,6 +52,8 @@ class EngineStats:
 class PromptTooLong(InvalidRequest):
     """The prompt (plus at least one new token) does not fit the model's context."""
 
+    status = 413
+
 
 @dataclass
 class RequestOutput:

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 
 
 class InvalidRequest(ValueError):
-    """A request parameter is out of range; the message says which and what is allowed."""
+    """A request parameter is out of range; the message says which and what is allowed. Every refusal
+    of a request carries the HTTP status the API answers it with."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from shiftlm.serve.async_engine import EngineDead, Overloaded, StepFailed
-from shiftlm.serve.engine import PromptTooLong
 from shiftlm.serve.protocol import ApiError, SamplingFields, new_id, now, usage
 from shiftlm.serve.sampling import SEED_MODULUS
 from shiftlm.serve.sequence import InvalidRequest
@@ -91,12 +90,8 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
         try:
             params = body.stream_params(default_max_tokens)
             outputs = engine.submit_streams(prompt, prefixes, params, body.layout)
-        except PromptTooLong as err:
-            raise ApiError(413, str(err), err.param) from None
-        except InvalidRequest as err:
-            raise ApiError(400, str(err), err.param) from None
-        except (Overloaded, EngineDead) as err:
-            raise ApiError(429 if isinstance(err, Overloaded) else 503, str(err)) from None
+        except (InvalidRequest, Overloaded, EngineDead) as err:
+            raise ApiError(err.status, str(err), err.param) from None
         result = StreamsResult(body, prompt, prefixes)
         if body.stream:
             return StreamingResponse(result.events(outputs), media_type="text/event-stream")
