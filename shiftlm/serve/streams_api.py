@@ -14,6 +14,7 @@ OpenAI's n samples do). Any other per-stream field is refused with a 400 naming 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 
@@ -95,13 +96,13 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
         result = StreamsResult(body, prompt, prefixes)
         if body.stream:
             return StreamingResponse(result.events(outputs), media_type="text/event-stream")
-        try:
-            async for out in outputs:
-                result.add(out)
-        except StepFailed as err:
-            raise ApiError(500, str(err)) from None
-        except EngineDead as err:
-            raise ApiError(503, str(err)) from None
+        task = asyncio.ensure_future(result.collect(outputs))
+        while not task.done():  # a client that went away aborts the group (the iterator's finally)
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return JSONResponse({}, status_code=499)
+        task.result()
         return JSONResponse(result.body())
 
 
@@ -125,6 +126,15 @@ class StreamsResult:
             "token_ids": out.token_ids,
             "finish_reason": out.finish_reason,
         }
+
+    async def collect(self, outputs) -> None:
+        try:
+            async for out in outputs:
+                self.add(out)
+        except StepFailed as err:
+            raise ApiError(500, str(err)) from None
+        except EngineDead as err:
+            raise ApiError(503, str(err)) from None
 
     def _head(self, kind: str) -> dict:
         return {

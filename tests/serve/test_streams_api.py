@@ -89,3 +89,27 @@ def test_a_bad_group_is_a_400_with_the_reason_and_other_requests_are_served(setu
         "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
     )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_openai_n_samples_are_the_isolated_streams_of_the_same_seeds(setup):
+    client, _ = setup
+    fields = {
+        "model": "m",
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+    }
+    completions = client.post("/v1/completions", json={**fields, "n": 3, "logprobs": 0}).json()["choices"]
+    body = {**fields, "layout": "isolated", "streams": [{}, {}, {}]}
+    streams = client.post("/v1/streams", json=body).json()["streams"]
+    assert len({tuple(s["token_ids"]) for s in streams}) == 3  # seed + k: the samples differ
+    # each choice k is stream k: the same tokens (logprobs of a sampled token tell them apart)
+    for k in range(3):
+        alone = client.post("/v1/streams", json={**body, "streams": [{"seed": 5 + k}]}).json()["streams"][0]
+        assert alone["token_ids"] == streams[k]["token_ids"]
+        choice = next(c for c in completions if c["index"] == k)
+        same_seed = client.post("/v1/completions", json={**fields, "seed": 5 + k, "logprobs": 0}).json()
+        expected = same_seed["choices"][0]["logprobs"]["token_logprobs"]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, rel=1e-5)
