@@ -27,16 +27,12 @@ SERVE_DATA_PARALLEL = False
 def planned_zero_stages(
     dp: int, implemented: tuple[int, ...] = TRAINER_ZERO_STAGES, pp: int = 1
 ) -> tuple[int, ...]:
-    """The ZeRO stages worth planning for a layout with `dp` replicas: 0 without DP; with DP the
-    highest of stages 1-2 (ZeRO-1 and -2 move the same bytes as an all-reduce, so the higher one only
-    saves memory; Rajbhandari et al. 2020, Sec. 7) and ZeRO-3 (1.5x the traffic for less memory).
-
-    ZeRO-3 is planned without a pipeline only: under one the trainer re-gathers every layer for every
-    micro-batch (train/zero3.py), traffic the cost model prices once per step, so such a plan would
-    run but slower than predicted."""
-    if dp == 1:
-        return (0,)
-    stages = [max(s for s in implemented if s <= 2)]
-    if 3 in implemented and pp == 1:
-        stages.append(3)
-    return tuple(stages)
+    """The ZeRO stages to plan for a data group of `dp` ranks: 0 without one; with one every stage
+    the trainer implements, at every pp (the trainer runs ZeRO-2/3 under every schedule: tested at
+    dp2 x pp2 in tests/train/test_zero.py). None dominates another as the trainer runs them
+    (`sim/trainer_costs.py`): ZeRO-1 and -2 hold the same full gradient buffer, ZeRO-2's
+    reduce-scatter is not bucket-overlapped, ZeRO-3 saves the weights for per-micro-batch gathers;
+    the simulator prices each and the planner keeps the fastest that fits. `pp` is accepted for
+    callers of the older form."""
+    del pp
+    return (0,) if dp == 1 else tuple(implemented)

@@ -11,7 +11,7 @@ a full search would find. Simulations are memoised on normalised costs (`train.p
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
@@ -19,14 +19,21 @@ from shiftlm.pipeline.schedules import SCHEDULES
 from shiftlm.sim.capabilities import TRAINER_MEGATRON_SEQUENCE_PARALLEL, planned_zero_stages
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout
-from shiftlm.sim.memory import estimate_memory
-from shiftlm.sim.train import StageCosts, StepResult, simulate_step, stage_costs, step_overheads
+from shiftlm.sim.train import (
+    StageCosts,
+    StepResult,
+    simulate_step,
+    stage_costs,
+    step_overheads,
+)
+from shiftlm.sim.trainer_costs import regathered_stage_costs, trainer_memory, trainer_step_memory
 
 # Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
-# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); among the ZeRO stages the
-# trainer implements, `planned_zero_stages` drops the dominated ones; with FlashAttention selective
+# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); every ZeRO stage the
+# trainer implements is planned (`planned_zero_stages`), fits as the trainer keeps its states and
+# ZeRO-3's per-micro-batch gathers priced (`trainer_costs.py`); with FlashAttention selective
 # recompute is free and saves what "none" would. Only what `shiftlm train` runs is proposed
-# (`capabilities.py`): e.g. no ZeRO-2/3 and no Megatron sequence parallelism until the trainer has them.
+# (`capabilities.py`): e.g. no Megatron sequence parallelism until the trainer has it.
 PLANNED_SCHEDULES = ("zb_h1", "zb_v")
 MICRO_BATCHES = (1, 2, 4, 8)
 PLANNED_RECOMPUTE = ("selective", "full")
@@ -168,7 +175,7 @@ def plan_training(
     enumerated = 0
     for layout in enumerate_layouts(model, gpus, hardware.gpus_per_node, seq_len, global_batch):
         enumerated += 1
-        if not estimate_memory(model, layout, 1, hardware.hbm_bytes, width).fits:
+        if not trainer_memory(model, layout, 1, hardware.hbm_bytes, width).fits:
             continue
         # stage costs depend on the shape of one model replica's work only, not on dp or ZeRO
         key = (
@@ -184,7 +191,7 @@ def plan_training(
             stage_memo[key] = stage_costs(
                 model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks
             )
-        stage = stage_memo[key]
+        stage = regathered_stage_costs(stage_memo[key], model, layout, hardware, efficiency)
         exposed_sync, optimizer = step_overheads(model, layout, hardware, efficiency, dtype, stage)
         bounds.append((step_time_bound(layout, stage) + exposed_sync + optimizer, layout))
     bounds.sort(key=lambda item: item[0])
@@ -196,6 +203,8 @@ def plan_training(
             break
         result = simulate_step(model, layout, hardware, efficiency, dtype)
         simulated += 1
+        # fits as the trainer keeps its states (fp32, full gradient buffer: trainer_costs)
+        result = replace(result, memory=trainer_step_memory(model, layout, hardware.hbm_bytes, width))
         if not result.memory.fits:
             continue
         ranked.append(Ranked(layout, result))

@@ -21,6 +21,7 @@ from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time,
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+from shiftlm.sim.trainer_costs import regathered_stage_costs, zero3_sync_factor
 
 
 @lru_cache(maxsize=4096)
@@ -211,7 +212,8 @@ def grad_sync_time(
     model: ModelConfig, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
 ) -> float:
     """DP sync of one rank's gradients. ZeRO-1/2 reduce-scatter grads and all-gather weights, the
-    same volume as an all-reduce; ZeRO-3 moves 1.5x that (Rajbhandari et al. 2020, Sec. 7). The group
+    same volume as an all-reduce; at ZeRO-3 the step's sync is a reduce-scatter and the trainer's
+    per-micro-batch parameter gathers are priced in the stage costs (`trainer_costs`). The group
     is the trainer's `dp_sp`: DP replicas, cp and Ulysses peers hold the same weights and see
     different tokens (ranks per node and nodes: the products over the three axes)."""
     if layout.dp * layout.cp * layout.sp == 1:
@@ -222,7 +224,7 @@ def grad_sync_time(
         per_node, nodes = group_placement(layout, axis, hardware.gpus_per_node)
         placement = (placement[0] * per_node, placement[1] * nodes)
     time = all_reduce_time(nbytes, *placement, Links.of(hardware, efficiency))
-    return time * (1.5 if layout.zero >= 3 else 1.0)
+    return time * (zero3_sync_factor() if layout.zero >= 3 else 1.0)
 
 
 def step_overheads(
@@ -253,6 +255,7 @@ def simulate_step(
     layout.check()
     layout.check_model(model)
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
+    stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
     timing = pipeline_timing(layout, stage)
     makespan, bubble, peak = timing.makespan, timing.bubble_fraction, timing.peak_activations
     busiest, busiest_stages = max(timing.busy), timing.busiest_stages

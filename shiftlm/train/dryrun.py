@@ -2,9 +2,11 @@
 
 1. config  - the real model and layout pass every check `shiftlm train` makes before a rank starts.
 2. memory  - the simulator's per-rank estimate of the real layout with the trainer's state sizes
-             (`preflight.estimate`), checked against the GPU when there is one.
+             (`preflight.estimate`) as one GPU rank (bf16 activations), checked against the GPU
+             when there is one.
 3. stand-in - a tiny model with the same layout: the same tp/sp/cp/pp/dp degrees, ZeRO stage,
-             schedule, chunks, recompute, micro-batch and micro-batches per replica; hidden 64, one
+             schedule, chunks, recompute, micro-batch and micro-batches per replica (at most 2 per
+             stage: warm-up, steady state and cool-down all occur; more repeats); hidden 64, one
              layer per pipeline stage, 2*sp*tp query heads, the embedded 2048-token vocabulary and
              the shortest sequence the cp/sp split allows. A layout larger than `max_ranks` local
              ranks is scaled axis by axis: the largest axis above 2 is halved (dp first on a tie)
@@ -12,8 +14,9 @@
              and every collective kind, the ZeRO sharding and the pipeline schedule still run.
 4. step    - one optimizer step of the stand-in on local gloo ranks (build, forward/backward through
              the schedule, gradient sync / ZeRO, AdamW, checkpoint save).
-5. check   - its loss and global gradient norm equal a one-rank run of the same stand-in (rel 1e-5),
-             so the layout computes the same step as the single-rank model, not only "a" step.
+5. check   - its loss (rel 1e-5) and global gradient norm (rel 5e-5: a root of ~10^4 squared fp32
+             sums taken in another order over tp/cp/pp; seen up to 1.2e-5 at pp2 x cp2 x tp2) equal
+             a one-rank run of the same stand-in, so the layout computes the single-rank model's step.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from shiftlm.train.config import TrainConfig
 
 AXES = ("dp", "pp", "cp", "sp", "tp")
 STAND_IN_HIDDEN, STAND_IN_HEAD_DIM, STAND_IN_VOCAB = 64, 16, 2048
-TOLERANCE = 1e-5  # the layout tests' tolerance (fp32)
+TOLERANCE = {"loss": 1e-5, "grad_norm": 5e-5}  # fp32 (module docstring)
 
 Launch = Callable[[TrainConfig, int], dict]
 
@@ -79,6 +82,15 @@ def stand_in_model(real: ModelConfig, degrees: dict[str, int], stages: int) -> M
     )
 
 
+def stand_in_micro_batches(config: TrainConfig, pp: int) -> int:
+    """Micro-batches per replica: the real count up to 2 per stand-in pipeline stage (at least 4):
+    the schedule's warm-up, steady state and cool-down all occur; more only repeats the steady state."""
+    from shiftlm.train.pipeline import resolved_chunks
+
+    stages = pp * resolved_chunks(config)
+    return min(config.accumulation, max(2 * stages, 4))
+
+
 def stand_in_config(
     config: TrainConfig, degrees: dict[str, int], model_dir: Path, log_dir: Path
 ) -> TrainConfig:
@@ -89,7 +101,9 @@ def stand_in_config(
     small.parallel = dataclasses.replace(small.parallel, **degrees)
     split = 2 * degrees["cp"] * degrees["sp"] if degrees["cp"] > 1 else degrees["sp"]
     small.train.seq_len = split * -(-32 // split)
-    small.train.global_batch = config.accumulation * config.train.micro_batch * degrees["dp"]
+    small.train.global_batch = (
+        stand_in_micro_batches(config, degrees["pp"]) * config.train.micro_batch * degrees["dp"]
+    )
     small.train.steps = 1
     small.model.name = str(model_dir)
     small.data.source, small.data.tokenizer, small.data.vocab_size = "stdlib", "", STAND_IN_VOCAB
@@ -155,13 +169,14 @@ def dry_run(config: TrainConfig, max_ranks: int = 8, launch: Launch = launch_loc
         "schedule": config.train.schedule if p.pp > 1 else "none",
         "micro_batches_per_replica": config.accumulation,
     }
-    memory = estimate(config, model, p.world_size)
+    memory = estimate(config, model, p.world_size, on_gpu=True)
+    here = memory["available_gib"] != float("inf")
     phases["memory"] = {
         "per_rank_gib": memory["per_rank_gib"],
-        "device": memory["device"] if memory["ranks_sharing"] == 1 else None,
-        "fits": memory["fits"] if memory["ranks_sharing"] == 1 else None,
+        "device": memory["device"] if here else None,
+        "fits": memory["fits"] if here else None,
     }
-    if memory["ranks_sharing"] == 1 and not memory["fits"]:
+    if here and not memory["fits"]:
         raise ConfigError(
             f"{config.model.name} needs ~{memory['per_rank_gib']['total']} GiB per rank but {memory['device']} "
             f"has {memory['available_gib']} GiB: shard it further (zero, pp, tp) or use train.recompute=full",
@@ -176,6 +191,7 @@ def dry_run(config: TrainConfig, max_ranks: int = 8, launch: Launch = launch_loc
             "layout": degrees,
             "ranks": world,
             "scaled": {a: [getattr(p, a), d] for a, d in degrees.items() if getattr(p, a) != d},
+            "micro_batches_per_replica": [config.accumulation, small.accumulation],
             "model": {
                 "layers": stand_in.num_layers,
                 "hidden": stand_in.hidden_size,
@@ -194,7 +210,7 @@ def dry_run(config: TrainConfig, max_ranks: int = 8, launch: Launch = launch_loc
         expected = _first_step(reference, launch(reference, 1))
     errors = {k: abs(step[k] - expected[k]) / max(abs(expected[k]), 1e-12) for k in ("loss", "grad_norm")}
     phases["check"] = {"single_rank": expected, "rel_diff": errors, "tolerance": TOLERANCE}
-    if max(errors.values()) > TOLERANCE:
+    if any(errors[k] > TOLERANCE[k] for k in errors):
         raise ConfigError(
             f"the stand-in's step differs from one rank's (loss {step['loss']} vs {expected['loss']}, "
             f"grad norm {step['grad_norm']} vs {expected['grad_norm']}): a bug in this layout, please report it",
@@ -212,7 +228,12 @@ def phase_lines(phases: dict) -> list[str]:
         f"{k} {per[k]}" for k in ("weights", "gradients", "optimizer", "activations", "reserve")
     )
     device = f"; fits {m['device']}" if m["fits"] else "; no GPU here to check it against"
-    scaled = ", ".join(f"{a} {real} -> {d}" for a, (real, d) in s["scaled"].items()) or "none"
+    device = " as one GPU rank" + device
+    scaled = [f"{a} {real} -> {d}" for a, (real, d) in s["scaled"].items()]
+    real_mb, small_mb = s["micro_batches_per_replica"]
+    if real_mb != small_mb:
+        scaled.append(f"micro-batches per replica {real_mb} -> {small_mb}")
+    scaled = ", ".join(scaled) or "none"
     sm = s["model"]
     return [
         f"config:   ok: {c['model']} ({c['params'] / 1e9:.2f}B params) on {lay} = {c['world_size']} ranks, "
@@ -222,6 +243,6 @@ def phase_lines(phases: dict) -> list[str]:
         f"wide, {sm['heads']} heads ({sm['kv_heads']} KV), vocab {sm['vocab']}, seq {s['seq_len']}, "
         f"global batch {s['global_batch']}",
         f"step:     1 step on {st['ranks']} ranks in {st['seconds']} s: loss {st['loss']:.6f}, grad norm {st['grad_norm']:.6f}",
-        f"check:    equal to one rank's stand-in step (rel diff loss {ch['rel_diff']['loss']:.1e}, "
-        f"grad norm {ch['rel_diff']['grad_norm']:.1e} <= {ch['tolerance']:.0e})",
+        f"check:    equal to one rank's stand-in step (rel diff loss {ch['rel_diff']['loss']:.1e} <= "
+        f"{ch['tolerance']['loss']:.0e}, grad norm {ch['rel_diff']['grad_norm']:.1e} <= {ch['tolerance']['grad_norm']:.0e})",
     ]

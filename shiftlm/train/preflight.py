@@ -2,9 +2,10 @@
 
 The memory estimate is the simulator's model (`shiftlm.sim.memory.estimate_memory`: Rajbhandari et al.
 2020 for the weights, gradients and Adam state; Korthikanti et al. 2022 for the activations; the
-in-flight micro-batches of the real pipeline schedule), with shiftlm's own state sizes: it keeps fp32
-weights, fp32 gradients and fp32 Adam moments (4 + 4 + 8 bytes per parameter, the moments sharded over
-DP by ZeRO-1) where the simulator counts mixed-precision Megatron (2 + 2 + 12). On a GPU each rank has
+in-flight micro-batches of the real pipeline schedule), with the trainer's own states in place of
+mixed-precision Megatron's 2 + 2 + 12 bytes (`shiftlm.sim.trainer_costs`: fp32 weights, sharded at
+ZeRO-3; the full fp32 gradient buffer and grad-norm mask at every stage; Adam moments and the decay
+mask sharded from ZeRO-1); the planner checks its plans with the same function. On a GPU each rank has
 the device's memory; on the CPU every local rank shares the machine's available RAM, so the estimate is
 per rank x ranks on this machine. A run that cannot fit is refused with the numbers before any work.
 """
@@ -12,7 +13,6 @@ per rank x ranks on this machine. A run that cannot fit is refused with the numb
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from shiftlm.config import ConfigError, DoesNotFitError, ModelConfig
@@ -85,10 +85,12 @@ def _available_bytes(device) -> tuple[float, str, int]:
     return float(available), "this machine's available RAM", 0
 
 
-def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
-    """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory."""
+def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool = False) -> dict:
+    """Bytes per rank by kind, the total over the ranks sharing one memory, and that memory.
+    `on_gpu`: as one rank of a GPU run (bf16 activations unless train.dtype = fp32, the GPU runtime
+    reserve), whatever this machine is: what `--dry-run` reports for a cluster's plan."""
     from shiftlm.sim.layout import Layout
-    from shiftlm.sim.memory import estimate_memory, stage_params
+    from shiftlm.sim.trainer_costs import trainer_memory
     from shiftlm.train.pipeline import resolved_chunks
     from shiftlm.train.step import autocast_dtype
 
@@ -98,7 +100,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
         dp=p.dp,
         pp=p.pp,
         tp=p.tp,
-        sp=p.sp * p.cp,  # both split every layer's tokens
+        sp=p.sp,
         micro_batch=t.micro_batch,
         global_batch=t.global_batch,
         seq_len=t.seq_len,
@@ -106,6 +108,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
         chunks=chunks,
         recompute=t.recompute,
         zero=min(t.zero, 3),
+        cp=p.cp,
         sequence_parallel=False,
         flash_attention=True,  # PyTorch SDPA's fused causal path keeps no s x s scores
     )
@@ -120,15 +123,11 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int) -> dict:
     engine_device = run_device(config, nproc)
     capacity, device, sharing = _available_bytes(engine_device)
     activation_bytes = 2 if autocast_dtype(config, engine_device) is not None else 4
-    memory = estimate_memory(model, layout, in_flight, capacity, activation_bytes)
-    params = stage_params(model, layout)
-    memory = replace(
-        memory,
-        weights=4 * params,
-        gradients=4 * params,
-        optimizer=8 * params / (p.dp * p.sp * p.cp if t.zero >= 1 else 1),
-        reserve=memory.reserve if sharing else CPU_RUNTIME_BYTES,
-    )
+    if on_gpu and not sharing:
+        capacity, device, sharing = float("inf"), "a GPU (none here)", 1
+        activation_bytes = 4 if t.dtype == "fp32" else 2
+    reserve = None if sharing else CPU_RUNTIME_BYTES
+    memory = trainer_memory(model, layout, in_flight, capacity, activation_bytes, reserve)
     ranks = sharing or max(nproc, 1)
     return {
         "per_rank_gib": {k: v for k, v in memory.as_dict().items() if k not in ("capacity", "fits")},

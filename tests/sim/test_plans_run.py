@@ -1,5 +1,8 @@
-"""Every layout the planners propose is one shiftlm runs (issue 10, item 3): the top plans of several
-clusters pass the trainer's `load_config` and `check_layout`, and `plan serve` proposes one engine."""
+"""Every layout the planners propose is one shiftlm runs (issue 10, item 3; issue 18, item 3): the top
+plans of several clusters pass the trainer's `load_config` and `check_layout` and fit the GPU as the
+trainer keeps its states (the preflight's estimate), the 70B / 64 x H100 plans run `--dry-run`
+(a stand-in step equal to one rank's), ZeRO-3 is proposed with a pipeline, and `plan serve`
+proposes one engine."""
 
 from __future__ import annotations
 
@@ -17,14 +20,22 @@ CLUSTERS = [
     ("llama3-8b", "h100-sxm", 8, 4096, 16),
     ("llama3-70b", "h100-sxm", 64, 8192, 256),  # issue 10: the best plan here was zero = 3
     ("qwen2.5-7b", "a100-80gb", 16, 4096, 64),
-    ("llama3-405b", "h200", 512, 8192, 512),
+    ("llama3-70b", "h200", 128, 8192, 512),
 ]
+
+
+def test_405b_on_512_h200s_has_no_plan_the_trainer_fits():
+    """126 layers allow pp <= 2 on a power-of-two cluster, tp <= 8: the trainer's full fp32 gradient
+    buffer and grad-norm mask alone are 8 B x 405e9 / 16 = 190 GiB per rank (> 141 GB)."""
+    plan = plan_training(PRESETS["llama3-405b"], CATALOG["h200"], 512, 8192, 512, efficiency=FITTED)
+    assert not plan.ranked and plan.fit_lower_bound == 0
 
 
 @pytest.mark.parametrize("name,gpu,gpus,seq,batch", CLUSTERS)
 def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, seq, batch, tmp_path):
     from shiftlm.train.config import load_config
     from shiftlm.train.pipeline import build_schedule_for
+    from shiftlm.train.preflight import estimate
     from shiftlm.train.setup import check_layout, model_config
 
     plan = plan_training(PRESETS[name], CATALOG[gpu], gpus, seq, batch, top_k=5, efficiency=FITTED)
@@ -41,16 +52,46 @@ def test_top_plans_pass_the_trainers_config_and_layout_checks(name, gpu, gpus, s
             build_schedule_for(config)  # the schedule exists for this many micro-batches
         # priced as the trainer runs it: no Megatron sequence parallelism
         assert not ranked.layout.sequence_parallel
+        # fits one GPU as the trainer holds its states (what `shiftlm train` checks on that GPU)
+        per_rank = estimate(config, model, gpus, on_gpu=True)["per_rank_gib"]["total"]
+        assert per_rank <= CATALOG[gpu].hbm_bytes / 2**30 + 0.01, (ranked.layout, per_rank)
+        assert per_rank == pytest.approx(ranked.result.memory.total / 2**30, abs=0.02)
+
+
+def _top_plans(name, gpu, gpus, seq, batch, tmp_path):
+    from shiftlm.train.config import load_config
+
+    plan = plan_training(PRESETS[name], CATALOG[gpu], gpus, seq, batch, top_k=5, efficiency=FITTED)
+    for index, ranked in enumerate(plan.ranked):
+        path = tmp_path / f"plan{index}.toml"
+        path.write_text(train_config_toml(name, ranked.layout))
+        yield ranked, load_config(path, [f"--log.dir={tmp_path / 'run'}"])
+
+
+def test_zero_3_is_proposed_with_a_pipeline(tmp_path):
+    layouts = [r.layout for r, _ in _top_plans("llama3-70b", "h100-sxm", 64, 8192, 512, tmp_path)]
+    assert any(layout.zero == 3 and layout.pp > 1 for layout in layouts), layouts
+
+
+def test_every_70b_plan_runs_the_dry_run(ranks, tmp_path):
+    from shiftlm.train.dryrun import dry_run
+    from shiftlm.train.elastic import run_training
+
+    def pooled(config, nproc):
+        return ranks.run(nproc, run_training, config.to_dict(), True)[0]
+
+    for ranked, config in _top_plans("llama3-70b", "h100-sxm", 64, 8192, 512, tmp_path):
+        phases = dry_run(config, 8, launch=pooled)  # raises unless the step equals one rank's
+        assert phases["config"]["zero"] == ranked.layout.zero
+        assert phases["check"]["rel_diff"]["loss"] <= 1e-5 and phases["check"]["rel_diff"]["grad_norm"] <= 5e-5
 
 
 def test_zero_stages_follow_the_trainer_table():
     assert planned_zero_stages(1) == (0,)
     assert TRAINER_ZERO_STAGES == (0, 1, 2, 3)  # the trainer implements ZeRO-2 and -3
-    assert planned_zero_stages(8) == (2, 3)
-    assert planned_zero_stages(8, (0, 1)) == (1,)
-    assert planned_zero_stages(8, (0, 1, 2)) == (2,)  # ZeRO-2 dominates 1: same bytes, less memory
-    assert planned_zero_stages(8, (0, 1, 2, 3)) == (2, 3)
-    assert planned_zero_stages(8, (0, 1, 2, 3), pp=4) == (2,)  # ZeRO-3 re-gathers per micro-batch
+    assert planned_zero_stages(8) == (0, 1, 2, 3)  # every stage: none dominates as the trainer runs them
+    assert planned_zero_stages(8, (0, 1)) == (0, 1)
+    assert planned_zero_stages(8, (0, 1, 2, 3), pp=4) == (0, 1, 2, 3)  # with a pipeline too
 
 
 def test_plan_serve_proposes_one_engine_only():

@@ -1,0 +1,121 @@
+"""What `shiftlm train` itself costs beyond the generic (Megatron-style) model: its memory and ZeRO-3.
+
+The generic memory model (`memory.py`) counts mixed-precision states (2 + 2 + 12 bytes per parameter,
+sharded by the ZeRO stage as in Rajbhandari et al. 2020). shiftlm's trainer keeps, per parameter on
+a rank (`train/flat.py`, `train/zero.py`, `train/trainer.py`):
+- weights: the flat fp32 buffer (4 bytes); at ZeRO-3 the fp32 master shard (4/N) plus the units
+  gathered at once (the one in use and the prefetched next: two of the largest unit);
+- gradients: the flat fp32 gradient buffer (4) at *every* ZeRO stage - ZeRO-2/3 reduce-scatter into
+  it, so only the optimizer reads a 1/N range - plus the fp32 grad-norm mask beside it (4);
+- optimizer: Adam m and v and the weight-decay mask over the owned range (12/N from ZeRO-1, 12/1
+  below), N = the data group dp x cp x sp.
+A plan is priced (and checked to fit) with these, so what the planner proposes fits the trainer.
+
+ZeRO-3 re-gathers every unit for every micro-batch's forward and again for its backward (FSDP's
+`reshard_after_forward`), in fp32, each gather prefetched behind the previous unit's compute; the
+step's own DP sync is then one reduce-scatter (`regathered_stage_costs`, `zero3_sync_factor`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shiftlm.config import ModelConfig
+from shiftlm.hardware import Hardware
+from shiftlm.sim.collectives import Links, reduce_scatter_time
+from shiftlm.sim.efficiency import Efficiency
+from shiftlm.sim.layout import Layout, group_placement
+from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+
+FP32 = 4
+
+
+def data_group(layout: Layout) -> int:
+    """The trainer's ZeRO / gradient group `dp_sp`: DP replicas, cp and Ulysses peers."""
+    return layout.dp * layout.cp * layout.sp
+
+
+def largest_unit(model: ModelConfig, layout: Layout) -> float:
+    """Parameters of the largest ZeRO-3 unit on a rank (a decoder layer, or the embedding / head)."""
+    return max(model.layer_params, model.embedding_params) / layout.tp
+
+
+def trainer_states(model: ModelConfig, layout: Layout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes the trainer keeps on the busiest rank (module docstring)."""
+    params = stage_params(model, layout)
+    n = data_group(layout)
+    sharded = n if layout.zero >= 1 else 1
+    weights = FP32 * params
+    if layout.zero >= 3 and n > 1:
+        weights = FP32 * params / n + 2 * FP32 * largest_unit(model, layout)
+    gradients = 2 * FP32 * params  # the flat gradient buffer and the grad-norm mask
+    optimizer = 3 * FP32 * params / sharded  # m, v and the decay mask over the owned range
+    return weights, gradients, optimizer
+
+
+def trainer_memory(
+    model: ModelConfig,
+    layout: Layout,
+    peak_in_flight: float,
+    capacity: float,
+    activation_bytes: int,
+    reserve: float | None = None,
+) -> MemoryEstimate:
+    """The generic estimate (activations from Korthikanti et al. times the schedule's in-flight
+    micro-batches, logits, runtime reserve) with the trainer's own states in place of 2/2/12."""
+    generic = estimate_memory(model, layout, peak_in_flight, capacity, activation_bytes)
+    weights, gradients, optimizer = trainer_states(model, layout)
+    memory = replace(generic, weights=weights, gradients=gradients, optimizer=optimizer)
+    return memory if reserve is None else replace(memory, reserve=reserve)
+
+
+def trainer_step_memory(
+    model: ModelConfig, layout: Layout, capacity: float, activation_bytes: int
+) -> MemoryEstimate:
+    """`trainer_memory` with the schedule's own peak of in-flight micro-batches (the planner's check)."""
+    from shiftlm.sim.train import peak_in_flight
+
+    in_flight = 1
+    if layout.pp > 1:
+        in_flight = peak_in_flight(layout.schedule, layout.pp, layout.microbatches, layout.chunks)
+    return trainer_memory(model, layout, in_flight, capacity, activation_bytes)
+
+
+def _data_placement(layout: Layout, hardware: Hardware) -> tuple[int, int]:
+    placement = (1, 1)
+    for axis in ("dp", "cp", "sp"):
+        per_node, nodes = group_placement(layout, axis, hardware.gpus_per_node)
+        placement = (placement[0] * per_node, placement[1] * nodes)
+    return placement
+
+
+def regathered_stage_costs(
+    stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency: Efficiency
+):
+    """ZeRO-3: add to every stage's forward and backward (per micro-batch) the gathers it waits for.
+    The first unit's gather is exposed; each next one is prefetched behind the previous layer's
+    compute, so only `max(0, gather - layer compute)` shows. Gathers are fp32 (the trainer's)."""
+    if layout.zero < 3 or data_group(layout) == 1:
+        return stage
+    links = Links.of(hardware, efficiency)
+    # an all-gather is the mirror image of a reduce-scatter (same ring steps and bytes)
+    gather = reduce_scatter_time(
+        FP32 * largest_unit(model, layout), *_data_placement(layout, hardware), links
+    )
+    layers = model.num_layers / len(stage.forward)
+
+    def exposed(pass_time: float) -> float:
+        return gather + max(layers - 1, 0) * max(0.0, gather - pass_time / layers)
+
+    backward = [i + w for i, w in zip(stage.backward_input, stage.backward_weight)]
+    return replace(
+        stage,
+        forward=[f + exposed(f) for f in stage.forward],
+        backward_input=[i + exposed(b) for i, b in zip(stage.backward_input, backward)],
+    )
+
+
+def zero3_sync_factor() -> float:
+    """The step's DP sync at ZeRO-3 in all-reduces: one reduce-scatter of the gradients (half an
+    all-reduce); the parameter gathers are priced per micro-batch in the stage costs."""
+    return 0.5
