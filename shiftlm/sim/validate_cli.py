@@ -18,6 +18,8 @@ TARGET_PCT = {
     "korthikanti_2022_table5": 3.0,
     "vtrain_multi_node": 7.0,
     "vtrain_single_node": 8.0,
+    # "an H100 MFU table measured by others predicted within the goal": the single-node table's 8%
+    "llmfoundry_h100": 8.0,
 }
 TARGET_P90_PCT = {"vtrain_single_node": 15.0}
 UNITS = {

@@ -20,6 +20,7 @@ from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
 from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
 from shiftlm.sim.validate import mape, percentile_abs_error, replay, table_summary
+from shiftlm.sim.validate_cli import TARGET_P90_PCT, TARGET_PCT
 
 
 def _held_out(table):
@@ -27,12 +28,12 @@ def _held_out(table):
     return [row for row in rows if not row.fit_row]
 
 
-GOALS = {  # issue 17's held-out goals: (MAPE %, p90 |error| % or None, met today)
-    "megatron_2021_table1": (4.0, None, False),  # 5.04% today
-    "korthikanti_2022_table5": (3.0, None, True),
-    "vtrain_multi_node": (7.0, None, False),  # 7.50% today
-    "vtrain_single_node": (8.0, 15.0, True),
-    "llmfoundry_h100": (8.0, None, False),  # never fitted; 36.4% today (docs/simulator.md says why)
+MET_TODAY = {  # issue 17's held-out goals (validate_cli.TARGET_PCT): which are met today
+    "megatron_2021_table1": False,  # 5.04% against 4%
+    "korthikanti_2022_table5": True,
+    "vtrain_multi_node": False,  # 7.50% against 7%
+    "vtrain_single_node": True,
+    "llmfoundry_h100": False,  # never fitted; 36.4% against 8% (docs/simulator.md says why)
 }
 
 
@@ -40,12 +41,12 @@ GOALS = {  # issue 17's held-out goals: (MAPE %, p90 |error| % or None, met toda
     "table",
     [
         pytest.param(t, marks=[] if met else pytest.mark.xfail(strict=True, reason="goal not met yet"))
-        for t, (_, _, met) in GOALS.items()
+        for t, met in MET_TODAY.items()
     ],
 )
 def test_fitted_model_meets_the_issue_goal_on_held_out_rows(table):
     # strict xfail: a goal not met today fails the suite the day it is met, so the mark comes off
-    bound, p90_bound, _ = GOALS[table]
+    bound, p90_bound = TARGET_PCT[table], TARGET_P90_PCT.get(table)
     held_out = _held_out(table)
     assert held_out and mape(held_out) <= bound
     if p90_bound is not None:
