@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from shiftlm.serve.async_engine import AsyncEngine, EngineDead, Overloaded, StepFailed
 from shiftlm.serve.middleware import GuardMiddleware
 from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields
-from shiftlm.serve.responses import Choices, merged, render_response, render_stream
+from shiftlm.serve.responses import Choices, finished_unless_gone, merged, render_response, render_stream
 from shiftlm.serve.sequence import InvalidRequest
 from shiftlm.serve.streams_api import add_stream_routes
 from shiftlm.serve.text import Tokenizer
@@ -141,14 +141,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     async def run(request: Request, body: SamplingFields, streams, choices: Choices):
         if body.stream:
             return StreamingResponse(render_stream(merged(streams), choices), media_type="text/event-stream")
-        task = asyncio.ensure_future(_consume(merged(streams), choices))
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()  # the streams' finally blocks abort the requests in the engine
-                log.info("client of %s went away; aborted", choices.response_id)
-                return JSONResponse({}, status_code=499)
-        task.result()
+        if not await finished_unless_gone(request, _consume(merged(streams), choices)):
+            log.info("client of %s went away; aborted", choices.response_id)
+            return JSONResponse({}, status_code=499)
         return render_response(choices)
 
     @app.post("/v1/completions")

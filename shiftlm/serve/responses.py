@@ -159,3 +159,16 @@ async def render_stream(outputs: AsyncIterator, choices: Choices) -> AsyncIterat
     finally:
         await outputs.aclose()
     yield "data: [DONE]\n\n"
+
+
+async def finished_unless_gone(request, work) -> bool:
+    """Run the coroutine `work` to its end (re-raising its error); if the client disconnects first,
+    cancel it and return False: the cancelled output iterators' finally blocks abort the requests."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            return False
+    task.result()
+    return True

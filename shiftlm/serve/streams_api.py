@@ -14,7 +14,6 @@ OpenAI's n samples do). Any other per-stream field is refused with a 400 naming 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import replace
 
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from shiftlm.serve.async_engine import EngineDead, Overloaded, StepFailed
 from shiftlm.serve.protocol import ApiError, SamplingFields, new_id, now, usage
+from shiftlm.serve.responses import finished_unless_gone
 from shiftlm.serve.sampling import SEED_MODULUS
 from shiftlm.serve.sequence import InvalidRequest
 
@@ -96,13 +96,8 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
         result = StreamsResult(body, prompt, prefixes)
         if body.stream:
             return StreamingResponse(result.events(outputs), media_type="text/event-stream")
-        task = asyncio.ensure_future(result.collect(outputs))
-        while not task.done():  # a client that went away aborts the group (the iterator's finally)
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                return JSONResponse({}, status_code=499)
-        task.result()
+        if not await finished_unless_gone(request, result.collect(outputs)):
+            return JSONResponse({}, status_code=499)
         return JSONResponse(result.body())
 
 
