@@ -26,13 +26,13 @@ from shiftlm.sim.serve_sim import simulate_serving
 TRACE = trace_path("azure_code")
 RATE_SCALES = (0.25, 0.5, 1, 2, 4, 8, 16)
 LAYOUTS = {
-    "tp8": ServeLayout(1, 8),
-    "sp8 x tp1": ServeLayout(1, 1, 8, -1),
-    "sp4 x tp2": ServeLayout(1, 2, 4, -1),
-    "dp8 x tp1": ServeLayout(8, 1),
-    "dp4 x tp2": ServeLayout(4, 2),
-    "shift sp8 x tp1 @256": ServeLayout(1, 1, 8, 256),
-    "shift sp4 x tp2 @256": ServeLayout(1, 2, 4, 256),
+    "tp8": ServeLayout(dp=1, tp=8),
+    "sp8 x tp1": ServeLayout(dp=1, tp=1, sp=8, threshold=-1),
+    "sp4 x tp2": ServeLayout(dp=1, tp=2, sp=4, threshold=-1),
+    "dp8 x tp1": ServeLayout(dp=8, tp=1),
+    "dp4 x tp2": ServeLayout(dp=4, tp=2),
+    "shift sp8 x tp1 @256": ServeLayout(dp=1, tp=1, sp=8, threshold=256),
+    "shift sp4 x tp2 @256": ServeLayout(dp=1, tp=2, sp=4, threshold=256),
 }
 RESULTS = Path(__file__).parent / "results"
 

@@ -47,9 +47,9 @@ LIMITS = EngineLimits(block_size=16, max_num_seqs=64, max_tokens_per_step=256, n
 
 def layouts(threshold: int) -> dict[str, ServeLayout]:
     return {
-        "tp": ServeLayout(1, 1, 2, math.inf),
-        "sp_tp": ServeLayout(1, 1, 2, -1),
-        "shift": ServeLayout(1, 1, 2, threshold),
+        "tp": ServeLayout(dp=1, tp=1, sp=2, threshold=math.inf),
+        "sp_tp": ServeLayout(dp=1, tp=1, sp=2, threshold=-1),
+        "shift": ServeLayout(dp=1, tp=1, sp=2, threshold=threshold),
     }
 
 

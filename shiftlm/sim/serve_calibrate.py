@@ -218,7 +218,7 @@ def profile_engine(
 
     replay_args = argparse.Namespace(model_name=None, timeout=300.0, slo_ttft=10.0, slo_tpot=10.0)
     prefill, decode = probes or probe_requests()
-    layout = ServeLayout(1, tp, sp, 0)  # every logged plan names its mode
+    layout = ServeLayout(dp=1, tp=tp, sp=sp, threshold=0)  # every logged plan names its mode
     modes = ("tp", "sp_tp") if sp > 1 else ("tp",)  # without SP there is one mode
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
         logs = {mode: Path(tmp) / f"steps_{mode}.jsonl" for mode in modes}

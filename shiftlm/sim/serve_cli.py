@@ -141,7 +141,7 @@ def _plan_serve(args: argparse.Namespace) -> int:
             jsonout.dumps(
                 {
                     "best": {"layout": best.layout.name, "threshold": best.layout.threshold}
-                    | {"tp": best.layout.tp, "sp": best.layout.sp, "replicas": best.layout.replicas},
+                    | {"tp": best.layout.tp, "sp": best.layout.sp, "replicas": best.layout.dp},
                     "ranked": [run.summary() for run in plan.ranked],
                     "dropped": plan.dropped,
                 }

@@ -47,20 +47,20 @@ def layout_for(mode: str, gpus: int, tp: int, threshold: float = 256) -> ServeLa
     if mode not in MODES:
         raise ValueError(f"unknown --mode {mode!r}; choose one of {', '.join(MODES)}")
     if mode == "tp":
-        return ServeLayout(1, gpus)
+        return ServeLayout(dp=1, tp=gpus)
     if tp < 1 or gpus % tp:
         valid = ", ".join(str(d) for d in range(1, gpus + 1) if gpus % d == 0)
         raise ValueError(f"--tp {tp} does not divide --gpus {gpus}; valid --tp: {valid}")
     if mode == "dp":
-        return ServeLayout(gpus // tp, tp)
-    return ServeLayout(1, tp, gpus // tp, -1 if mode == "sp_tp" else threshold)
+        return ServeLayout(dp=gpus // tp, tp=tp)
+    return ServeLayout(dp=1, tp=tp, sp=gpus // tp, threshold=-1 if mode == "sp_tp" else threshold)
 
 
 def check_serve_layout(setup: ServeHardware, layout: ServeLayout) -> None:
     """One line naming the valid values if the model cannot be cut this way: `shiftlm serve`'s own
     check (`ParallelConfig.check_model`) of the sp x tp ranks of one replica."""
     try:
-        layout.parallel.check_model(setup.model)
+        layout.check_model(setup.model)
     except ConfigError as err:
         raise ConfigError(f"{layout.name}: {err}") from None
 
@@ -94,10 +94,12 @@ def candidate_layouts(setup: ServeHardware, gpus: int, thresholds: tuple[int, ..
     layouts = []
     for tp in tp_degrees(setup, gpus):
         if tp == gpus or SERVE_DATA_PARALLEL:
-            layouts.append(ServeLayout(gpus // tp, tp))
+            layouts.append(ServeLayout(dp=gpus // tp, tp=tp))
         if tp < gpus:
-            layouts.append(ServeLayout(1, tp, gpus // tp, -1))
-            layouts += [ServeLayout(1, tp, gpus // tp, threshold) for threshold in thresholds]
+            layouts.append(ServeLayout(dp=1, tp=tp, sp=gpus // tp, threshold=-1))
+            layouts += [
+                ServeLayout(dp=1, tp=tp, sp=gpus // tp, threshold=threshold) for threshold in thresholds
+            ]
     return layouts
 
 

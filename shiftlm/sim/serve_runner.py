@@ -1,7 +1,7 @@
 """A cost-model runner for the serving scheduler: how long one `StepPlan` takes on a layout, and how
 many KV blocks the layout's GPUs hold.
 
-A serving layout is `replicas` independent engines (data parallelism) of `sp x tp` GPUs each. Every
+A serving layout is `dp` independent engines (data parallelism) of `sp x tp` GPUs each. Every
 step of an engine runs in the mode its `StepPlan` names (Shift Parallelism, Hidayetoglu et al. 2025,
 Sec. 3; docs/serving.md "The two modes, one cache"):
 
@@ -37,31 +37,24 @@ ACTIVATION_DTYPE = "bf16"
 
 
 @dataclass(frozen=True)
-class ServeLayout:
-    """`replicas` engines of `sp x tp` GPUs; a step with <= `threshold` tokens runs in full TP over
-    the sp x tp GPUs, a larger one in SP x TP (threshold inf: always TP; -1: always SP x TP)."""
+class ServeLayout(ParallelConfig):
+    """`dp` engines (replicas) of `sp x tp` GPUs, the core's layout type; a step with <= `threshold`
+    tokens runs in full TP over the sp x tp GPUs, a larger one in SP x TP (threshold inf: always TP;
+    -1: always SP x TP)."""
 
-    replicas: int
-    tp: int
-    sp: int = 1
     threshold: float = math.inf
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.tp * self.sp
-
-    @property
-    def parallel(self) -> ParallelConfig:
-        """The layout as `shiftlm serve` runs it: `replicas` data-parallel engines of sp x tp."""
-        return ParallelConfig(dp=self.replicas, sp=self.sp, tp=self.tp)
+        return self.shift_size
 
     @property
     def gpus(self) -> int:
-        return self.replicas * self.gpus_per_replica
+        return self.world_size
 
     @property
     def name(self) -> str:
-        dp = f"dp{self.replicas} x " if self.replicas > 1 else ""
+        dp = f"dp{self.dp} x " if self.dp > 1 else ""
         if self.sp == 1:
             return f"{dp}tp{self.tp}"
         if self.threshold == math.inf:

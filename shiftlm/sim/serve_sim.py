@@ -191,7 +191,7 @@ def simulate_serving(
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     config = scheduler_config(setup, layout, requests, limits)
-    replicas = [_Replica(Scheduler(config), StepCostModel(setup, layout)) for _ in range(layout.replicas)]
+    replicas = [_Replica(Scheduler(config), StepCostModel(setup, layout)) for _ in range(layout.dp)]
     timings = [_Timing(request) for request in requests]
     pending = deque(zip(itertools.count(), timings))
     round_robin = itertools.cycle(replicas)

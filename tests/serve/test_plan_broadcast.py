@@ -14,8 +14,12 @@ def _plans() -> list[StepPlan]:
     """A decode step (fits), a plan exactly at the first broadcast's size, and a long prefill (two)."""
     decode = StepPlan(3, Mode.TP, tuple(ScheduledChunk(i, (7 + i,), 5, (), True, row=i) for i in range(4)))
     overhead = encode_plan(StepPlan(0, Mode.TP, (ScheduledChunk(0, (1,), 0, (0,), True, row=0),))).numel() - 1
-    exact = StepPlan(4, Mode.SP_TP, (ScheduledChunk(0, (9,) * (FIRST_MESSAGE - overhead), 0, (0,), True, row=0),))
-    long = StepPlan(5, Mode.SP_TP, (ScheduledChunk(1, tuple(range(3 * FIRST_MESSAGE)), 0, (1, 2), True, row=1),))
+    exact = StepPlan(
+        4, Mode.SP_TP, (ScheduledChunk(0, (9,) * (FIRST_MESSAGE - overhead), 0, (0,), True, row=0),)
+    )
+    long = StepPlan(
+        5, Mode.SP_TP, (ScheduledChunk(1, tuple(range(3 * FIRST_MESSAGE)), 0, (1, 2), True, row=1),)
+    )
     return [decode, exact, long]
 
 

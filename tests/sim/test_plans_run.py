@@ -83,7 +83,9 @@ def test_every_70b_plan_runs_the_dry_run(ranks, tmp_path):
     for ranked, config in _top_plans("llama3-70b", "h100-sxm", 64, 8192, 512, tmp_path):
         phases = dry_run(config, 8, launch=pooled)  # raises unless the step equals one rank's
         assert phases["config"]["zero"] == ranked.layout.zero
-        assert phases["check"]["rel_diff"]["loss"] <= 1e-5 and phases["check"]["rel_diff"]["grad_norm"] <= 5e-5
+        assert (
+            phases["check"]["rel_diff"]["loss"] <= 1e-5 and phases["check"]["rel_diff"]["grad_norm"] <= 5e-5
+        )
 
 
 def test_zero_stages_follow_the_trainer_table():
@@ -97,4 +99,4 @@ def test_zero_stages_follow_the_trainer_table():
 def test_plan_serve_proposes_one_engine_only():
     setup = ServeHardware(PRESETS["llama-3.3-70b"], CATALOG["h100-sxm"], FITTED, "fp8", "bf16")
     layouts = candidate_layouts(setup, 8, (256,))
-    assert layouts and all(layout.replicas == 1 and layout.gpus == 8 for layout in layouts)
+    assert layouts and all(layout.dp == 1 and layout.gpus == 8 for layout in layouts)

@@ -25,7 +25,7 @@ from shiftlm.sim.serve_calibrate import (
 from shiftlm.sim.serve_runner import HostOverhead, ServeLayout, StepCostModel
 from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
 
-LAYOUT = ServeLayout(1, 1, 2, 0)
+LAYOUT = ServeLayout(dp=1, tp=1, sp=2, threshold=0)
 
 
 @pytest.fixture(scope="module")

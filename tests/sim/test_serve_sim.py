@@ -46,12 +46,14 @@ def test_simulator_steps_the_serving_scheduler_itself(monkeypatch):
         return real_schedule(self)
 
     monkeypatch.setattr(serve_scheduler.Scheduler, "schedule", counting)
-    run = simulate_serving(LLAMA_8B, ServeLayout(2, 1), _requests(12, 0.05))
+    run = simulate_serving(LLAMA_8B, ServeLayout(dp=2, tp=1), _requests(12, 0.05))
     assert calls and set(calls) == {serve_scheduler.Scheduler}
     assert len(calls) == run.steps  # every step was planned by the real scheduler
 
 
-@pytest.mark.parametrize("layout", [ServeLayout(1, 2), ServeLayout(2, 1), ServeLayout(1, 1, 2, 64)])
+@pytest.mark.parametrize(
+    "layout", [ServeLayout(dp=1, tp=2), ServeLayout(dp=2, tp=1), ServeLayout(dp=1, tp=1, sp=2, threshold=64)]
+)
 def test_every_request_completes_with_causal_timestamps(layout):
     requests = _requests(30, 0.02)
     run = simulate_serving(LLAMA_8B, layout, requests)
@@ -63,7 +65,9 @@ def test_every_request_completes_with_causal_timestamps(layout):
 
 def test_small_kv_cache_preempts_and_still_completes_everything(monkeypatch):
     # 70B with tp=1 leaves room for ~1,100 blocks; 40 concurrent 2k-token requests overflow it
-    run = simulate_serving(LLAMA_70B, ServeLayout(1, 1), _requests(40, 0.0, input_len=2000, output_len=40))
+    run = simulate_serving(
+        LLAMA_70B, ServeLayout(dp=1, tp=1), _requests(40, 0.0, input_len=2000, output_len=40)
+    )
     assert run.preemptions > 0
     assert all(t.finish is not None for t in run.timings)
 
@@ -79,22 +83,22 @@ def _mode_signature(run):
 
 def test_shift_at_threshold_zero_is_sp_tp():
     requests = _requests(20, 0.03)
-    shift = simulate_serving(LLAMA_8B, ServeLayout(1, 1, 4, 0), requests)
-    sp_tp = simulate_serving(LLAMA_8B, ServeLayout(1, 1, 4, -1), requests)
+    shift = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=1, sp=4, threshold=0), requests)
+    sp_tp = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=1, sp=4, threshold=-1), requests)
     assert _mode_signature(shift) == _mode_signature(sp_tp)
     assert shift.mode_switches == 0 and shift.steps_per_mode["tp"] == 0
 
 
 def test_shift_at_infinite_threshold_is_tp_over_the_same_gpus():
     requests = _requests(20, 0.03)
-    shift = simulate_serving(LLAMA_8B, ServeLayout(1, 1, 4, math.inf), requests)
-    tp = simulate_serving(LLAMA_8B, ServeLayout(1, 4), requests)
+    shift = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=1, sp=4, threshold=math.inf), requests)
+    tp = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=4), requests)
     assert _mode_signature(shift) == _mode_signature(tp)
     assert shift.steps_per_mode["sp_tp"] == 0
 
 
 def test_shift_switches_modes_between_prefill_and_decode():
-    run = simulate_serving(LLAMA_8B, ServeLayout(1, 1, 4, 64), _requests(10, 1.0))
+    run = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=1, sp=4, threshold=64), _requests(10, 1.0))
     assert run.steps_per_mode["tp"] > 0 and run.steps_per_mode["sp_tp"] > 0
     assert run.mode_switches >= 2 * 10 - 1  # every isolated request: prefill in SP x TP, decode in TP
 
@@ -102,7 +106,7 @@ def test_shift_switches_modes_between_prefill_and_decode():
 @settings(max_examples=15, deadline=None)
 @given(ttft=st.floats(0.01, 5.0), tpot=st.floats(0.001, 0.2))
 def test_goodput_never_exceeds_request_throughput(ttft, tpot):
-    run = simulate_serving(LLAMA_8B, ServeLayout(1, 2), _requests(15, 0.01), slo=Slo(ttft, tpot))
+    run = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=2), _requests(15, 0.01), slo=Slo(ttft, tpot))
     summary = run.summary()
     assert summary["goodput_requests_per_s"] <= summary["requests_per_s"]
     assert 0.0 <= summary["slo_attainment"] <= 1.0
@@ -110,8 +114,8 @@ def test_goodput_never_exceeds_request_throughput(ttft, tpot):
 
 def test_tp_decodes_faster_than_sp_tp_at_low_load():
     requests = _azure(40, 0.05)  # requests mostly alone in the engine
-    tp = simulate_serving(LLAMA_70B, ServeLayout(1, 8), requests).summary()
-    sp_tp = simulate_serving(LLAMA_70B, ServeLayout(1, 1, 8, -1), requests).summary()
+    tp = simulate_serving(LLAMA_70B, ServeLayout(dp=1, tp=8), requests).summary()
+    sp_tp = simulate_serving(LLAMA_70B, ServeLayout(dp=1, tp=1, sp=8, threshold=-1), requests).summary()
     assert tp["tpot_ms"]["mean"] < sp_tp["tpot_ms"]["mean"]
     assert sp_tp["ttft_ms"]["mean"] < tp["ttft_ms"]["mean"]  # while SP x TP prefills faster
 
@@ -120,8 +124,8 @@ def test_sp_tp_serves_more_tokens_per_second_than_tp_at_high_load():
     # far beyond either layout's capacity; outputs clipped so that no lone long decode at the end
     # (where TP is faster) decides the makespan
     requests = _azure(300, 50.0, max_output=64)
-    tp = simulate_serving(LLAMA_70B, ServeLayout(1, 8), requests).summary()
-    sp_tp = simulate_serving(LLAMA_70B, ServeLayout(1, 1, 8, -1), requests).summary()
+    tp = simulate_serving(LLAMA_70B, ServeLayout(dp=1, tp=8), requests).summary()
+    sp_tp = simulate_serving(LLAMA_70B, ServeLayout(dp=1, tp=1, sp=8, threshold=-1), requests).summary()
     assert sp_tp["total_tokens_per_s"] > tp["total_tokens_per_s"]
 
 
