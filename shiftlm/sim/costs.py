@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shiftlm.config import ModelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
@@ -43,15 +43,14 @@ def backward_gemms(ops: list[Kernel], role: str) -> list[Kernel]:
 
 
 @dataclass(frozen=True)
-class Shard:
-    """How one layer is cut on this GPU."""
+class Shard(ParallelConfig):
+    """How one layer is cut on this GPU: its tp, sp and cp (ring attention: tokens split cp ways, each
+    rank 1/cp of the causal work, zigzag) and Megatron sequence parallelism, as the core layout says
+    them, plus the kernels' precision and attention kind."""
 
-    tp: int = 1
-    sp: int = 1
-    tp_sequence_parallel: bool = True
+    sequence_parallel: bool = True
     flash_attention: bool = True
     dtype_bytes: int = 2
-    cp: int = 1  # ring attention: tokens split cp ways, each rank 1/cp of the causal work (zigzag)
 
 
 def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
@@ -69,7 +68,7 @@ def forward_ops(
     q = model.num_heads * model.head_dim  # = h unless the config sets head_dim (Qwen3, Gemma)
     qkv = q + 2 * model.kv_dim
     # norms + the two residual/dropout adds touch 22 bytes per hidden element (Korthikanti 4.1)
-    pointwise_share = tp if shard.tp_sequence_parallel else 1
+    pointwise_share = tp if shard.sequence_parallel else 1
     ops = [
         Kernel("norms+residuals", 0.0, 22 * tokens * h / pointwise_share, False),
         _gemm("qkv", tokens, h, qkv / tp, width),

@@ -123,8 +123,8 @@ class StepCostModel:
 
     def _shard(self, mode: Mode, dtype_bytes: int) -> Shard:
         if mode is Mode.TP:
-            return Shard(self.layout.gpus_per_replica, 1, False, True, dtype_bytes)
-        return Shard(self.layout.tp, self.layout.sp, False, True, dtype_bytes)
+            return Shard(tp=self.layout.gpus_per_replica, sequence_parallel=False, dtype_bytes=dtype_bytes)
+        return Shard(sp=self.layout.sp, tp=self.layout.tp, sequence_parallel=False, dtype_bytes=dtype_bytes)
 
     def _dense_time(self, mode: Mode, tokens: int, samples: int) -> float:
         """Everything but attention, times layers, plus the LM head on the sampled rows."""

@@ -66,7 +66,12 @@ def stage_costs(
     links = Links.of(hardware, efficiency)
     width = DTYPE_BYTES[dtype]
     shard = costs.Shard(
-        layout.tp, layout.sp, layout.sequence_parallel, layout.flash_attention, width, layout.cp
+        sp=layout.sp,
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        cp=layout.cp,
+        flash_attention=layout.flash_attention,
+        dtype_bytes=width,
     )
     tokens = layout.micro_batch * layout.seq_len
     tp_links = group_placement(layout, "tp", hardware.gpus_per_node)
