@@ -14,9 +14,9 @@ from shiftlm.train.config import ZERO_STAGES
 # so a stage the trainer implements is one the planner may propose, and nothing else.
 TRAINER_ZERO_STAGES: tuple[int, ...] = tuple(ZERO_STAGES)
 
-# Megatron sequence parallelism (norms and residuals split over TP, Korthikanti et al. 2022): the model
-# implements it (`ParallelConfig.sequence_parallel`), but the trainer's [parallel] section has no key
-# for it, so a planned layout runs without it and is priced without it.
+# Megatron sequence parallelism (norms and residuals split over TP, Korthikanti et al. 2022): the trainer
+# runs it (`[parallel] sequence_parallel`), but the planner does not propose it yet (its TOML does not
+# write the key), so a planned layout runs without it and is priced without it.
 TRAINER_MEGATRON_SEQUENCE_PARALLEL = False
 
 # `shiftlm serve` runs one engine over sp x tp ranks; it has no --dp (independent replicas behind

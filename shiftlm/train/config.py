@@ -210,11 +210,6 @@ def config_from_dict(raw: dict[str, dict[str, Any]]) -> TrainConfig:
 
 def validate(config: TrainConfig) -> None:
     """Checks that need no model: positive sizes, known modes, a batch that divides evenly."""
-    if config.parallel.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel: the trainer does not run Megatron sequence parallelism yet "
-            "(the model does); remove the key (sp is Ulysses sequence parallelism)"
-        )
     for section in (config.parallel, config.train, config.checkpoint, config.validation):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)

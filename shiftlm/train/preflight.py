@@ -109,7 +109,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool =
         recompute=t.recompute,
         zero=min(t.zero, 3),
         cp=p.cp,
-        sequence_parallel=False,
+        sequence_parallel=p.sequence_parallel,
         flash_attention=True,  # PyTorch SDPA's fused causal path keeps no s x s scores
     )
     in_flight = 1

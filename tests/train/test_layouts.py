@@ -38,6 +38,7 @@ LAYOUTS = {
     "dp2": ["--parallel.dp=2", "--train.micro_batch=2"],
     "dp2_accumulate2": ["--parallel.dp=2"],
     "tp2": ["--parallel.tp=2"],
+    "tp2_megatron_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
     "sp2": ["--parallel.sp=2"],
     "pp2_1f1b": ["--parallel.pp=2", "--train.schedule=1f1b"],
     "pp2_zb_v": ["--parallel.pp=2", "--train.schedule=zb_v"],
