@@ -187,6 +187,10 @@ class ModelConfig:
                 )
             elif kind != "default":
                 raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3)")
+        if raw.get("hidden_act", "silu") not in ("silu", "swiglu"):
+            raise ConfigError(
+                f"hidden_act {raw['hidden_act']!r} in config.json: shiftlm runs SwiGLU (silu) models"
+            )
         sliding = raw.get("sliding_window")
         if model_type == "qwen2" and not raw.get("use_sliding_window", False):
             sliding = None
@@ -209,7 +213,6 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
-            hidden_act="silu" if raw.get("hidden_act", "silu") in ("silu", "swiglu") else raw["hidden_act"],
             name=raw.get("_name_or_path") or "",
         )
 
