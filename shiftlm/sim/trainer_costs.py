@@ -10,6 +10,14 @@ a rank (`train/flat.py`, `train/zero.py`, `train/trainer.py`):
 - optimizer: Adam m and v and the weight-decay mask over the owned range (12/N from ZeRO-1, 12/1
   below), N = the data group dp x cp x sp.
 A plan is priced (and checked to fit) with these, so what the planner proposes fits the trainer.
+Above the states, the step's transient peak is the larger of (a) the activations autograd saves for
+the in-flight micro-batches, counted from shiftlm's own layer (`layer_saved_elements`; Korthikanti's
+count is 20% short of it: no dropout masks, but fp32 RMSNorm keeps x and x-hat, SwiGLU keeps four
+ffn-wide tensors, attention keeps its output and o_proj's contiguous input) plus the fp32 logits, and
+(b) the AdamW update's four temporaries over the owned range (`optimizer_transient`: the clipped
+gradient, the bias-corrected denominator, the decay factor and its complement; `train/optim.py`).
+Checked against the trainer's measured allocation peak in tests/train/test_memory_model.py and
+bench/memory_model.py.
 
 ZeRO-3 re-gathers every unit for every micro-batch's forward and again for its backward (FSDP's
 `reshard_after_forward`), in fp32, each gather prefetched behind the previous unit's compute; the
@@ -25,7 +33,7 @@ from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, reduce_scatter_time
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.layout import Layout, group_placement
-from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params, working_set_bytes
 
 FP32 = 4
 
@@ -53,6 +61,24 @@ def trainer_states(model: ModelConfig, layout: Layout) -> tuple[float, float, fl
     return weights, gradients, optimizer
 
 
+def layer_saved_elements(model: ModelConfig, layout: Layout) -> float:
+    """Elements one decoder layer saves for backward per micro-batch (recompute none / selective),
+    counted from shiftlm's layer: per token 2 x (x, x-hat) of the two RMSNorms and the attention
+    norm's weighted output (5h), q, attention output and o_proj's input (3 q_dim / tp), k and v
+    (2 kv_dim / tp, before the GQA expansion), gate, up, silu(gate) and their product (4 ffn / tp)."""
+    tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
+    q_dim = model.num_heads * model.head_dim
+    kv_dim = model.num_kv_heads * model.head_dim
+    sharded = (3 * q_dim + 2 * kv_dim + 4 * model.intermediate_size) / layout.tp
+    return tokens * (5 * model.hidden_size + sharded)
+
+
+def optimizer_transient(model: ModelConfig, layout: Layout) -> float:
+    """Bytes of the AdamW update's four fp32 temporaries over this rank's owned range."""
+    n = data_group(layout) if layout.zero >= 1 else 1
+    return 4 * FP32 * stage_params(model, layout) / n
+
+
 def trainer_memory(
     model: ModelConfig,
     layout: Layout,
@@ -61,11 +87,19 @@ def trainer_memory(
     activation_bytes: int,
     reserve: float | None = None,
 ) -> MemoryEstimate:
-    """The generic estimate (activations from Korthikanti et al. times the schedule's in-flight
-    micro-batches, logits, runtime reserve) with the trainer's own states in place of 2/2/12."""
+    """The generic estimate with the trainer's own states in place of 2/2/12 and its transient peak
+    (module docstring) as `activations`; under full recompute the generic activation count."""
     generic = estimate_memory(model, layout, peak_in_flight, capacity, activation_bytes)
     weights, gradients, optimizer = trainer_states(model, layout)
-    memory = replace(generic, weights=weights, gradients=gradients, optimizer=optimizer)
+    activations = generic.activations
+    if layout.recompute != "full":
+        layers = model.num_layers / (layout.pp * layout.chunks)
+        saved = peak_in_flight * layers * layer_saved_elements(model, layout) * activation_bytes
+        activations = saved + working_set_bytes(model, layout, activation_bytes)
+    activations = max(activations, optimizer_transient(model, layout))  # the step's transient peak
+    memory = replace(
+        generic, weights=weights, gradients=gradients, optimizer=optimizer, activations=activations
+    )
     return memory if reserve is None else replace(memory, reserve=reserve)
 
 

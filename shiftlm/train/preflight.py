@@ -131,6 +131,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool =
     ranks = sharing or max(nproc, 1)
     return {
         "per_rank_gib": {k: v for k, v in memory.as_dict().items() if k not in ("capacity", "fits")},
+        "tensor_bytes": memory.total - memory.reserve,  # unrounded, without the runtime reserve
         "ranks_sharing": ranks,
         "total_gib": round(ranks * memory.total / GIB, 2),
         "available_gib": round(capacity / GIB, 2),

@@ -69,7 +69,7 @@ def _top_plans(name, gpu, gpus, seq, batch, tmp_path):
 
 
 def test_zero_3_is_proposed_with_a_pipeline(tmp_path):
-    layouts = [r.layout for r, _ in _top_plans("llama3-70b", "h100-sxm", 64, 8192, 512, tmp_path)]
+    layouts = [r.layout for r, _ in _top_plans("llama3-70b", "h100-sxm", 128, 131072, 16, tmp_path)]
     assert any(layout.zero == 3 and layout.pp > 1 for layout in layouts), layouts
 
 
