@@ -104,6 +104,12 @@ def _worker_main(
             f"shiftlm serve rank {rank}: stopping ({type(err).__name__}: {err})", file=sys.stderr, flush=True
         )
         sys.exit(1)
+    # Stopped cleanly by rank 0, which owns everything a user sees: leave without the interpreter's
+    # teardown, where C++ destructors (gloo, oneDNN) intermittently printed "terminate called without
+    # an active exception" into the server's log after its last line (tests/chaos, SIGTERM drain).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _load_runner(options: ServeOptions):
