@@ -8,12 +8,13 @@ a rank (`train/flat.py`, `train/zero.py`, `train/trainer.py`):
 - gradients: the flat fp32 gradient buffer (4) at *every* ZeRO stage - ZeRO-2/3 reduce-scatter into
   it, so only the optimizer reads a 1/N range - plus the fp32 grad-norm mask beside it (4);
 - optimizer: Adam m and v and the weight-decay mask over the owned range (12/N from ZeRO-1, 12/1
-  below), N = the data group dp x cp x sp.
+  below), N = the data group dp x cp x sp; at ZeRO-1/2 also the parameter refill's input buffer (4/N).
 A plan is priced (and checked to fit) with these, so what the planner proposes fits the trainer.
 Above the states, the step's transient peak is the larger of (a) the activations autograd saves for
 the in-flight micro-batches, counted from shiftlm's own layer (`layer_saved_elements`; Korthikanti's
 count is 20% short of it: no dropout masks, but fp32 RMSNorm keeps x and x-hat, SwiGLU keeps four
-ffn-wide tensors, attention keeps its output and o_proj's contiguous input) plus the fp32 logits, and
+ffn-wide tensors, attention keeps its output and o_proj's contiguous input) plus three logits-sized
+fp32 tensors (the logits, the cross-entropy's exponentials, the logits' gradient), and
 (b) the AdamW update's four temporaries over the owned range (`optimizer_transient`: the clipped
 gradient, the bias-corrected denominator, the decay factor and its complement; `train/optim.py`).
 Checked against the trainer's measured allocation peak in tests/train/test_memory_model.py and
@@ -58,6 +59,8 @@ def trainer_states(model: ModelConfig, layout: Layout) -> tuple[float, float, fl
         weights = FP32 * params / n + 2 * FP32 * largest_unit(model, layout)
     gradients = 2 * FP32 * params  # the flat gradient buffer and the grad-norm mask
     optimizer = 3 * FP32 * params / sharded  # m, v and the decay mask over the owned range
+    if layout.zero in (1, 2) and n > 1:  # the parameter refill's input buffer (train/zero.py)
+        optimizer += FP32 * params / n
     return weights, gradients, optimizer
 
 
@@ -95,7 +98,8 @@ def trainer_memory(
     if layout.recompute != "full":
         layers = model.num_layers / (layout.pp * layout.chunks)
         saved = peak_in_flight * layers * layer_saved_elements(model, layout) * activation_bytes
-        activations = saved + working_set_bytes(model, layout, activation_bytes)
+        # the fp32 logits, the cross-entropy's saved exponentials and, in backward, the logits' gradient
+        activations = saved + 3 * working_set_bytes(model, layout, activation_bytes)
     activations = max(activations, optimizer_transient(model, layout))  # the step's transient peak
     memory = replace(
         generic, weights=weights, gradients=gradients, optimizer=optimizer, activations=activations

@@ -57,6 +57,7 @@ class ShardedAdamW:
         self.exp_avg_sq = torch.zeros(size, device=flat.grads.device)
         self.step_count = 0
         self.shards = None  # stage 3: the ParameterShards holding the fp32 master shards
+        self._refill: dict[int, torch.Tensor] = {}  # stages 1-2: the all-gather's input copy per unit
 
     def shard_parameters(self, stages: list[torch.nn.Module]) -> None:
         """ZeRO-3: keep only this rank's master shards at rest and gather each unit of `stages` (in
@@ -109,8 +110,14 @@ class ShardedAdamW:
                 self.optim,
             )
         if self.sharded and self.shards is None:  # stages 1 and 2: refill the full parameters
-            for (offset, length), (a, b) in zip(self.flat.units, self.ranges):
-                shard = self.flat.params[a:b].clone()  # all_gather may not read from a view of its output
+            for index, ((offset, length), (a, b)) in enumerate(zip(self.flat.units, self.ranges)):
+                # all_gather may not read from a view of its output: a copy, into one buffer kept for
+                # the run (a fresh clone per step was held by gloo's finished work into the next step,
+                # 0-3 of them at a time: peaks varied by 3 shards between identical runs)
+                if index not in self._refill:
+                    self._refill[index] = torch.empty(b - a)
+                shard = self._refill[index]
+                shard.copy_(self.flat.params[a:b])
                 all_gather_flat(self.flat.params[offset : offset + length], shard, self.group)
 
     def _gather(self, moment: torch.Tensor) -> torch.Tensor:
