@@ -115,7 +115,7 @@ class ShardedAdamW:
                 # the run (a fresh clone per step was held by gloo's finished work into the next step,
                 # 0-3 of them at a time: peaks varied by 3 shards between identical runs)
                 if index not in self._refill:
-                    self._refill[index] = torch.empty(b - a)
+                    self._refill[index] = torch.empty_like(self.flat.params[a:b])
                 shard = self._refill[index]
                 shard.copy_(self.flat.params[a:b])
                 all_gather_flat(self.flat.params[offset : offset + length], shard, self.group)
