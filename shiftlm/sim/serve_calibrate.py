@@ -19,7 +19,7 @@ the trace the simulator will replay:
      profile) as `HostOverhead(per_step, per_chunk_layer, per_token)` by least squares;
    - the engine loop's gap between back-to-back steps (schedule, sample, hand outputs to the HTTP
      side) as `per_step_gap + per_chunk_gap x sequences`, folded into the same HostOverhead;
-   `per_request`: a prefill probe's client-side TTFT minus its step and gap (median over probes);
+   `per_request`: a prefill probe's client-side TTFT minus its logged step (median over probes);
    and `per_request_busy`, the same path while the engine steps (the HTTP side shares the host and
    rank 0's interpreter with the engine loop), fitted by replaying the busy probes' workload in
    `simulate_serving` until its mean TTFT equals the measured one.
@@ -246,12 +246,20 @@ def profile_engine(
     host, request_overheads = {}, []
     for mode in modes:
         host[mode] = fit_mode(setup, layout, steps[mode])
-        # a prefill probe's TTFT = the request path + its step (+ the loop's gap after it)
+        # a prefill probe's TTFT = the request path + its step (+ the loop's gap after it); the step
+        # is the one the engine logged (a lone prompt of that length), not the fit's estimate of it:
+        # the fit's residual on one step kind is not the request path (it made it negative at tp2)
         costed = StepCostModel(replace(setup, host={Mode(mode): host[mode]}), layout)
+        lone_prompts: dict[int, list[float]] = {}
+        for step in steps[mode]:
+            if step["seqs"] == 1 and step["tokens"] > 1:
+                lone_prompts.setdefault(step["tokens"], []).append(step["seconds"])
         for result in prefill_results[mode]:
             if result.ok:
+                logged = lone_prompts.get(result.input_len)
                 plan = step_plan({"step": 0, "mode": mode, "tokens": result.input_len, "seqs": 1})
-                request_overheads.append(result.ttft - costed.step_time(plan))
+                step_seconds = statistics.median(logged) if logged else costed.step_time(plan)
+                request_overheads.append(result.ttft - step_seconds)
         log(
             f"calibrate: engine {mode:5s} ({len(steps[mode])} probe steps): per step "
             f"{host[mode].per_step * 1e3:.2f} ms, per chunk-layer {host[mode].per_chunk_layer * 1e6:.0f} us, "
