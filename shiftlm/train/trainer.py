@@ -16,7 +16,6 @@ bit-exactly into the same layout.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,22 +28,10 @@ from shiftlm.hardware import device_peak_flops
 from shiftlm.mesh import Mesh, choose_device
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
-from shiftlm.model.weights import load_hf_checkpoint, source_name, write_hf_files
+from shiftlm.model.weights import source_name
 from shiftlm.monitor import Watchdog, connect_store, faults
 from shiftlm.monitor.live import straggler_watch
 from shiftlm.pipeline.tied import sync_tied_embedding_grads
-from shiftlm.train.checkpoint import (
-    check_data_shaping,
-    check_fresh_start,
-    clear_run,
-    commit,
-    fsync_tree,
-    latest_checkpoint,
-    load_rng,
-    read_trainer_state,
-    save_rng,
-    staging_dir,
-)
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset, split_holdout
 from shiftlm.train.flat import FlatParameters
@@ -52,10 +39,9 @@ from shiftlm.train.grad_sync import GradSync
 from shiftlm.train.metrics import RunLog, StepRecord, throughput
 from shiftlm.train.optim import clip_coefficient, learning_rate
 from shiftlm.train.pipeline import StageKey, stage_keys
+from shiftlm.train.run_checkpoints import RunCheckpoints, flat_name
 from shiftlm.train.setup import check_layout, resolve_inputs
-from shiftlm.train.state import MOMENTS, load_moments, save_moments
 from shiftlm.train.step import StepRunner, build_stages
-from shiftlm.train.tokenizer import copy_tokenizer
 from shiftlm.train.zero import ShardedAdamW, global_grad_norm
 from shiftlm.train.zero3 import unit_labels
 
@@ -85,18 +71,7 @@ class TrainResult:
         }
 
 
-def flat_name(name: str, replica: int) -> str:
-    """A parameter's name in the flat buffers: its HF name, prefixed for BitPipe's second replica
-    (whose copy of a stage may sit on the same rank as the first's when pp is odd)."""
-    return name if replica == 0 else f"replica{replica}.{name}"
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-class Trainer:
+class Trainer(RunCheckpoints):
     def __init__(self, config: TrainConfig, quiet: bool = False):
         self.config = config
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -204,68 +179,6 @@ class Trainer:
         if self.config.train.zero >= 2:  # a reduce-scatter leaves only this rank's ranges summed: last
             self.flat.adopt_grads()
             self.grad_sync.finish()
-
-    # -- checkpoints -------------------------------------------------------------------------------
-
-    def save(self, step: int) -> Path | None:
-        """Write a checkpoint after `step` steps (collective); returns its path on rank 0."""
-        staging = staging_dir(self.checkpoints, step)
-        if self.mesh.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        _barrier()
-        with self.optimizer.gathered():  # ZeRO-3: every layer present while it is written
-            write_hf_files(self.replicas[0], staging / "model")  # BitPipe: one copy, replica 0's
-            save_moments(self.replicas[0], self.optimizer.full_state(), staging)
-        save_rng(staging, self.mesh.rank)
-        fsync_tree(staging)  # each rank makes what it wrote durable (rank 0 again before the rename)
-        _barrier()
-        final = None
-        if self.mesh.rank == 0:
-            copy_tokenizer(self.inputs.tokenizer_dir, staging / "model")
-            state = {
-                "step": step,
-                "samples": step * self.config.train.global_batch,
-                "optimizer_step": self.optimizer.step_count,
-                "layout": self.config.to_dict()["parallel"],
-                "config": self.config.to_dict(),
-                "dataset_samples": self.dataset_samples,
-            }
-            final = commit(staging, state, self.config.checkpoint.keep)
-        _barrier()
-        return final
-
-    def prepare_run_dir(self) -> None:
-        """A fresh start (resume = false) into a used log.dir: refused, or (overwrite) the old run deleted."""
-        ckpt = self.config.checkpoint
-        log_dir = Path(self.config.log.dir)
-        check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)  # same answer on every rank
-        if not ckpt.resume and ckpt.overwrite:
-            _barrier()
-            if self.mesh.rank == 0:
-                clear_run(log_dir)
-            _barrier()
-
-    def maybe_resume(self) -> Path | None:
-        """Load the newest checkpoint of log.dir if asked; returns its path (None: a fresh start)."""
-        latest = latest_checkpoint(self.checkpoints) if self.config.checkpoint.resume else None
-        if latest is None:
-            return None
-        state = read_trainer_state(latest)
-        check_data_shaping(latest, state, self.config.to_dict(), self.dataset_samples)
-        with self.optimizer.gathered(write_back=True):  # ZeRO-3: load full layers, keep the shards
-            for stage in self.stages:
-                load_hf_checkpoint(stage, latest / "model")
-        moments: dict[str, dict[str, torch.Tensor]] = {moment: {} for moment in MOMENTS}
-        for replica, stages in enumerate(self.replicas):  # every replica starts from the one saved copy
-            for moment, tensors in load_moments(stages, latest).items():
-                moments[moment].update({flat_name(name, replica): t for name, t in tensors.items()})
-        self.optimizer.load_full_state(moments, state["optimizer_step"])
-        if state["layout"] == self.config.to_dict()["parallel"]:
-            load_rng(latest, self.mesh.rank)
-        self.start_step = state["step"]
-        self.resumed_from = latest
-        return latest
 
     # -- the loop ----------------------------------------------------------------------------------
 
