@@ -4,7 +4,7 @@
     python bench/serve_sim_vs_measured.py --hardware /tmp/this.json --probe-only  # ~90 s: the engine
     python bench/serve_modes.py                               # ~3-5 min: bench/results/serve_modes.json
     python bench/serve_sim_vs_measured.py --hardware /tmp/this.json \
-        --engine-profile bench/results/sim_vs_measured_engine.json [--json]
+        --engine-profile bench/results/sim_vs_measured_engine.json [--json] [--out FILE]
 (Without --engine-profile it probes the engine first, after the measurement.)
 
 Nothing of bench/serve_modes.py's run is used but its settings (rates, request count, length caps,
@@ -18,7 +18,8 @@ shift threshold) and its measured means, which are what is compared. The predict
 2. `simulate_serving`, the real `Scheduler` and shift policy, with the calibrated hardware profile's
    kernel times plus that engine profile, replays the same trace slice (Azure code rows 0..N-1, the
    same caps) at each rate in each mode.
-Writes bench/results/sim_vs_measured_serve.json and the engine profile next to it.
+Writes `--out` (default bench/results/sim_vs_measured_serve.json) and the engine profile it probed
+to `--engine-out` (default bench/results/sim_vs_measured_engine.json).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> None:
         action="store_true",
         help="only profile the engine (run this before bench/serve_modes.py)",
     )
+    parser.add_argument("--out", type=Path, default=RESULTS / "sim_vs_measured_serve.json")
+    parser.add_argument("--engine-out", type=Path, default=RESULTS / "sim_vs_measured_engine.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     hardware = load_profile(args.hardware)
@@ -74,9 +77,9 @@ def main() -> None:
         else:
             log = (lambda _: None) if args.json else print
             engine = profile_engine(model_dir, 1, 2, engine_setup(model_dir, hardware), SERVE_ARGS, log)
-            engine.save(RESULTS / "sim_vs_measured_engine.json")
+            engine.save(args.engine_out)
             if args.probe_only:
-                print(f"wrote {RESULTS / 'sim_vs_measured_engine.json'}")
+                print(f"wrote {args.engine_out}")
                 return
         setup = engine_setup(model_dir, hardware, engine)
     bench = json.loads(args.measured.read_text())
@@ -109,8 +112,8 @@ def main() -> None:
         "mape_pct": 100 * sum(errors) / len(errors),
         "max_abs_error_pct": 100 * max(errors),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sim_vs_measured_serve.json").write_text(json.dumps(report, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         print(json.dumps(report))
         return

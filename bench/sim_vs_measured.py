@@ -2,7 +2,7 @@
 
     shiftlm calibrate --out /tmp/this.json     # ~25 s
     python bench/pipeline.py                   # ~1 min: bench/results/pipeline.json
-    python bench/sim_vs_measured.py --hardware /tmp/this.json [--json]
+    python bench/sim_vs_measured.py --hardware /tmp/this.json [--json] [--out FILE]
 
 bench/pipeline.py runs LAYERS x (Linear(width, width) + tanh), fp32, split into each schedule's
 stage-chunks on 2 gloo ranks, `rows` tokens per micro-batch. Here nothing is measured: each chunk's
@@ -11,7 +11,8 @@ at the profile's measured rates for their shape and role, elementwise bytes at t
 bandwidth), each hand-off from `collectives.p2p_time` on `p2p_links` (the calibrated hand-off
 latency while the sender computes, the send/recv bandwidth), and the step is the pipeline
 simulator's makespan (plus BitPipe's gradient exchange, `grad_sync_time`). Compared with
-bench/results/pipeline.json's `measured_s`; writes bench/results/sim_vs_measured.json.
+bench/results/pipeline.json's `measured_s` (`--measured`); writes `--out` (default
+bench/results/sim_vs_measured.json; give another path to compare runs without overwriting it).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def main() -> None:
         "--hardware", type=Path, default=DEFAULT_PROFILE, help="profile from `shiftlm calibrate`"
     )
     parser.add_argument("--measured", type=Path, default=RESULTS / "pipeline.json")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / "sim_vs_measured.json", help="where the report is written"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     hardware = load_profile(args.hardware)
@@ -117,6 +121,8 @@ def main() -> None:
             }
         )
     report = {
+        "hardware_profile": str(args.hardware),
+        "measured": str(args.measured),
         "config": config,
         "hardware": {
             "gemm_gflops": hardware.flops("fp32") / 1e9,
@@ -132,8 +138,8 @@ def main() -> None:
         "mape_pct": 100 * sum(abs(r["error"]) for r in rows) / len(rows),
         "max_abs_error_pct": 100 * max(abs(r["error"]) for r in rows),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "sim_vs_measured.json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report))
         return

@@ -70,7 +70,8 @@ class Hardware:
     inter_node_latency: float = 10e-6
     notes: str = ""
     extra: dict[str, float] = field(default_factory=dict)
-    # measured GEMM rates (`shiftlm calibrate`): (role, m, k, n, FLOP/s), role one of GEMM_ROLES
+    # measured GEMM rates (`shiftlm calibrate`): (role, m, k, n, FLOP/s), role one of GEMM_ROLES or
+    # "inference" (the serving engine's own GEMM, `sim.costs.INFERENCE_ROLE`)
     gemm_table: tuple[tuple[str, int, int, int, float], ...] = ()
     # achievable matmul FLOP/s over the datasheet peak, per dtype (module docstring); a calibrated
     # profile's peaks are measured already (empty: 1.0)

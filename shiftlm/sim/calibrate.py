@@ -10,6 +10,10 @@ processes share the cores' caches and memory bus, so a rank's matmul is slower t
   10 predicted a 4-layer chunk's forward at ~8.5 ms against 9.3 ms inside a traced pipeline step).
   The forward median over PEAK_SHAPES is the profile's scalar peak; the efficiency is
   `efficiency.measured` (all factors 1, plus the eager-op cost per kernel).
+- The serving engine's GEMMs (role "inference"), timed through the function the engine's step runs
+  (`serve.shift_model`'s `inference_linear` under its `PackedWeights`: oneDNN on prepacked weights,
+  no autograd), at INFERENCE_ROWS x GEMM_WIDTHS: the serving simulator's kernels take these rates,
+  since oneDNN's packed GEMM runs ~2x faster than `F.linear` at 32-512 rows here.
 - Memory bandwidth per rank from a large tensor copy (read + write).
 - gloo all-reduce time by message size (the median of repeats, robust to a preempted run), fitted to
   the alpha-beta model `t = 2 alpha + bytes / bandwidth` that `collectives.all_reduce_time` uses for 2
@@ -32,10 +36,13 @@ import time
 from collections.abc import Callable
 
 from shiftlm.hardware import GEMM_ROLES, Hardware
+from shiftlm.sim.costs import INFERENCE_ROLE
 
 GEMM_ROWS = (16, 128, 512)  # tokens per GEMM: decode batches, micro-batches, prefill chunks
 GEMM_WIDTHS = ((256, 256), (1024, 1024), (1024, 4096), (4096, 1024))  # (k, n) of y[m, n] = x[m, k] W^T
 GEMM_SHAPES = [(rows, k, n) for rows in GEMM_ROWS for k, n in GEMM_WIDTHS]
+INFERENCE_ROWS = (1, *GEMM_ROWS)  # decode steps run 1 row per sequence
+INFERENCE_SHAPES = [(rows, k, n) for rows in INFERENCE_ROWS for k, n in GEMM_WIDTHS]
 PEAK_SHAPES = [(rows, k, n) for rows in (128, 512) for k, n in GEMM_WIDTHS[1:]]  # the profile's peak
 STACK_DEPTH = 4  # distinct weights per timed pass
 GEMM_ROUNDS, GEMM_ROUND_BUDGET = 6, 0.03  # passes over the table; seconds per (role, shape) per round
@@ -62,10 +69,22 @@ def _mean_time(fn: Callable[[], object], repeats: int, budget: float | None = No
 def _gemm_pass(role: str, m: int, weights: list, biases: list) -> Callable[[], object]:
     """One pass of a layer stack's GEMM in `role` through STACK_DEPTH distinct [n, k] weights (so
     weights stream from memory as in a real pass): the forward F.linear(x, W, b), its dgrad dy @ W, or
-    its wgrad dy^T @ x (what autograd runs for a Linear's input and weight gradients)."""
+    its wgrad dy^T @ x (what autograd runs for a Linear's input and weight gradients); or the serving
+    engine's forward (`INFERENCE_ROLE`): the very function its step calls, inside the engine's own
+    `PackedWeights` context and `torch.no_grad()`, so the probe follows the engine's code path."""
     import torch
 
     n, k = weights[0].shape
+    if role == INFERENCE_ROLE:
+        from shiftlm.serve.shift_model import PackedWeights, inference_linear
+
+        x, packed = torch.randn(m, k), PackedWeights()
+
+        def serve_pass() -> list:
+            with torch.no_grad(), packed.active():
+                return [inference_linear(x, w, b) for w, b in zip(weights, biases)]
+
+        return serve_pass
     if role == "forward":
         x = torch.randn(m, k)
         return lambda: [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases)]
@@ -94,6 +113,8 @@ def time_compute() -> dict[str, object]:
     }
     passes = {
         (role, m, k, n): _gemm_pass(role, m, *layers[k, n]) for role in GEMM_ROLES for m, k, n in GEMM_SHAPES
+    } | {
+        (INFERENCE_ROLE, m, k, n): _gemm_pass(INFERENCE_ROLE, m, *layers[k, n]) for m, k, n in INFERENCE_SHAPES
     }
     spent = dict.fromkeys(passes, 0.0)
     runs = dict.fromkeys(passes, 0)
@@ -263,8 +284,7 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
     )
     table = tuple(
         (role, m, k, n, statistics.fmean(r["gemm"][(role, m, k, n)] for r in compute))
-        for role in GEMM_ROLES
-        for m, k, n in GEMM_SHAPES
+        for role, m, k, n in compute[0]["gemm"]
     )
     for role, m, k, n, rate in table:
         log(f"calibrate: gemm {role:7s} {m}x{k}x{n} fp32, 2 ranks at once: {rate / 1e9:.1f} GFLOP/s per rank")

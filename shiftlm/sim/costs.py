@@ -21,6 +21,8 @@ from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
 
+INFERENCE_ROLE = "inference"  # a serving engine's forward GEMM (`shiftlm calibrate` times the engine's own)
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -40,6 +42,15 @@ def backward_gemms(ops: list[Kernel], role: str) -> list[Kernel]:
     """The dgrad (dx = dy W) or wgrad (dW = dy^T x) GEMM of each forward GEMM: the same FLOPs and
     bytes, timed at that role's rate."""
     return [replace(op, role=role) for op in ops]
+
+
+def serving_gemms(ops: list[Kernel], hardware: Hardware) -> list[Kernel]:
+    """`ops` as a serving engine runs them: its GEMMs at the profile's measured `INFERENCE_ROLE`
+    rates where the profile has them (a calibrated CPU engine runs oneDNN on packed weights, ~2x
+    `F.linear`), else unchanged (a catalog GPU, or a profile from before the role existed)."""
+    if not any(row[0] == INFERENCE_ROLE for row in hardware.gemm_table):
+        return ops
+    return [replace(op, role=INFERENCE_ROLE) if op.gemm and op.role == "forward" else op for op in ops]
 
 
 @dataclass(frozen=True)

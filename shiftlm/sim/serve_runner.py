@@ -29,7 +29,7 @@ from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.serve.scheduler import Mode, StepPlan
 from shiftlm.sim.collectives import Links
-from shiftlm.sim.costs import Kernel, Shard, forward_ops, head_pass_costs, kernels_time, layer_comm_time
+from shiftlm.sim.costs import Kernel, Shard, forward_ops, kernels_time, layer_comm_time, serving_gemms
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.memory import RUNTIME_RESERVE_BYTES
 
@@ -135,15 +135,27 @@ class StepCostModel:
         dense = [
             op for op in forward_ops(setup.model, 1, padded, padded, shard) if op.name != "flash_attention"
         ]
-        layer = kernels_time(dense, setup.hardware, setup.efficiency, setup.dtype)
+        layer = kernels_time(serving_gemms(dense, setup.hardware), setup.hardware, setup.efficiency, setup.dtype)
         comm_shard = self._shard(mode, DTYPE_BYTES[ACTIVATION_DTYPE])
         gpn = setup.hardware.gpus_per_node
         tp_links = _group_links(comm_shard.tp, 1, gpn)
         sp_links = _group_links(comm_shard.sp, comm_shard.tp, gpn)
         layer += layer_comm_time(setup.model, padded, comm_shard, tp_links, sp_links, self.links)
         head_rows = math.ceil(samples / sp) * sp
-        head = head_pass_costs(setup.model, head_rows, shard, setup.hardware, setup.efficiency, setup.dtype)
-        return setup.model.num_layers * layer + head.forward
+        return setup.model.num_layers * layer + self._head_time(head_rows, shard)
+
+    def _head_time(self, rows: int, shard: Shard) -> float:
+        """The final norm and the LM head on this rank's sampled rows (logits only: serving has no
+        loss), as `serve.logits.logits_block` splits them: SP x TP, its 1/sp of the rows x 1/tp of
+        the vocabulary; full TP, every row x 1/(sp tp) of it (the TP shard's tp = sp x tp)."""
+        setup, model = self.setup, self.setup.model
+        m, h, vocab = rows / shard.sp, model.hidden_size, model.vocab_size / shard.tp
+        nbytes = shard.dtype_bytes * (m * h + h * vocab + m * vocab)
+        ops = [
+            Kernel("final_norm", 0.0, 2 * m * h * shard.dtype_bytes, False),
+            Kernel("lm_head", 2 * m * h * vocab, nbytes, True, (m, h, vocab)),
+        ]
+        return kernels_time(serving_gemms(ops, setup.hardware), setup.hardware, setup.efficiency, setup.dtype)
 
     def _attention_time(self, contexts: tuple[tuple[int, int], ...]) -> float:
         """One varlen paged-attention kernel per layer over every chunk (start, new tokens): causal

@@ -81,3 +81,32 @@ def test_send_recv_timing_reports_wall_and_process_cpu(ranks):
     for result in ranks.run(2, time_send_recv, [4096, 2**20], 2):
         assert len(result["wall"]) == len(result["cpu"]) == 2
         assert min(result["wall"]) > 0 and result["cpu"][1] > 0
+
+
+
+def test_inference_gemm_probe_runs_the_serving_engines_own_linear(monkeypatch):
+    """The "inference" role is timed through the function the serving step calls (looked up on
+    serve.shift_model when the probe is built), without autograd and inside a PackedWeights context
+    (the weights it multiplies are the packed copies), and computes the same product as F.linear."""
+    import torch
+
+    import shiftlm.serve.shift_model as shift_model
+    from shiftlm.sim.calibrate import _gemm_pass
+    from shiftlm.sim.costs import INFERENCE_ROLE
+
+    engine_linear, calls = shift_model.inference_linear, []
+
+    def spy(x, weight, bias=None):
+        calls.append(torch.is_grad_enabled())
+        return engine_linear(x, weight, bias)
+
+    monkeypatch.setattr(shift_model, "inference_linear", spy)
+    weights = [torch.randn(64, 32, requires_grad=True) for _ in range(4)]
+    biases = [torch.randn(64) for _ in range(4)]
+    torch.manual_seed(0)
+    outputs = _gemm_pass(INFERENCE_ROLE, 16, weights, biases)()
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    assert calls == [False] * 4
+    for out, w, b in zip(outputs, weights, biases):
+        assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)

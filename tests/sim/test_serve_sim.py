@@ -170,3 +170,26 @@ def test_plan_serve_suggests_a_layout_that_fits(capsys):
 def test_simulate_serve_bad_input_is_one_line_and_exit_code_2(capsys, extra, message):
     code, out, err = _cli(capsys, "simulate", "serve", *SERVE_ARGS, "--max-requests", "5", *extra)
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+
+def test_serving_steps_take_the_profiles_inference_gemm_rates():
+    """A calibrated profile's "inference" rows (the engine's own packed GEMM, `shiftlm calibrate`)
+    time the serving step's GEMMs: at twice the training forward's rate a GEMM-bound prefill step
+    takes about half as long; a profile without them times the step at the forward's rate."""
+    from dataclasses import replace
+
+    from shiftlm.serve.scheduler import Mode
+    from shiftlm.sim.efficiency import MEASURED
+    from shiftlm.sim.serve_runner import StepCostModel
+
+    forward = ("forward", 512, 4096, 4096, 1e12)
+    plain = replace(CATALOG["h100-sxm"], name="this", gemm_table=(forward,))
+    packed = replace(plain, gemm_table=(forward, ("inference", 512, 4096, 4096, 2e12)))
+    layout = ServeLayout(dp=1, tp=1, sp=1, threshold=math.inf)
+
+    def step(hardware):
+        setup = ServeHardware(PRESETS["llama3-8b"], hardware, MEASURED, "fp32", "fp32")
+        return StepCostModel(setup, layout)._dense_time(Mode.TP, 512, 1)
+
+    assert 0.45 < step(packed) / step(plain) < 0.55
