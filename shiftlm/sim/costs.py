@@ -122,7 +122,9 @@ def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, 
     exceed the device's peak, so a predicted MFU cannot exceed 100%)."""
     device_peak = hardware.device_peak(dtype)
     peak = min(hardware.achievable_flops(dtype) * efficiency.gemm, device_peak)
-    attention_peak = min(hardware.attention_flops(dtype) * efficiency.gemm, device_peak)
+    attention_peak = min(
+        hardware.attention_flops(dtype) * efficiency.gemm * efficiency.attention_kernel, device_peak
+    )
     bandwidth = hardware.hbm_bandwidth * efficiency.memory
     total = 0.0
     for op in ops:

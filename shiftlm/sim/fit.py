@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from shiftlm.sim.critical_path import PathCounts, critical_path
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.measured import Case
-from shiftlm.sim.train import build, pipeline_timing, stage_costs, step_overheads
+from shiftlm.sim.train import build, pipeline_timing, step_overheads, step_stage_costs
 from shiftlm.sim.validate import is_fit_row, mape, on_cluster, replay
 
 BOUNDS = {
@@ -31,9 +31,10 @@ BOUNDS = {
     "kernel_overhead": (0.0, 40e-6),
     "handoff_latency": (0.0, 2e-3),
     "host_overlap": (1.0, 8.0),
+    "attention_kernel": (0.2, 1.0),
+    "zero3_bytes_per_param": (0.0, 64.0),
 }
 CLUSTER_BOUNDS = (0.3, 2.0)  # a cluster's achieved NVLink rate may exceed what its README states
-DTYPE = "fp16"  # Megatron-era runs; as in `validate.replay`
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ class _Row:
 
     def _stage(self, efficiency: Efficiency):
         case = self.case
-        num_stages = case.layout.pp * case.layout.chunks
-        return stage_costs(case.model, case.layout, case.hardware, efficiency, DTYPE, num_stages)
+        return step_stage_costs(case.model, case.layout, case.hardware, efficiency, case.dtype)
 
     def collect(self, efficiency: Efficiency) -> None:
         """Simulate at `efficiency` and keep the critical path (pp = 1 needs none)."""
@@ -88,7 +88,7 @@ class _Row:
             )
             makespan = max(lengths)
         exposed_sync, optimizer = step_overheads(
-            case.model, case.layout, case.hardware, efficiency, DTYPE, stage
+            case.model, case.layout, case.hardware, efficiency, case.dtype, stage
         )
         return case.predicted(makespan + exposed_sync + optimizer)
 
@@ -137,7 +137,7 @@ def fit(
                 100
                 * sum(
                     abs(
-                        row.predicted(on_cluster(shared, row.case.hardware.name, clusters))
+                        row.predicted(on_cluster(shared, row.case, clusters))
                         / row.case.measured
                         - 1
                     )
@@ -152,7 +152,7 @@ def fit(
         shared, clusters = _split(point, start)
         for table_rows in rows.values():
             for row in table_rows:
-                row.collect(on_cluster(shared, row.case.hardware.name, clusters))
+                row.collect(on_cluster(shared, row.case, clusters))
                 simulations += row.case.layout.pp > 1
 
     collect_paths()

@@ -11,8 +11,8 @@ llm-foundry's H100 bf16 table (MosaicML MPT models, Composer + PyTorch FSDP FULL
 over all GPUs, bf16 autocast, flash attention, full activation checkpointing where the row says so)
 is never fitted: it checks that the A100-fitted constants carry to H100 through the published
 achievable-matmul share (`Hardware.matmul_fraction`). Its A100 80GB table (the same framework and
-models on A100) is never fitted either: it separates what the framework costs (both tables) from
-what the GPU generation costs (H100 alone).
+models on A100) fits only the framework's own parameters ("field@llm-foundry", `Case.software`),
+which then carry to the H100 rows.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from shiftlm.presets import ModelConfig, gpt_style
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
 
 H100 = CATALOG["h100-sxm"]
+LLM_FOUNDRY = "llm-foundry"  # MosaicML's Composer + FSDP + MPT (triton attention) stack
 
 A100 = CATALOG["a100-80gb"]
 # vTrain's testbed (data README): 150 GB/s intra-node, 800 Gb/s = 100 GB/s inter-node per 8 GPUs
@@ -52,6 +53,7 @@ class Case:
     measured: float
     metric: str  # "tflops_per_gpu", "iteration_s" or "tokens_per_s_per_gpu"
     dtype: str = "fp16"  # Megatron-era runs ran fp16
+    software: str = ""  # a framework whose own parameters ("field@software") apply to every GPU it ran on
 
     def predicted(self, step_time: float) -> float:
         """The table's metric from a simulated step time."""
@@ -162,7 +164,9 @@ def _llmfoundry(table: str, hardware: Hardware):
             f"mpt-{row['model']} s{row['seq']} {gpus}gpu mb{row['micro_batch']}{' ac' if checkpointing else ''}"
         )
         measured = float(row["tokens_per_s_per_gpu"])
-        return Case(table, label, model, layout, hardware, measured, "tokens_per_s_per_gpu", "bf16")
+        return Case(
+            table, label, model, layout, hardware, measured, "tokens_per_s_per_gpu", "bf16", LLM_FOUNDRY
+        )
 
     return case
 

@@ -24,6 +24,31 @@ from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 from shiftlm.sim.trainer_costs import regathered_stage_costs, zero3_sync_factor
 
 
+def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, efficiency, dtype: str):
+    """Every stage-chunk's F, I, W and hand-off of one micro-batch as the step runs them: the layer
+    costs, plus ZeRO-3's per-micro-batch gathers and framework traffic (what `simulate_step` and the
+    fitter's re-timing both use)."""
+    stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
+    stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
+    return zero3_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+
+
+def zero3_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
+    """ZeRO-3 under a framework with `efficiency.zero3_bytes_per_param` > 0: every micro-batch's
+    forward and backward also move that many HBM bytes per parameter of the stage (a third with the
+    forward's gather, two thirds with the backward's gather and reduce-scatter), at HBM bandwidth."""
+    if layout.zero < 3 or efficiency.zero3_bytes_per_param <= 0:
+        return stage
+    stages = len(stage.forward)
+    params = stage_params(model, layout) * layout.pp / stages  # this stage-chunk's, unsharded
+    seconds = efficiency.zero3_bytes_per_param * params / (hardware.hbm_bandwidth * efficiency.memory)
+    return replace(
+        stage,
+        forward=[f + seconds / 3 for f in stage.forward],
+        backward_input=[i + 2 * seconds / 3 for i in stage.backward_input],
+    )
+
+
 @lru_cache(maxsize=4096)
 def build(name: str, pp: int, microbatches: int, chunks: int):
     """The lowered schedule, built once per shape (the planner asks for the same shapes many times)."""
@@ -259,8 +284,7 @@ def simulate_step(
     """Simulate one optimizer step of `layout` (see the module docstring for the composition)."""
     layout.check()
     layout.check_model(model)
-    stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
-    stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
+    stage = step_stage_costs(model, layout, hardware, efficiency, dtype)
     timing = pipeline_timing(layout, stage)
     makespan, bubble, peak = timing.makespan, timing.bubble_fraction, timing.peak_activations
     busiest, busiest_stages = max(timing.busy), timing.busiest_stages

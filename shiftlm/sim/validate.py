@@ -21,6 +21,7 @@ FIT_STRIDE = {
     "korthikanti_2022_table5": 2,
     "vtrain_multi_node": 4,
     "vtrain_single_node": 4,
+    "llmfoundry_a100": 2,  # only for llm-foundry's own parameters (fit.fit_software), never the shared ones
 }
 
 
@@ -46,12 +47,12 @@ class RowResult:
         return self.predicted / self.measured - 1
 
 
-def on_cluster(efficiency: Efficiency, hardware_name: str, clusters: Mapping[str, float]) -> Efficiency:
-    """`efficiency` with the values of every "field@hardware_name" cluster parameter in `clusters`."""
+def on_cluster(efficiency: Efficiency, case: Case, clusters: Mapping[str, float]) -> Efficiency:
+    """`efficiency` with the values of every "field@scope" parameter in `clusters` whose scope is
+    the case's cluster (its hardware name) or its software (`Case.software`, e.g. llm-foundry)."""
+    scopes = {case.hardware.name, case.software} - {""}
     own = {
-        name.split("@", 1)[0]: value
-        for name, value in clusters.items()
-        if name.split("@", 1)[1] == hardware_name
+        name.split("@", 1)[0]: value for name, value in clusters.items() if name.split("@", 1)[1] in scopes
     }
     return replace(efficiency, **own) if own else efficiency
 
@@ -66,7 +67,7 @@ def replay(
             case.model,
             case.layout,
             case.hardware,
-            on_cluster(efficiency, case.hardware.name, clusters),
+            on_cluster(efficiency, case, clusters),
             dtype=case.dtype,
         )
         rows.append(

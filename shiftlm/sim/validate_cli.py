@@ -8,7 +8,13 @@ import argparse
 from pathlib import Path
 
 from shiftlm.sim import jsonout
-from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FIT_PARAMETERS, FITTED, FITTED_CLUSTER
+from shiftlm.sim.efficiency import (
+    FIRST_PRINCIPLES,
+    FIT_PARAMETERS,
+    FITTED,
+    FITTED_CLUSTER,
+    SOFTWARE_PARAMETERS,
+)
 from shiftlm.sim.measured import TABLES, default_data_dir, load_cases
 from shiftlm.sim.validate import RowResult, replay, table_summary
 
@@ -42,13 +48,21 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.refit:
         from shiftlm.sim.fit import fit
 
-        result = fit(cases, FIRST_PRINCIPLES, FIT_PARAMETERS)
-        fitted, clusters = result.efficiency, result.clusters
+        # the shared constants on the tables of no particular framework, then each framework's own
+        # parameters on its tables with the shared ones fixed
+        framework = {table: rows for table, rows in cases.items() if any(case.software for case in rows)}
+        shared = {table: rows for table, rows in cases.items() if table not in framework}
+        result = fit(shared, FIRST_PRINCIPLES, FIT_PARAMETERS)
+        software = fit(framework, result.efficiency, SOFTWARE_PARAMETERS) if framework else None
+        fitted = result.efficiency
+        clusters = result.clusters | (software.clusters if software else {})
         report["fit"] = {
             "objective_fit_split_mape_pct": result.objective_pct,
             "evaluations": result.evaluations,
             "simulations": result.simulations,
         }
+        if software:
+            report["fit"]["software_objective_fit_split_mape_pct"] = software.objective_pct
     report["parameters"] = {
         "first_principles": FIRST_PRINCIPLES.as_dict(),
         "fitted": fitted.as_dict() | dict(clusters),
@@ -57,7 +71,8 @@ def run_validate(args: argparse.Namespace) -> int:
     for table, rows in cases.items():
         entry: dict = {"metric": rows[0].metric}
         variants = [("first_principles", FIRST_PRINCIPLES, {}), ("fitted", fitted, clusters)]
-        if any(name.endswith("@" + case.hardware.name) for name in clusters for case in rows):
+        scopes = {case.hardware.name for case in rows} | {case.software for case in rows}
+        if any(name.split("@", 1)[1] in scopes for name in clusters):
             variants.append(("fitted_without_cluster_parameters", fitted, {}))
         for name, efficiency, cluster in variants:
             results = replay(table, rows, efficiency, cluster)
