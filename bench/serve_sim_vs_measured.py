@@ -18,6 +18,11 @@ shift threshold) and its measured means, which are what is compared. The predict
 2. `simulate_serving`, the real `Scheduler` and shift policy, with the calibrated hardware profile's
    kernel times plus that engine profile, replays the same trace slice (Azure code rows 0..N-1, the
    same caps) at each rate in each mode.
+3. Per step: the steps of those replays, bucketed as bench/serve_modes.py buckets its servers' step
+   logs (server, step mode, tokens 1-8 / 9-32 / 33-128 / 129-256), mean step time per bucket against
+   the measured one (buckets with >= MIN_STEPS measured steps). The engine loop's gap after a step
+   (`EngineProfile.loop_gap`) is taken off each simulated step, since the step log times the
+   execution only; `step_mape_pct` is the per-step MAPE.
 Writes `--out` (default bench/results/sim_vs_measured_serve.json) and the engine profile it probed
 to `--engine-out` (default bench/results/sim_vs_measured_engine.json).
 """
@@ -31,7 +36,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from serve_modes import TRACE  # bench/ is on sys.path
+from serve_modes import TRACE, step_table  # bench/ is on sys.path
 
 from shiftlm.hardware import DEFAULT_PROFILE, load_profile
 from shiftlm.model.tiny import make_tiny_checkpoint
@@ -44,6 +49,38 @@ from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
 RESULTS = Path(__file__).parent / "results"
 SERVE_ARGS = ["--num-blocks", "512", "--block-size", "16"]  # as bench/serve_modes.py starts its servers
 LIMITS = EngineLimits(block_size=16, max_num_seqs=64, max_tokens_per_step=256, num_blocks=512)
+MIN_STEPS = 5  # a bucket with fewer measured steps is too noisy to compare
+
+
+def step_rows(measured: list[dict], simulated: dict[str, list[dict]], engine: EngineProfile, layers: int):
+    """Mean step time per (server, step mode, token bucket), measured vs simulated, per bucket."""
+    executed = {}
+    for server, log in simulated.items():
+        executed[server] = []
+        for step in log:
+            gap = (engine.loop_gap or {}).get(step["mode"])
+            off = gap.per_step + gap.per_chunk_layer * step["chunks"] * layers if gap else 0.0
+            executed[server].append({**step, "seconds": step["seconds"] - off})
+    simulated_rows = {(r["server"], r["step_mode"], r["tokens"]): r for r in step_table(executed)}
+    rows = []
+    for r in measured:
+        key = (r["server"], r["step_mode"], r["tokens"])
+        if r["step_mode"] == "all" or r["steps"] < MIN_STEPS or key not in simulated_rows:
+            continue
+        sim = simulated_rows[key]
+        rows.append(
+            {
+                "server": key[0],
+                "step_mode": key[1],
+                "tokens": key[2],
+                "measured_steps": r["steps"],
+                "simulated_steps": sim["steps"],
+                "measured_mean_ms": r["mean_ms"],
+                "simulated_mean_ms": sim["mean_ms"],
+                "error": sim["mean_ms"] / r["mean_ms"] - 1,
+            }
+        )
+    return rows
 
 
 def layouts(threshold: int) -> dict[str, ServeLayout]:
@@ -85,7 +122,7 @@ def main() -> None:
     bench = json.loads(args.measured.read_text())
     settings = bench["args"]
     trace = load_trace(TRACE)
-    rows = []
+    rows, simulated_steps = [], {mode: [] for mode in layouts(settings["shift_threshold"])}
     for measured in bench["summary"]:
         requests = scale_trace(
             trace,
@@ -96,7 +133,9 @@ def main() -> None:
             max_output=settings["max_output"],
         )
         layout = layouts(settings["shift_threshold"])[measured["mode"]]
-        simulated = simulate_serving(setup, layout, requests, LIMITS).summary()
+        simulated = simulate_serving(
+            setup, layout, requests, LIMITS, step_log=simulated_steps[measured["mode"]]
+        ).summary()
         row = {"mode": measured["mode"], "rate": measured["rate"]}
         for metric in ("ttft", "tpot"):
             row[f"{metric}_measured_ms"] = measured[f"{metric}_ms"]
@@ -104,6 +143,8 @@ def main() -> None:
             row[f"{metric}_error"] = row[f"{metric}_simulated_ms"] / row[f"{metric}_measured_ms"] - 1
         rows.append(row)
     errors = [abs(r[f"{m}_error"]) for r in rows for m in ("ttft", "tpot")]
+    steps = step_rows(bench.get("step_times", []), simulated_steps, engine, setup.model.num_layers)
+    step_errors = [abs(r["error"]) for r in steps]
     report = {
         "hardware": str(args.hardware),
         "measured": str(args.measured),
@@ -111,6 +152,15 @@ def main() -> None:
         "rows": rows,
         "mape_pct": 100 * sum(errors) / len(errors),
         "max_abs_error_pct": 100 * max(errors),
+        "steps": steps,
+        "step_mape_pct": 100 * sum(step_errors) / len(step_errors) if step_errors else None,
+        # weighted by measured steps: the error of the engine's total step time
+        "step_weighted_mape_pct": (
+            100 * sum(abs(r["error"]) * r["measured_steps"] for r in steps) / sum(r["measured_steps"] for r in steps)
+            if steps
+            else None
+        ),
+        "step_loop_gap_removed": engine.loop_gap is not None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -126,6 +176,18 @@ def main() -> None:
             f"{r['ttft_error']:+6.1%} {r['tpot_measured_ms']:9.1f} {r['tpot_simulated_ms']:7.1f} {r['tpot_error']:+6.1%}"
         )
     print(f"MAPE {report['mape_pct']:.1f}%, max |error| {report['max_abs_error_pct']:.1f}%")
+    print(f"\n{'server':6s} {'step':5s} {'tokens':>7s} {'steps':>5s} {'mean ms meas':>12s} {'sim':>7s} {'err':>6s}")
+    for r in steps:
+        print(
+            f"{r['server']:6s} {r['step_mode']:5s} {r['tokens']:>7s} {r['measured_steps']:5d} "
+            f"{r['measured_mean_ms']:12.2f} {r['simulated_mean_ms']:7.2f} {r['error']:+6.1%}"
+        )
+    if steps:
+        gap = "" if report["step_loop_gap_removed"] else " (engine profile without loop_gap: gap not removed)"
+        print(
+            f"per-step MAPE {report['step_mape_pct']:.1f}% over {len(steps)} buckets "
+            f"({report['step_weighted_mape_pct']:.1f}% weighted by steps){gap}"
+        )
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ class EngineProfile:
     probe_steps: int
     notes: str = ""
     per_request_busy: float | None = None  # the same path while the engine steps (None: as idle)
+    # by step mode, the part of `host` that is the engine loop's gap after a step (schedule, sample,
+    # hand outputs over): a logged step's own execution is the step time less this (None: not kept)
+    loop_gap: dict[str, HostOverhead] | None = None
 
     def apply(self, setup: ServeHardware) -> ServeHardware:
         """`setup` with this engine's host overheads per mode and its request path."""
@@ -93,6 +96,8 @@ class EngineProfile:
         try:
             fields = json.loads(path.read_text())
             fields["host"] = {mode: HostOverhead(**h) for mode, h in fields["host"].items()}
+            if fields.get("loop_gap") is not None:
+                fields["loop_gap"] = {mode: HostOverhead(**h) for mode, h in fields["loop_gap"].items()}
             return cls(**fields)
         except (json.JSONDecodeError, TypeError, KeyError) as err:
             raise ValueError(f"{path} is not an engine profile ({err}); re-run `shiftlm calibrate`") from err
@@ -132,15 +137,23 @@ def fit_mode(setup: ServeHardware, layout: ServeLayout, steps: list[dict]) -> Ho
         [[1.0, len(p.chunks) * layers, p.num_tokens] for p in plans],
         [s["seconds"] - cost.step_time(p) for s, p in zip(steps, plans)],
     )
+    gap = fit_loop_gap(steps, layers)
+    return HostOverhead(per_step + gap.per_step, per_chunk_layer + gap.per_chunk_layer, per_token)
+
+
+def fit_loop_gap(steps: list[dict], layers: int) -> HostOverhead:
+    """The engine loop's gap between back-to-back steps of the same sequences, on [1, chunks] (the
+    per-chunk part spread over the layers, as HostOverhead counts chunk-layers)."""
+    plans = [step_plan(s) for s in steps]
     gaps = [
         (len(p.chunks), nxt["start"] - (s["start"] + s["seconds"]))
         for s, p, nxt in zip(steps, plans, steps[1:])
         if 0 <= nxt["start"] - (s["start"] + s["seconds"]) < BUSY_GAP_S and nxt["seqs"] == s["seqs"]
     ]
-    gap_step = gap_chunk = 0.0
-    if len(gaps) >= 2:
-        gap_step, gap_chunk = _least_squares([[1.0, c] for c, _ in gaps], [g for _, g in gaps])
-    return HostOverhead(per_step + gap_step, per_chunk_layer + gap_chunk / layers, per_token)
+    if len(gaps) < 2:
+        return HostOverhead()
+    gap_step, gap_chunk = _least_squares([[1.0, c] for c, _ in gaps], [g for _, g in gaps])
+    return HostOverhead(gap_step, gap_chunk / layers, 0.0)
 
 
 def busy_requests() -> tuple[list[TraceRequest], int]:
@@ -278,6 +291,7 @@ def profile_engine(
         host=host,
         per_request=per_request,
         per_request_busy=per_request_busy,
+        loop_gap={mode: fit_loop_gap(steps[mode], setup.model.num_layers) for mode in modes},
         probe_steps=sum(len(s) for s in steps.values()),
         notes=f"shiftlm calibrate --serve-model on {setup.hardware.name}, {rounds} probe rounds",
     )

@@ -186,8 +186,10 @@ def simulate_serving(
     limits: EngineLimits = DEFAULT_LIMITS,
     slo: Slo = DEFAULT_SLO,
     routing: str = "least_loaded",
+    step_log: list[dict] | None = None,
 ) -> ServeRun:
-    """Replay `requests` (arrivals in seconds, sorted) on `layout`; every request runs to completion."""
+    """Replay `requests` (arrivals in seconds, sorted) on `layout`; every request runs to completion.
+    With `step_log`, every step appends {"mode", "tokens", "chunks", "seconds"} to it."""
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     config = scheduler_config(setup, layout, requests, limits)
@@ -208,7 +210,7 @@ def simulate_serving(
             )
             _admit(target, index, timing, owners, path)
             continue
-        _step(replica, owners)
+        _step(replica, owners, step_log)
     schedulers = [r.scheduler for r in replicas]
     steps_per_mode = {
         m: sum(s.stats.steps_per_mode[m] for s in schedulers) for m in schedulers[0].stats.steps_per_mode
@@ -238,12 +240,17 @@ def _admit(
     replica.scheduler.add(seq)
 
 
-def _step(replica: _Replica, owners: dict[int, _Timing]) -> None:
+def _step(replica: _Replica, owners: dict[int, _Timing], step_log: list[dict] | None = None) -> None:
     """One engine step, as `Engine.step` does it, with the cost model's time instead of a forward."""
     plan = replica.scheduler.schedule()
     if plan is None:
         raise RuntimeError("the scheduler has work but scheduled nothing; the KV cache is too small")
-    replica.clock += replica.cost.step_time(plan)
+    seconds = replica.cost.step_time(plan)
+    replica.clock += seconds
+    if step_log is not None:
+        step_log.append(
+            {"mode": plan.mode.value, "tokens": plan.num_tokens, "chunks": len(plan.chunks), "seconds": seconds}
+        )
     for seq in replica.scheduler.complete_step(plan):
         timing = owners[seq.seq_id]
         if timing.first_token is None:

@@ -18,6 +18,7 @@ from shiftlm.sim.serve_calibrate import (
     busy_requests,
     engine_setup,
     fit_busy_path,
+    fit_loop_gap,
     fit_mode,
     profile_engine,
     step_plan,
@@ -63,12 +64,18 @@ def test_fit_mode_recovers_the_host_overhead_and_the_loop_gap(tiny, tmp_path):
     assert fitted.per_chunk_layer == pytest.approx(truth.per_chunk_layer + 40e-6 / layers, rel=1e-6)
     assert fitted.per_token == pytest.approx(truth.per_token, rel=1e-6)
     assert kernels.step_time(step_plan(steps[0])) < timed.step_time(step_plan(steps[0]))
+    gap = fit_loop_gap(steps, layers)  # the gap alone, which the profile keeps as `loop_gap`
+    assert gap.per_step == pytest.approx(0.5e-3, rel=1e-6) and gap.per_token == 0.0
+    assert gap.per_chunk_layer == pytest.approx(40e-6 / layers, rel=1e-6)
 
 
 def test_engine_profile_round_trips_and_bad_files_name_the_fix(tmp_path):
     profile = EngineProfile("tiny", 1, 2, {"tp": HostOverhead(1e-3, 2e-4, 3e-5)}, 4e-3, 10, "", 6e-3)
     profile.save(tmp_path / "engine.json")
     assert EngineProfile.load(tmp_path / "engine.json") == profile
+    with_gap = replace(profile, loop_gap={"tp": HostOverhead(5e-4, 2e-6, 0.0)})
+    with_gap.save(tmp_path / "gap.json")
+    assert EngineProfile.load(tmp_path / "gap.json") == with_gap
     with pytest.raises(ValueError, match="shiftlm calibrate --serve-model"):
         EngineProfile.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text(json.dumps({"model": "x"}))

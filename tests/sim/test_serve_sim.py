@@ -173,6 +173,14 @@ def test_simulate_serve_bad_input_is_one_line_and_exit_code_2(capsys, extra, mes
 
 
 
+def test_step_log_records_every_step_with_the_time_the_clock_advanced():
+    steps: list[dict] = []
+    run = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=2, sp=2, threshold=64), _requests(6, 0.05), step_log=steps)
+    assert len(steps) == run.steps and {s["mode"] for s in steps} <= {"tp", "sp_tp"}
+    assert all(s["seconds"] > 0 and 1 <= s["chunks"] <= s["tokens"] for s in steps)
+    assert sum(s["seconds"] for s in steps) <= max(t.finish for t in run.timings)
+
+
 def test_serving_steps_take_the_profiles_inference_gemm_rates():
     """A calibrated profile's "inference" rows (the engine's own packed GEMM, `shiftlm calibrate`)
     time the serving step's GEMMs: at twice the training forward's rate a GEMM-bound prefill step
