@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shiftlm.comm.group import CommGroup, counters
 from shiftlm.comm.ledger import Record, TrackedWork, ledger
+from shiftlm.comm.wait import run_blocking
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -55,9 +56,9 @@ def all_reduce(
     if group.size == 1:
         return TrackedWork(None, None, out) if async_op else out
     record = _enter("all_reduce", group, out, async_op)
-    work = dist.all_reduce(out, op=op, group=group.pg, async_op=async_op)
     if async_op:
-        return TrackedWork(work, record, out)
+        return TrackedWork(dist.all_reduce(out, op=op, group=group.pg, async_op=True), record, out)
+    run_blocking(dist.all_reduce, out, op=op, group=group.pg)
     ledger.exit(record)
     return out
 
@@ -133,7 +134,7 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_
     record = _enter("all_to_all", group, tensor)
     inputs = [c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(group.size)]
-    dist.all_to_all(outputs, inputs, group=group.pg)
+    run_blocking(dist.all_to_all, outputs, inputs, group=group.pg)
     ledger.exit(record)
     return torch.cat(outputs, dim=gather_dim)
 

@@ -138,6 +138,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--log-interval", type=float, default=10.0, help="seconds between throughput log lines (0: none)"
     )
+    serve.add_argument(
+        "--cpu-bind",
+        choices=("auto", "none"),
+        default="auto",
+        help="CPU ranks: auto pins local rank r to the r-th allowed core when there are enough; none",
+    )
+    serve.add_argument(
+        "--spin-wait",
+        type=float,
+        default=0.0,
+        help="CPU ranks > 0: seconds a collective is polled (yielding the core) before the rank sleeps "
+        "in it; only with a core of their own (default 0: never poll)",
+    )
     serve.set_defaults(func=_serve)
 
     bench = subparsers.add_parser("bench", help="benchmarks")

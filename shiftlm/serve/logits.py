@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm.wait import run_blocking
 from shiftlm.mesh import Coords, Mesh, coords_of
 from shiftlm.serve.paged_attention import FlatBatch
 from shiftlm.serve.scheduler import Mode
@@ -73,7 +74,7 @@ def gather_logits(
     if group.size == 1:
         parts = [padded]
     else:
-        dist.gather(padded, parts, dst=group.ranks[0], group=group.pg)
+        run_blocking(dist.gather, padded, parts, dst=group.ranks[0], group=group.pg)
     if not is_root:
         return None
     logits = mine.new_empty(batch.sample_rows.numel(), vocab_per_tp * mesh.config.tp)

@@ -41,6 +41,8 @@ class ServeOptions:
     step_timeout: float = 60.0
     shutdown_timeout: float = 5.0
     log_interval: float = 10.0
+    cpu_bind: str = "auto"  # auto: local rank r on the r-th core this process may use; none
+    spin_wait: float = 0.0  # CPU worker ranks poll a collective this long before sleeping (comm/wait.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -120,6 +122,8 @@ class ServeOptions:
         for name in ("rank_timeout", "step_timeout", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        if not 0 <= self.spin_wait <= 1:
+            raise ConfigError(f"--spin-wait {self.spin_wait} must be in [0, 1] seconds (0: never poll)")
         tokenizer = load_tokenizer(self.model)
         template = self.chat_template_text()
         if template is not None:

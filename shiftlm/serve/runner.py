@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm.wait import run_blocking
 from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
@@ -104,21 +105,21 @@ class ModelRunner:
             src = self.mesh.shift.ranks[0]
             first = torch.zeros(FIRST_MESSAGE, dtype=torch.long, device="cpu")  # gloo: always CPU
             first[: min(message.numel(), FIRST_MESSAGE)] = message[:FIRST_MESSAGE]
-            dist.broadcast(first, src=src, group=self._plan_group)
+            run_blocking(dist.broadcast, first, src=src, group=self._plan_group)
             if message.numel() > FIRST_MESSAGE:
-                dist.broadcast(message[FIRST_MESSAGE:].clone(), src=src, group=self._plan_group)
+                run_blocking(dist.broadcast, message[FIRST_MESSAGE:].clone(), src=src, group=self._plan_group)
 
     def _receive(self) -> torch.Tensor | None:
         src = self.mesh.shift.ranks[0]
         first = torch.empty(FIRST_MESSAGE, dtype=torch.long, device="cpu")
-        dist.broadcast(first, src=src, group=self._plan_group)
+        run_blocking(dist.broadcast, first, src=src, group=self._plan_group)
         if int(first[2]) == STOP_CHUNKS:
             return None
         size = HEADER + payload_size(first[:HEADER])
         if size <= FIRST_MESSAGE:
             return first[:size]
         rest = torch.empty(size - FIRST_MESSAGE, dtype=torch.long, device="cpu")
-        dist.broadcast(rest, src=src, group=self._plan_group)
+        run_blocking(dist.broadcast, rest, src=src, group=self._plan_group)
         return torch.cat((first, rest))
 
     def run_step(self, plan: StepPlan) -> torch.Tensor | None:

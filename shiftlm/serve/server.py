@@ -39,17 +39,42 @@ log = logging.getLogger("shiftlm.serve")
 _LISTENERS: list[socket.socket] = []
 
 
-def _init_distributed(rank: int, world_size: int, device: str, store=None) -> None:
+def pin_local_rank(local_rank: int, local_world_size: int) -> int | None:
+    """Pin this thread (and the threads it starts: gloo's, the engine's, uvicorn's) to one core: local
+    rank r on the r-th core of the process's affinity set (what `taskset` gave it), when that set has a
+    core for every local rank. Returns the core, or None (fewer cores than ranks: left to the kernel).
+    Unpinned, the kernel moves two ranks of a 2-core server onto one core at times, and every
+    collective then waits for a descheduled peer (docs/serving.md, "Waiting ranks")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if local_world_size < 2 or len(cores) < local_world_size:
+        return None
+    os.sched_setaffinity(0, {cores[local_rank]})
+    return cores[local_rank]
+
+
+def _init_distributed(
+    rank: int, world_size: int, device: str, store=None, cpu_bind: str = "none", spin_wait: float = 0.0
+) -> None:
     """Join the group (NCCL on GPUs, gloo on the CPU: `mesh.choose_device`): through `store` (local
-    ranks, all on this node: rank r takes GPU r) or torchrun's environment (store=None)."""
+    ranks, all on this node: rank r takes GPU r) or torchrun's environment (store=None). CPU ranks are
+    pinned first (`cpu_bind="auto"`), so that gloo's threads start on the rank's core, and poll their
+    collectives for `spin_wait` seconds before sleeping in them (`comm/wait.py`)."""
     import torch
     import torch.distributed as dist
 
+    from shiftlm.comm.wait import set_spin_wait
     from shiftlm.mesh import choose_device
 
     if store is not None:
         os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    _, backend = choose_device(device)
+    device_kind, backend = choose_device(device)
+    if device_kind.type == "cpu":
+        # Rank 0 also runs the HTTP thread: a poll there holds the GIL between yields and starved
+        # uvicorn (32 concurrent streams: TTFT 0.6 -> 5 s), so only the ranks without one poll.
+        set_spin_wait(spin_wait if rank != 0 else 0.0)
+        if cpu_bind == "auto":
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            pin_local_rank(int(os.environ.get("LOCAL_RANK", rank)), local_world)
     torch.set_num_threads(1)
     if world_size > 1:
         dist.init_process_group(
@@ -92,7 +117,8 @@ def _worker_main(
     os.environ["OMP_NUM_THREADS"] = "1"
     start_heartbeat(clock, parent)
     try:
-        _init_distributed(rank, world_size, options.device, _local_store(world_size, store_port))
+        store = _local_store(world_size, store_port)
+        _init_distributed(rank, world_size, options.device, store, options.cpu_bind, options.spin_wait)
         runner = _load_runner(options)
     except Exception as err:  # one clear line; rank 0 sees this rank exit and stops too
         print(f"error: shiftlm serve rank {rank} failed to start: {err}", file=sys.stderr, flush=True)
@@ -174,7 +200,7 @@ def _start_local_ranks(options: ServeOptions) -> list[tuple[int, object, object]
         workers.append((rank, ctx.Process(target=_worker_main, args=args, daemon=True), clock))
     for _, proc, _ in workers:
         proc.start()
-    _init_distributed(0, world_size, options.device, store)
+    _init_distributed(0, world_size, options.device, store, options.cpu_bind, options.spin_wait)
     return workers
 
 
@@ -188,7 +214,8 @@ def run_server(options: ServeOptions) -> int:
     workers = []
     try:
         if under_torchrun:
-            _init_distributed(rank, int(os.environ["WORLD_SIZE"]), options.device)
+            world = int(os.environ["WORLD_SIZE"])
+            _init_distributed(rank, world, options.device, None, options.cpu_bind, options.spin_wait)
         else:
             workers = _start_local_ranks(options)
         runner = _load_runner(options)
