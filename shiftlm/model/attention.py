@@ -25,10 +25,10 @@ from torch import nn
 
 from shiftlm.comm import CommGroup, all_to_all_along, reduce_from_group
 from shiftlm.config import ModelConfig
-from shiftlm.model.deferred import linear
+from shiftlm.model.deferred import linear, linears
 from shiftlm.model.layers import ColumnParallelLinear, RowParallelLinear
 from shiftlm.model.ring_attention import ring_attention
-from shiftlm.model.rope import apply_rope
+from shiftlm.model.rope import apply_rope_qk
 from shiftlm.model.sharding import kv_heads_of_block
 
 HEAD_DIM_AXIS = 2  # activations are [batch, tokens, heads, head_dim]
@@ -135,10 +135,10 @@ class Attention(nn.Module):
         d = self.config.head_dim
         x = self.q_proj.enter(x)
         batch, tokens = x.shape[:2]
-        q = self.q_proj(x, entered=True).view(batch, tokens, self.heads_local, d)
-        k = self.k_proj(x, entered=True).view(batch, tokens, self.kv_heads_local, d)
-        v = self.v_proj(x, entered=True).view(batch, tokens, self.kv_heads_local, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = linears(x, tuple(p.weight for p in projections), tuple(p.bias for p in projections))
+        q, k, v = (t.view(batch, tokens, -1, d) for t in (q, k, v))
+        q, k = apply_rope_qk(q, k, cos, sin)
         if self.sp.size > 1:
             q, k, v = self.scatter_heads(q, k, v)
         if backend is not None:  # serving: paged attention over the KV cache
@@ -156,10 +156,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         d, views = self.config.head_dim, self.full_tp_views(full_tp)
         batch, tokens = x.shape[:2]
-        q = linear(x, views.q, views.q_bias).view(batch, tokens, -1, d)
-        k = linear(x, views.k, views.k_bias).view(batch, tokens, -1, d)
-        v = linear(x, views.v, views.v_bias).view(batch, tokens, -1, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = linears(x, (views.q, views.k, views.v), (views.q_bias, views.k_bias, views.v_bias))
+        q, k, v = (t.view(batch, tokens, -1, d) for t in (q, k, v))
+        q, k = apply_rope_qk(q, k, cos, sin)
         if backend is None:
             out = causal_attention(q, k, v, self.config.sliding_window)
         else:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftlm.model.inference_linear import inference_linear
+from shiftlm.model.inference_linear import inference_linear, inference_linears
 
 _deferring: tuple[WeightGradStore, Hashable] | None = None
 
@@ -121,6 +121,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not torch.is_grad_enabled():
         return inference_linear(x, weight, bias)
     return _DeferrableLinear.apply(x, weight, bias)
+
+
+def linears(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """`linear` of one input with each weight (and bias); without autograd possibly one fused GEMM
+    (`inference_linears`), so the outputs may be views of one tensor."""
+    if not torch.is_grad_enabled():
+        return inference_linears(x, weights, biases)
+    biases = biases if biases is not None else (None,) * len(weights)
+    return tuple(linear(x, w, b) for w, b in zip(weights, biases))
 
 
 class Linear(nn.Linear):

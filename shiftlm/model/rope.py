@@ -47,6 +47,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., tokens, heads, head_dim]; cos/sin: [..., tokens, head_dim]."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    """x: [..., tokens, heads, head_dim]; cos/sin: [..., tokens, head_dim] (or [..., tokens, 1, head_dim])."""
+    if cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of q and of k ([..., tokens, heads, head_dim]); in one pass over both when k's
+    heads follow q's in memory (the outputs of one fused QKV GEMM), with the same values."""
+    heads, dim = q.shape[-2], q.shape[-1]
+    adjacent = (
+        q.shape[:-2] == k.shape[:-2]
+        and all(size == 1 or a == b for size, a, b in zip(q.shape[:-2], q.stride(), k.stride()))
+        and q.stride()[-2:] == k.stride()[-2:] == (dim, 1)
+        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+    )
+    if not adjacent:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    both = apply_rope(q.as_strided((*q.shape[:-2], heads + k.shape[-2], dim), q.stride()), cos, sin)
+    return both[..., :heads, :], both[..., heads:, :]

@@ -19,7 +19,7 @@ from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_gro
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
-from shiftlm.model.deferred import linear
+from shiftlm.model.deferred import linear, linears
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shiftlm.model.ring_attention import sequence_indices
@@ -40,23 +40,31 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)
         self.up_proj = ColumnParallelLinear(h, f, tp, sequence_parallel=sequence_parallel)
         self.down_proj = RowParallelLinear(f, h, tp, sequence_parallel)
+        self._views: tuple[tuple, tuple] | None = None
 
     def forward(self, x: torch.Tensor, full_tp: FullTP | None = None) -> torch.Tensor:
         if full_tp is not None:  # sub-slice `part` of this TP shard's FFN columns, summed over all P ranks
             gate, up, down = self.full_tp_views(full_tp)
-            hidden = F.silu(linear(x, gate)) * linear(x, up)
-            return reduce_from_group(linear(hidden, down), full_tp.group)
+            gate, up = linears(x, (gate, up))  # without autograd one GEMM on gate|up (packed)
+            return reduce_from_group(linear(F.silu(gate) * up, down), full_tp.group)
         x = self.gate_proj.enter(x)
-        return self.down_proj(F.silu(self.gate_proj(x, entered=True)) * self.up_proj(x, entered=True))
+        gate, up = linears(x, (self.gate_proj.weight, self.up_proj.weight))
+        return self.down_proj(F.silu(gate) * up)
 
     def full_tp_views(self, full_tp: FullTP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sub-slice `part` of this TP shard's gate/up rows and down columns (views, taken once)."""
+        key = (full_tp.part, full_tp.parts, self.gate_proj.weight.data_ptr())
+        if self._views is not None and self._views[0] == key:
+            return self._views[1]
         ffn = self.gate_proj.weight.shape[0] // full_tp.parts
         start = full_tp.part * ffn
-        return (
+        views = (
             self.gate_proj.weight.narrow(0, start, ffn),
             self.up_proj.weight.narrow(0, start, ffn),
             self.down_proj.weight.narrow(1, start, ffn),
         )
+        self._views = (key, views)
+        return views
 
 
 class DecoderLayer(nn.Module):
@@ -196,7 +204,8 @@ class Transformer(nn.Module):
             tokens = x.shape[1] * (self.mesh.tp.size if self.sequence_parallel else 1)
         if positions is None:
             positions = self.positions(batch, tokens)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        # [B, S, 1, head_dim]: broadcast over heads by every layer's RoPE without a per-layer unsqueeze
+        cos, sin = (t.unsqueeze(-2) for t in rope_cos_sin(self.inv_freq, positions, hidden.dtype))
         for layer in self.model.layers.values():
             hidden = layer(hidden, cos, sin, backend, full_tp)
         return hidden

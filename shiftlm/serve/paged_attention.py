@@ -33,9 +33,17 @@ class AttentionGroup:
     query_valid: torch.Tensor | None  # [S, Q] False on padding; None when nothing is padded
     mask: torch.Tensor  # [S, 1, Q, C] True where query i may read key position c
     block_index: torch.Tensor  # [S * C / block_size] physical blocks, sequence-major
-    _folded: dict[int, torch.Tensor] = field(default_factory=dict)  # mask per GQA group size
+    _folded: dict = field(default_factory=dict)  # mask per GQA group size; bias per dtype
     # hogwild stream groups: the queries' extra RoPE rotation per key block (serve/stream_attention.py)
     rotation: QueryRotation | None = None
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as SDPA's additive bias (0 or -inf), made once per step: a boolean mask is
+        converted by SDPA on every call (3 ops per layer)."""
+        if dtype not in self._folded:
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            self._folded[dtype] = zero.masked_fill(~self.mask, float("-inf"))
+        return self._folded[dtype]
 
     def folded_mask(self, groups: int) -> torch.Tensor:
         """The mask for queries folded as (query, head of the KV group): [S, 1, Q * groups, C]."""
@@ -73,15 +81,20 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        # per layer and K/V, the views every step uses, made once (a decode step runs ~4 ops per layer
+        # on them; taking the views per call cost as much as the ops)
+        self._slots = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
+        self._blocks = [tuple(t.view(num_blocks, -1) for t in pair) for pair in self._slots]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [N, kv_heads, head_dim] of the rows `slots` names (no padding rows), in place."""
-        self.storage[layer, 0].index_copy_(0, slots, k)
-        self.storage[layer, 1].index_copy_(0, slots, v)
+        k_slots, v_slots = self._slots[layer]
+        k_slots.index_copy_(0, slots, k)
+        v_slots.index_copy_(0, slots, v)
 
     def blocks(self, layer: int, kv: int) -> torch.Tensor:
         """K (kv=0) or V (kv=1) of `layer` as [num_blocks, block_size * kv_heads * head_dim] (a view)."""
-        return self.storage[layer, kv].view(self.num_blocks, -1)
+        return self._blocks[layer][kv]
 
 
 class PagedAttention:
@@ -93,6 +106,15 @@ class PagedAttention:
         real = batch.num_tokens
         self._rows = None if real == batch.slots.numel() else torch.arange(real, device=batch.slots.device)
         self._slots = batch.slots[:real]
+        groups = batch.chunks
+        # a pure decode step (row i is sequence i, one query each): the lean path, decided once per step
+        self._decode = (
+            len(groups) == 1
+            and groups[0].query_valid is None
+            and groups[0].query_rows.shape[1] == 1
+            and groups[0].query_rows.shape[0] == batch.slots.numel()
+            and groups[0].rotation is None
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [1, N, Hq, D], k/v: [1, N, Hkv, D] of this rank's head block -> [1, N, Hq, D]."""
@@ -100,13 +122,10 @@ class PagedAttention:
         if self._rows is not None:  # padding rows (Ulysses) are not written
             k, v = k[: self.batch.num_tokens], v[: self.batch.num_tokens]
         self.cache.write(layer, self._slots, k, v)
-        groups = self.batch.chunks
-        if len(groups) == 1 and groups[0].query_valid is None and groups[0].query_rows.shape[1] == 1:
-            rows = groups[0].query_rows[:, 0]
-            if rows.numel() == q.shape[0]:  # a pure decode step: row i is sequence i
-                return self._attend(layer, q.unsqueeze(1), groups[0]).squeeze(1).unsqueeze(0)
+        if self._decode:
+            return self._attend_decode(layer, q, self.batch.chunks[0]).unsqueeze(0)
         out = torch.zeros_like(q)
-        for group in groups:
+        for group in self.batch.chunks:
             attended = self._attend(layer, q[group.query_rows], group)  # [S, Q, Hq, D]
             if group.query_valid is None:
                 out[group.query_rows.flatten()] = attended.flatten(0, 1)
@@ -114,15 +133,30 @@ class PagedAttention:
                 out[group.query_rows[group.query_valid]] = attended[group.query_valid]
         return out.unsqueeze(0)
 
+    def _context(self, layer: int, seqs: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's K and V gathered from the cache blocks: [S, Hkv, C, D] each."""
+        kv_heads, d = self.cache.storage.shape[3:]
+        k_blocks, v_blocks = self.cache._blocks[layer]
+        k = k_blocks.index_select(0, group.block_index).view(seqs, -1, kv_heads, d).transpose(1, 2)
+        v = v_blocks.index_select(0, group.block_index).view(seqs, -1, kv_heads, d).transpose(1, 2)
+        return k, v
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """q: [S, Hq, D], one query per sequence -> [S, Hq, D]. The `groups` query heads of a KV head
+        are the query axis of one SDPA row block ([S, Hkv, groups, D]); the mask [S, 1, 1, C] cuts each
+        sequence at its length (and window)."""
+        seqs, heads, d = q.shape
+        k, v = self._context(layer, seqs, group)
+        folded = q.view(seqs, k.shape[1], -1, d)
+        out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.bias(q.dtype))
+        return out.reshape(seqs, heads, d)
+
     def _attend(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """q: [S, Q, Hq, D] -> [S, Q, Hq, D] over the group's gathered context."""
         seqs, queries, heads, d = q.shape
-        kv_heads = self.cache.storage.shape[3]
+        k, v = self._context(layer, seqs, group)
+        kv_heads = k.shape[1]
         groups = heads // kv_heads
-        k = self.cache.blocks(layer, 0).index_select(0, group.block_index)
-        v = self.cache.blocks(layer, 1).index_select(0, group.block_index)
-        k = k.view(seqs, -1, kv_heads, d).transpose(1, 2)  # [S, Hkv, C, D]
-        v = v.view(seqs, -1, kv_heads, d).transpose(1, 2)
         if group.rotation is not None:
             return rotated_attention(q, k, v, group.mask, group.rotation)
         # fold the `groups` query heads of each KV head into the query axis: [S, Hkv, Q * groups, D]
