@@ -44,11 +44,9 @@ class Efficiency:
     # attention kernel reaches: 1.0 for FA-2 itself; a framework's own kernel sets it per software
     # ("attention_kernel@llm-foundry": MPT's triton kernel, fitted on llm-foundry's A100 rows)
     attention_kernel: float = 1.0
-    # HBM bytes per parameter of the stage that a ZeRO-3 framework moves in every micro-batch besides
-    # the kernels (FSDP: the gathered copy written in forward and backward, the unsharded gradient
-    # written and read by the reduce-scatter, NCCL's own copies), on the compute stream's HBM while
-    # the GEMMs run; 0 where the trainer's model prices it (a framework sets it: "@llm-foundry")
-    zero3_bytes_per_param: float = 0.0
+    # HBM bytes per token per hidden unit per layer of a framework's activation copies beyond the
+    # kernels the cost model lists (layout changes, casts); 0 where those kernels are all there is
+    activation_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         # a kernel cannot beat the datasheet: more than 1.0 would predict MFU above 100%
@@ -80,12 +78,12 @@ FITTED = Efficiency(
 # The same fit's one cluster-specific parameter: vTrain's testbed NVLink as a fraction of the
 # 150 GB/s its README states (1.78 x 150 = 267 GB/s, i.e. 0.89 of the A100 datasheet's 300 GB/s).
 # The framework parameters (SOFTWARE_PARAMETERS, below) of llm-foundry, fitted on its A100 table's
-# fit rows with the shared constants fixed: MPT's triton attention at 0.517 of FA-2's rate, and 59.2
-# HBM bytes per parameter per micro-batch of FSDP traffic (docs/simulator.md, "GPU generations").
+# fit rows with the shared constants fixed: MPT's triton attention at 0.529 of FA-2's rate, and 62.1
+# HBM bytes per token per hidden unit per layer of activation copies (docs/simulator.md, "GPU generations").
 FITTED_CLUSTER = {
     "intra_comm@a100-80gb-vtrain": 1.78,
-    "attention_kernel@llm-foundry": 0.517,
-    "zero3_bytes_per_param@llm-foundry": 59.2,
+    "attention_kernel@llm-foundry": 0.529,
+    "activation_bytes@llm-foundry": 62.1,
 }
 FIT_PARAMETERS = (
     "gemm",
@@ -101,7 +99,7 @@ FIT_PARAMETERS = (
 # that framework's tables only, so its tables never move the shared constants: MPT's triton attention
 # kernel as a share of FlashAttention-2's rate, from llm-foundry's A100 table (its H100 table is
 # never fitted and tests the carry to H100).
-SOFTWARE_PARAMETERS = ("attention_kernel@llm-foundry", "zero3_bytes_per_param@llm-foundry")
+SOFTWARE_PARAMETERS = ("attention_kernel@llm-foundry", "activation_bytes@llm-foundry")
 
 # A calibrated profile ("this") stores achieved rates, not datasheet peaks.
 MEASURED = Efficiency(

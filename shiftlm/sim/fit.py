@@ -32,7 +32,7 @@ BOUNDS = {
     "handoff_latency": (0.0, 2e-3),
     "host_overlap": (1.0, 8.0),
     "attention_kernel": (0.2, 1.0),
-    "zero3_bytes_per_param": (0.0, 64.0),
+    "activation_bytes": (0.0, 200.0),
 }
 CLUSTER_BOUNDS = (0.3, 2.0)  # a cluster's achieved NVLink rate may exceed what its README states
 

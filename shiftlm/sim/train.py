@@ -26,26 +26,29 @@ from shiftlm.sim.trainer_costs import regathered_stage_costs, zero3_sync_factor
 
 def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, efficiency, dtype: str):
     """Every stage-chunk's F, I, W and hand-off of one micro-batch as the step runs them: the layer
-    costs, plus ZeRO-3's per-micro-batch gathers and framework traffic (what `simulate_step` and the
-    fitter's re-timing both use)."""
+    costs, plus ZeRO-3's per-micro-batch gathers and a framework's activation traffic (what
+    `simulate_step` and the fitter's re-timing both use)."""
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
-    return zero3_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+    return activation_traffic_stage_costs(stage, model, layout, hardware, efficiency)
 
 
-def zero3_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
-    """ZeRO-3 under a framework with `efficiency.zero3_bytes_per_param` > 0: every micro-batch's
-    forward and backward also move that many HBM bytes per parameter of the stage (a third with the
-    forward's gather, two thirds with the backward's gather and reduce-scatter), at HBM bandwidth."""
-    if layout.zero < 3 or efficiency.zero3_bytes_per_param <= 0:
+def activation_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
+    """A framework's activation copies beyond the kernels `costs.forward_ops` lists (layout changes,
+    casts): `efficiency.activation_bytes` HBM bytes per token per hidden unit per layer in each
+    forward, twice that in each backward, and the forward's again under full recompute."""
+    if efficiency.activation_bytes <= 0:
         return stage
     stages = len(stage.forward)
-    params = stage_params(model, layout) * layout.pp / stages  # this stage-chunk's, unsharded
-    seconds = efficiency.zero3_bytes_per_param * params / (hardware.hbm_bandwidth * efficiency.memory)
+    tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
+    layers = model.num_layers / stages
+    forward = efficiency.activation_bytes * tokens * model.hidden_size * layers
+    forward /= hardware.hbm_bandwidth * efficiency.memory
+    backward = (2 + (layout.recompute == "full")) * forward
     return replace(
         stage,
-        forward=[f + seconds / 3 for f in stage.forward],
-        backward_input=[i + 2 * seconds / 3 for i in stage.backward_input],
+        forward=[f + forward for f in stage.forward],
+        backward_input=[i + backward for i in stage.backward_input],
     )
 
 
