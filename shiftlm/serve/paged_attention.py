@@ -90,6 +90,7 @@ class PagedKVCache:
         # gather (tens of MB at 64 sequences x 512 context) came from mmap and page-faulted on every
         # write: a 64 x 512 decode step's attention took 40-68 ms with fresh tensors, 25-27 ms with these
         self._gathered = torch.empty((2, 0), dtype=dtype, device=device)
+        self._views: tuple | None = None  # ((rows, seqs), row views and [S, Hkv, C, D] views of the buffers)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [N, kv_heads, head_dim] of the rows `slots` names (no padding rows), in place."""
@@ -101,18 +102,27 @@ class PagedKVCache:
         """K (kv=0) or V (kv=1) of `layer` as [num_blocks, block_size * kv_heads * head_dim] (a view)."""
         return self._blocks[layer][kv]
 
-    def gather(self, layer: int, block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks `block_index` names, [len(block_index), block_size * kv_heads * head_dim]
-        each, copied into the cache's gather buffers: valid until the next call."""
+    def gather(self, layer: int, block_index: torch.Tensor, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks `block_index` names (`seqs` sequences' tables, sequence-major), copied
+        into the cache's gather buffers, as [seqs, kv_heads, context, head_dim] views of them, valid
+        until the next call (the views are made once per size, not per layer)."""
+        rows = block_index.numel()
+        if self._views is None or self._views[0] != (rows, seqs):
+            self._views = ((rows, seqs), *self._make_views(rows, seqs))
+        _, k_rows, v_rows, k, v = self._views
         k_blocks, v_blocks = self._blocks[layer]
-        rows, width = block_index.numel(), k_blocks.shape[1]
+        torch.index_select(k_blocks, 0, block_index, out=k_rows)
+        torch.index_select(v_blocks, 0, block_index, out=v_rows)
+        return k, v
+
+    def _make_views(self, rows: int, seqs: int) -> tuple[torch.Tensor, ...]:
+        kv_heads, head_dim = self.storage.shape[3:]
+        width = self.block_size * kv_heads * head_dim
         if rows * width > self._gathered.shape[1]:
             self._gathered = self._gathered.new_empty((2, rows * width))
-        k_out, v_out = (buffer[: rows * width].view(rows, width) for buffer in self._gathered)
-        return (
-            torch.index_select(k_blocks, 0, block_index, out=k_out),
-            torch.index_select(v_blocks, 0, block_index, out=v_out),
-        )
+        k_rows, v_rows = (buffer[: rows * width].view(rows, width) for buffer in self._gathered)
+        k, v = (t.view(seqs, -1, kv_heads, head_dim).transpose(1, 2) for t in (k_rows, v_rows))
+        return k_rows, v_rows, k, v
 
 
 class PagedAttention:
@@ -153,9 +163,7 @@ class PagedAttention:
 
     def _context(self, layer: int, seqs: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's K and V gathered from the cache blocks: [S, Hkv, C, D] each."""
-        kv_heads, d = self.cache.storage.shape[3:]
-        k, v = self.cache.gather(layer, group.block_index)
-        return k.view(seqs, -1, kv_heads, d).transpose(1, 2), v.view(seqs, -1, kv_heads, d).transpose(1, 2)
+        return self.cache.gather(layer, group.block_index, seqs)
 
     def _attend_decode(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """q: [S, Hq, D], one query per sequence -> [S, Hq, D]. The `groups` query heads of a KV head
