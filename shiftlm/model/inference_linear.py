@@ -5,7 +5,10 @@ On this machine's AVX-512 cores oneDNN runs the fp32 GEMMs of a hidden-512 model
 of the weight in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) makes a whole
 decode step ~25% faster at 1 sequence and ~15% at 32 (docs/serving.md "Decode step"); it costs one
 more copy of each weight a mode uses, so only callers that ask for it get it (`PackedWeights`).
-Everything else falls back to `F.linear`: other devices, dtypes oneDNN lacks here.
+Everything else falls back to `F.linear`: other devices, dtypes oneDNN lacks here. So do inputs of at
+most `GEMV_ROWS` rows (a 1-sequence decode step): there both are bound by reading the weight, and MKL's
+GEMV skips oneDNN's ~11 us of fixed cost per call (hidden-512 model's 5 GEMMs a layer, 1 row, hot:
+845 vs 987 us; from 4 rows on oneDNN wins, 998 vs 1626).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def _onednn_dtypes() -> frozenset[torch.dtype]:
 
 
 ONEDNN_DTYPES = _onednn_dtypes()
+GEMV_ROWS = 2  # inputs of at most this many rows run MKL's F.linear on the weights as they are
 PACK_ROWS = 32  # the row count oneDNN tunes a packed layout for; measured as good from 1 to 512 rows
 _active = threading.local()  # .packed: the PackedWeights of the forward running on this thread
 
@@ -91,7 +95,7 @@ def inference_linears(
     of three for Q, K, V: each call costs ~10 us of fixed overhead at decode sizes)."""
     biases = biases if biases is not None else (None,) * len(weights)
     packed = getattr(_active, "packed", None)
-    if packed is None or not _onednn(x, weights[0]):
+    if packed is None or not _onednn(x, weights[0]) or x.numel() <= GEMV_ROWS * x.shape[-1]:
         return tuple(inference_linear(x, w, b) for w, b in zip(weights, biases))
     weight, bias = packed.get_fused(weights, biases)
     out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -101,7 +105,7 @@ def inference_linears(
 def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` without autograd: oneDNN's matmul for CPU tensors it supports (on the packed copy
     while a `PackedWeights` is active on this thread), else `F.linear`."""
-    if _onednn(x, weight):
+    if _onednn(x, weight) and x.numel() > GEMV_ROWS * x.shape[-1]:
         packed = getattr(_active, "packed", None)
         if packed is not None:
             weight = packed.get(weight)

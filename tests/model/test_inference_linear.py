@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from shiftlm.model.deferred import linear
-from shiftlm.model.inference_linear import ONEDNN_DTYPES, PackedWeights, inference_linear
+from shiftlm.model.inference_linear import (
+    GEMV_ROWS,
+    ONEDNN_DTYPES,
+    PackedWeights,
+    inference_linear,
+    inference_linears,
+)
 
 needs_onednn = pytest.mark.skipif(torch.float32 not in ONEDNN_DTYPES, reason="oneDNN is not available")
 
@@ -36,7 +42,30 @@ def test_inference_linear_equals_f_linear_on_weights_and_views(rows, packed):
             out = inference_linear(x, weight, bias)
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5, msg=name)
     if packed and torch.float32 in ONEDNN_DTYPES:
-        assert len(cache) == len(weights)  # one copy per view: the two views of one storage differ
+        # one copy per view (the two views of one storage differ); none for GEMV-sized inputs (MKL)
+        assert len(cache) == (len(weights) if rows > GEMV_ROWS else 0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_linears_equal_each_linear(rows, packed):
+    """Q|K|V-style fusion: one GEMM on the concatenated (packed) weights, split back, equals each
+    `F.linear`; a missing bias among present ones is zeros; the fused copy is made once."""
+    torch.manual_seed(1)
+    base = torch.randn(40, 24)
+    weights = (base.narrow(0, 0, 24), base.narrow(0, 24, 8), torch.randn(8, 24))
+    biases = (torch.randn(24), None, torch.randn(8))
+    cache = PackedWeights()
+    x = torch.randn(1, rows, 24)
+    with cache.active() if packed else torch.no_grad():
+        for _ in range(2):
+            outs = inference_linears(x, weights, biases)
+    for out, weight, bias in zip(outs, weights, biases):
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    fused = packed and torch.float32 in ONEDNN_DTYPES and rows > GEMV_ROWS
+    assert len(cache) == (1 if fused else 0)
+    if fused:  # the outputs are views of one GEMM's output, q and k adjacent (apply_rope_qk's one pass)
+        assert outs[1].data_ptr() == outs[0].data_ptr() + 24 * outs[0].element_size()
 
 
 @needs_onednn
