@@ -6,8 +6,11 @@
 
 The checkpoint is a random-weight Llama written with `transformers` (hidden 512, 4 layers, 8 heads /
 2 KV heads, FFN 1408, vocab 8000, fp32) with a character tokenizer. Every server is pinned with
-`taskset` (1-rank servers and vLLM, API process included, on `--cores` cores; 2-rank layouts get one
-core per rank) and runs one compute thread per rank; the client runs on the remaining core. The load
+`taskset` (1-rank servers and vLLM, API process included, on `--cores` cores; a 2-rank server gets
+two cores and pins rank r to the r-th itself, `shiftlm serve --cpu-bind auto`, rank 0 with its HTTP
+thread) and runs one compute thread per rank; the client runs on the remaining core. On a 2-core
+machine there is no core left for the client of a 2-rank server: it shares rank 1's core, and the
+client's own CPU per output token is recorded (`client_cpu_ms_per_token`) to show what it took. The load
 (`openai.AsyncOpenAI`, streaming /v1/completions, `--prompt-len` random token ids, `--output-len`
 tokens with ignore_eos, greedy): one request at a time, `--concurrency` at a time (closed loop), and a
 short Poisson sweep (open loop). Rounds interleave: every round runs each load on each server in turn,
@@ -189,7 +192,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=256), timeout=600)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", http_client=http, max_retries=0)
     results: list[dict] = []
-    started = time.perf_counter()
+    started, client_cpu = time.perf_counter(), time.process_time()
     if rate > 0:
         gaps = random.Random(len(prompts)).expovariate
         arrival, tasks = 0.0, []
@@ -207,10 +210,13 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - started
+    client_cpu = time.process_time() - client_cpu
     await http.aclose()
+    tokens = sum(r["tokens"] for r in results)
     return {
+        "client_cpu_ms_per_token": 1e3 * client_cpu / max(tokens, 1),
         "requests": len(results),
-        "out_tok_s": sum(r["tokens"] for r in results) / duration,
+        "out_tok_s": tokens / duration,
         "tpot_ms": 1e3 * statistics.fmean(r["tpot"] for r in results),
         "ttft_ms": 1e3 * statistics.fmean(r["ttft"] for r in results),
         "ttft_p90_ms": 1e3 * sorted(r["ttft"] for r in results)[int(0.9 * (len(results) - 1))],
@@ -303,7 +309,7 @@ def summarize(rows: list[dict], servers: list[str], reference: str | None) -> li
             if not runs:
                 continue
             entry = {"load": label, "server": name, "rounds": len(runs)}
-            for key in ("out_tok_s", "tpot_ms", "ttft_ms", "ttft_p90_ms"):
+            for key in ("out_tok_s", "tpot_ms", "ttft_ms", "ttft_p90_ms", "client_cpu_ms_per_token"):
                 entry[key] = statistics.median(r[key] for r in runs)
             table.append(entry)
     if reference is not None:
@@ -433,7 +439,8 @@ def main() -> int:
                     rows.append({"round": round_index, "load": label, "server": name, **result})
                     print(
                         f"round {round_index} {label:14s} {name:15s} {result['out_tok_s']:7.1f} tok/s  "
-                        f"TPOT {result['tpot_ms']:6.1f} ms  TTFT {result['ttft_ms']:7.1f} ms",
+                        f"TPOT {result['tpot_ms']:6.1f} ms  TTFT {result['ttft_ms']:7.1f} ms  "
+                        f"client {result['client_cpu_ms_per_token']:.2f} ms CPU/token",
                         flush=True,
                     )
         baseline = None if vllm_python else hf_generate_baseline(model, args)
@@ -443,7 +450,11 @@ def main() -> int:
     table = summarize(rows, names, reference)
     result = {
         "args": vars(args),
-        "cores": {"1-rank servers and vLLM": single, "2-rank servers": double, "client": client_cores},
+        "cores": {
+            "1-rank servers and vLLM": single,
+            "2-rank servers (rank r on the r-th core)": double,
+            "client": client_cores,
+        },
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "summary": table,
