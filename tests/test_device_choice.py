@@ -96,12 +96,12 @@ def test_a_mesh_without_a_process_group_or_device_is_on_the_cpu():
     assert Mesh(ParallelConfig(), device="meta").device == torch.device("meta")
 
 
-def test_a_pipeline_on_gpus_is_refused_until_its_p2p_follows_nccls_posting_order(monkeypatch):
+def test_a_pipeline_runs_on_gpus_its_p2p_follows_nccls_posting_order(monkeypatch):
+    """pp > 1 is accepted on GPUs since every pair of ranks posts one order (test_p2p_posting_order)."""
     from shiftlm.train.config import load_config
     from shiftlm.train.preflight import run_device
 
     fake_gpus(monkeypatch, 8)
-    with pytest.raises(ConfigError, match="pp = 2 does not run on GPUs yet.*--train.device=cpu"):
-        run_device(load_config(None, ["--parallel.pp=2"]), 1)
+    assert run_device(load_config(None, ["--parallel.pp=2"]), 1) == torch.device("cuda", 0)
     assert run_device(load_config(None, ["--parallel.pp=2", "--train.device=cpu"]), 1).type == "cpu"
     assert run_device(load_config(None, ["--parallel.tp=2"]), 1) == torch.device("cuda", 0)

@@ -15,7 +15,7 @@ ring step s (K/V from rank src = r - s mod CP):
 - src > r: only my *second* query chunk (2*CP-1-r) sees anything, and it sees both K/V chunks.
 Every step after the first is c x 2c query-key pairs on every rank: equal work, no idle ranks.
 
-The next K/V block travels (`shiftlm.comm.p2p` isend/irecv, counted and ledgered) while the current
+The next K/V block travels (`shiftlm.comm.p2p.exchange`: one NCCL group, since at cp=2 the two ranks send to each other; counted and ledgered) while the current
 one is computed. The backward is written by hand (`RingAttention`, not autograd through the ring):
 K/V circulate again, and each rank adds its dK/dV contribution for the block it holds to an fp32
 accumulator that travels with the block and arrives home after CP hops (Liu et al. 2023, Alg. 1
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from shiftlm.comm import CommGroup
-from shiftlm.comm.p2p import irecv, isend
+from shiftlm.comm.p2p import exchange
 
 KV_TAG, DKV_TAG = 16, 17  # distinct tags: K/V and dK/dV rings share a neighbour in the backward
 
@@ -172,7 +172,9 @@ def _circulate(block: torch.Tensor, group: CommGroup) -> Iterator[tuple[int, tor
         works = []
         if step < group.size - 1:
             incoming = torch.empty_like(current)
-            works = [isend(current, nxt, group, KV_TAG), irecv(incoming, prev, group, KV_TAG)]
+            works = exchange(
+                [(current, nxt)], [(incoming, prev)], group, KV_TAG
+            )  # one NCCL group: cp=2 crosses
         yield step, current
         for work in works:
             work.wait()
@@ -242,8 +244,9 @@ class RingAttention(torch.autograd.Function):
             if group.size == 1:
                 break
             incoming = torch.empty_like(acc)
-            sends.append(isend(acc, nxt, group, DKV_TAG))
-            pending = (irecv(incoming, prev, group, DKV_TAG), incoming)
+            send, recv = exchange([(acc, nxt)], [(incoming, prev)], group, DKV_TAG)
+            sends.append(send)
+            pending = (recv, incoming)
         if pending is not None:  # after cp hops my own block's accumulator is back
             pending[0].wait()
             acc = pending[1]

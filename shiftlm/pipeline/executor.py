@@ -12,11 +12,13 @@ which the sender checks (`reset_shapes()` on every rank starts over). A backward
 of the activation it answers, which the receiver already knows.
 
 Communication is `shiftlm.comm` `isend` / `irecv` (counted, and in the collective ledger when it is on)
-with one tag per message (gloo's batch_isend_irecv hangs). Sends never block (waited at the end of
-the step). Once shapes are known, each stage's next `RECV_AHEAD` activation receives are posted ahead
-of the RECV that waits for them (each RECV posts the next), and a gradient receive as soon as the
-forward it answers has run, so a message lands while the rank computes and a rank only waits at the
-RECV right before the action that needs it: a schedule that validates cannot deadlock here.
+with one tag per message (gloo's batch_isend_irecv hangs). For every pair of ranks the two sides post
+their operations in one order, fixed from the schedule (`p2p_order.pair_orders`): NCCL matches by that
+order, gloo by tag, so the same code is right on both. A send is posted when its action runs and never
+blocks (waited at the end of the step); every receive is posted as early as that order allows (once
+all earlier operations of the pair are posted), so a message lands while the rank computes and a rank
+only waits at the RECV right before the action that needs it: a schedule that validates cannot
+deadlock here.
 Per action the executor does only what the action needs: the peer, tag and method of every action
 are resolved once, at construction, and backward passes accumulate into `.grad` through autograd's
 own in-place accumulation (`torch.autograd.backward(..., inputs=...)`), not a copy per micro-batch.
@@ -48,8 +50,9 @@ import torch.distributed as dist
 from shiftlm.comm import CommGroup
 from shiftlm.comm.p2p import irecv, isend
 from shiftlm.model.deferred import WeightGradStore
-from shiftlm.pipeline.actions import Action, Kind, Schedule
+from shiftlm.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
+from shiftlm.pipeline.p2p_order import Message, awaited_by, rank_operations, sent_by
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _HEADER_SLOTS = 10  # dtype code, ndim, up to 8 dims
@@ -57,8 +60,6 @@ _HEADER_SLOTS = 10  # dtype code, ndim, up to 8 dims
 
 class PipelineExecutor:
     """Runs this rank's actions of `schedule`; `stages` maps stage (or (stage, replica)) to a module."""
-
-    RECV_AHEAD = 2  # activation receives posted ahead per stage: hides the transfer, bounds the buffers
 
     def __init__(
         self,
@@ -96,11 +97,16 @@ class PipelineExecutor:
             (getattr(self, f"_run_{a.kind.value.lower()}"), a, ready_after.get(i))
             for i, a in enumerate(actions)
         ]
-        # per (stage, replica): its RECV_F actions in order, to post receives ahead
-        self._recv_f_order: dict[tuple[int, int], list[Action]] = {}
-        for a in actions:
-            if a.kind is Kind.RECV_F:
-                self._recv_f_order.setdefault((a.stage, a.replica), []).append(a)
+        # per peer pipeline rank: this rank's sends to it and receives from it, in the pair's order
+        self._pair_ops = rank_operations(self.schedule, rank)
+        self._op_index = {
+            m: i for operations in self._pair_ops.values() for i, (_, m) in enumerate(operations)
+        }
+        self._messages = {
+            a: sent_by(a, self.schedule, rank) or awaited_by(a, self.schedule, rank)
+            for a in actions
+            if a.kind in COMM_KINDS or a.kind is Kind.GRAD_SYNC
+        }
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # received activations
         self._sent_shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
         self._params_of = {
@@ -127,17 +133,65 @@ class PipelineExecutor:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
         return irecv(buffer, peer, self.group, tag=tag), buffer
 
-    def _post_recv_f(self, action: Action) -> None:
-        """Post the receive of `action`'s activation: its header on a first step, else the data."""
-        key = self._key(action)
-        peer = self._peer(action.stage - 1, action.replica)
-        if key in self._shapes:
-            shape, dtype = self._shapes[key]
-            tag = self._tag(1, action.stage, action.microbatch, action.replica)
-            self._recvs[("act", *key)] = self._irecv(shape, dtype, peer, tag)
-        else:
-            tag = self._tag(0, action.stage, action.microbatch, action.replica)
-            self._recvs[("header", *key)] = self._irecv([_HEADER_SLOTS], torch.int64, peer, tag)
+    def _advance(self, peer: int, through: Message | None = None) -> None:
+        """Post, in the pair's order, the receives from pipeline rank `peer` that come next: as many as
+        can be posted now (up to this rank's next send to it); with `through`, at least every operation
+        before that message and the message itself when it is a receive, waiting for a first step's
+        shape header where one is needed."""
+        operations, position = self._pair_ops[peer], self._cursor[peer]
+        target = -1 if through is None else self._op_index[through]
+        while position < len(operations):
+            is_send, message = operations[position]
+            if is_send:
+                if position < target:
+                    raise RuntimeError(f"pipeline rank {self.rank}: {message} is not sent before {through}")
+                break
+            if not self._post_recv(message, wait=position <= target):
+                break
+            position += 1
+        self._cursor[peer] = position
+
+    def _post_recv(self, message: Message, wait: bool) -> bool:
+        """Post the receive of `message`; False (nothing posted) if its shape is not known yet and
+        `wait` is false. An activation's shape comes in a header on a first step."""
+        peer, key = self.pp_ranks[message.sender], message.key
+        if message.kind == "sync":
+            params = self._params_of[(message.stage, 1 - message.replica)]
+            numel, dtype = sum(p.numel() for p in params), params[0].dtype
+            tag = self._tag(3, message.stage, 0, message.replica)
+            self._sync_recvs.append((message, *self._irecv([numel], dtype, peer, tag)))
+            return True
+        if message.kind == "grad":
+            if key not in self._out_shapes:
+                if wait:
+                    raise RuntimeError(f"pipeline rank {self.rank}: {message} before its forward ran")
+                return False
+            shape, dtype = self._out_shapes[key]
+            self._recvs[("grad", *key)] = self._irecv(shape, dtype, peer, self._tag(2, *key))
+            return True
+        if key not in self._shapes:
+            header = self._recvs.get(("header", *key))
+            if header is None:
+                header = self._irecv([_HEADER_SLOTS], torch.int64, peer, self._tag(0, *key))
+                self._recvs[("header", *key)] = header
+            if not wait:
+                return False
+            work, fields = self._recvs.pop(("header", *key))
+            work.wait()
+            dtype, shape = _DTYPES[int(fields[0])], tuple(fields[2 : 2 + int(fields[1])].tolist())
+            self._shapes[key] = (shape, dtype)
+        shape, dtype = self._shapes[key]
+        self._recvs[("act", *key)] = self._irecv(shape, dtype, peer, self._tag(1, *key))
+        return True
+
+    def _send(self, message: Message, tensor: torch.Tensor, tag: int) -> None:
+        """Post the send of `message` at its place in the pair's order, then the receives after it."""
+        self._advance(message.receiver, through=message)
+        if self._cursor[message.receiver] != self._op_index[message]:
+            raise RuntimeError(f"pipeline rank {self.rank}: {message} is sent out of its pair's order")
+        self._cursor[message.receiver] += 1
+        self._isend(tensor, self.pp_ranks[message.receiver], tag)
+        self._advance(message.receiver)
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, microbatch_inputs: Sequence[torch.Tensor], targets: Sequence[Any]) -> torch.Tensor | None:
@@ -151,23 +205,23 @@ class PipelineExecutor:
         self._handoff: dict[tuple, torch.Tensor] = {}  # same-rank stage-to-stage activations
         self._input_grads: dict[tuple, torch.Tensor] = {}
         self._recvs: dict[tuple, Any] = {}
-        self._syncs: list = []
+        self._out_shapes: dict[tuple, tuple] = {}  # outputs whose gradient comes back from another rank
         self._local_synced: set[tuple[int, int]] = set()
         self._loss: torch.Tensor | None = None
         self._data, self._targets = microbatch_inputs, targets
-        self._recv_f_next: dict[tuple[int, int], int] = {}
-        for chunk, order in self._recv_f_order.items():
-            known = all(self._key(a) in self._shapes for a in order)
-            ahead = self.RECV_AHEAD if known else len(order)  # first step: every (small) header now
-            for a in order[:ahead]:
-                self._post_recv_f(a)
-            self._recv_f_next[chunk] = ahead
+        self._sync_recvs: list = []
+        self._cursor = dict.fromkeys(self._pair_ops, 0)
+        for peer in self._pair_ops:
+            self._advance(peer)
         ready = self.on_stage_grads_ready
         for run, action, ready_key in self._program:
             run(action)
             if ready_key is not None and ready is not None:
                 ready(ready_key)
-        for work, _ in self._sends + self._syncs:
+        for peer, operations in self._pair_ops.items():  # what is left: gradient sums to receive
+            if self._cursor[peer] < len(operations):
+                self._advance(peer, through=operations[-1][1])
+        for work, _ in self._sends:
             work.wait()
         self._finish_grad_sync()
         return self._loss
@@ -192,54 +246,41 @@ class PipelineExecutor:
             self._loss = out.detach() if self._loss is None else self._loss + out.detach()
         elif self.schedule.placement.rank_of(stage + 1, action.replica) == self.rank:
             self._handoff[self._key(action, stage + 1)] = out.detach()  # the turn of a V: a local copy
-        else:  # the gradient for this output will come back: post its receive now
-            peer = self._peer(stage + 1, action.replica)
-            tag = self._tag(2, stage, action.microbatch, action.replica)
-            self._recvs[("grad", *key)] = self._irecv(out.shape, out.dtype, peer, tag)
+        else:  # the gradient for this output comes back from the next rank: its receive's shape
+            self._out_shapes[key] = (out.shape, out.dtype)
         self._inputs[key], self._outputs[key] = x, out
 
     def _run_send_f(self, action: Action) -> None:
         key = self._key(action, action.stage + 1)
         out = self._outputs[self._key(action)].detach()
-        peer = self._peer(action.stage + 1, action.replica)
+        message = self._messages[action]
         sent = self._sent_shapes.get(key)
-        if sent is None:
+        if sent is None:  # a header first: the send right before the activation, in the same place
             fields = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
             header = torch.tensor(fields + [0] * (_HEADER_SLOTS - len(fields)), device=self.device)
-            self._isend(header, peer, self._tag(0, action.stage + 1, action.microbatch, action.replica))
+            self._advance(message.receiver, through=message)
+            self._isend(header, self.pp_ranks[message.receiver], self._tag(0, *key))
             self._sent_shapes[key] = (tuple(out.shape), out.dtype)
         elif sent != (tuple(out.shape), out.dtype):
             raise ValueError(
                 f"stage {action.stage} micro-batch {action.microbatch}: output {tuple(out.shape)} {out.dtype} "
                 f"differs from the first step's {sent[0]} {sent[1]}; call reset_shapes() on every rank first"
             )
-        self._isend(out, peer, self._tag(1, action.stage + 1, action.microbatch, action.replica))
+        self._send(message, out, self._tag(1, *key))
 
     def _run_recv_f(self, action: Action) -> None:
-        key = self._key(action)
-        chunk = (action.stage, action.replica)
-        if key in self._shapes:
-            work, buffer = self._recvs.pop(("act", *key))
-        else:
-            work, header = self._recvs.pop(("header", *key))
-            work.wait()
-            dtype, shape = _DTYPES[int(header[0])], tuple(header[2 : 2 + int(header[1])].tolist())
-            self._shapes[key] = (shape, dtype)
-            peer = self._peer(action.stage - 1, action.replica)
-            tag = self._tag(1, action.stage, action.microbatch, action.replica)
-            work, buffer = self._irecv(shape, dtype, peer, tag)
-        order, position = self._recv_f_order[chunk], self._recv_f_next[chunk]
-        if position < len(order) and self._key(order[position]) in self._shapes:
-            self._post_recv_f(order[position])  # keep RECV_AHEAD receives posted ahead
-            self._recv_f_next[chunk] = position + 1
-        work.wait()
-        self._recvs[("act", *key)] = buffer
+        self._recvs[("act", *self._key(action))] = self._wait_recv("act", action)
 
     def _run_recv_b(self, action: Action) -> None:
-        key = self._key(action)
-        work, buffer = self._recvs.pop(("grad", *key))
+        self._grads[self._key(action)] = self._wait_recv("grad", action)
+
+    def _wait_recv(self, kind: str, action: Action) -> torch.Tensor:
+        """The message `action` receives (its receive posted first, in the pair's order, if it is not yet)."""
+        message = self._messages[action]
+        self._advance(message.sender, through=message)
+        work, buffer = self._recvs.pop((kind, *self._key(action)))
         work.wait()
-        self._grads[key] = buffer
+        return buffer
 
     def _output_grad(self, action: Action) -> torch.Tensor | None:
         """The gradient w.r.t. this stage's output: None for the loss, else received or handed over
@@ -280,8 +321,9 @@ class PipelineExecutor:
 
     def _run_send_b(self, action: Action) -> None:
         grad = self._input_grads.pop(self._key(action))
-        peer = self._peer(action.stage - 1, action.replica)
-        self._isend(grad, peer, self._tag(2, action.stage - 1, action.microbatch, action.replica))
+        self._send(
+            self._messages[action], grad, self._tag(2, action.stage - 1, action.microbatch, action.replica)
+        )
 
     def _run_grad_sync(self, action: Action) -> None:
         """Start summing this chunk's gradients with the other replica's copy (eager, asynchronous)."""
@@ -297,14 +339,13 @@ class PipelineExecutor:
                 theirs.grad = mine.grad.clone()
             return
         flat = torch.cat([p.grad.reshape(-1) for p in self._params(action)])
-        work, buffer = self._irecv(flat.shape, flat.dtype, peer, self._tag(3, action.stage, 0, other))
-        self._isend(flat, peer, self._tag(3, action.stage, 0, action.replica))
-        self._syncs.append((work, (action, buffer)))
+        self._send(self._messages[action], flat, self._tag(3, action.stage, 0, action.replica))
 
     def _finish_grad_sync(self) -> None:
-        for _, (action, buffer) in self._syncs:
+        for message, work, buffer in self._sync_recvs:  # the other replica's sum, into our copy
+            work.wait()
             offset = 0
-            for param in self._params(action):
+            for param in self._params_of[(message.stage, 1 - message.replica)]:
                 param.grad += buffer[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
         if self.on_stage_grads_ready is not None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from shiftlm.comm import all_gather
-from shiftlm.comm.p2p import irecv, isend
+from shiftlm.comm.p2p import exchange
 from shiftlm.mesh import Mesh
 from shiftlm.model import Transformer
 
@@ -56,11 +56,10 @@ def sync_tied_embedding_grads(stages: Transformer | Sequence[Transformer], mesh:
     for copy in copies[1:]:
         if copy.grad is not None:
             mine = mine + copy.grad
-    parts = {mesh.rank: mine}
-    handles = []
-    for peer in (rank for rank, held in zip(mesh.pp.ranks, holds.tolist()) if held and rank != mesh.rank):
-        parts[peer] = torch.empty_like(mine)
-        handles += [isend(mine, peer, mesh.pp), irecv(parts[peer], peer, mesh.pp)]
+    peers = [rank for rank, held in zip(mesh.pp.ranks, holds.tolist()) if held and rank != mesh.rank]
+    parts = {mesh.rank: mine, **{peer: torch.empty_like(mine) for peer in peers}}
+    # every holder sends to every other at once: one group, so the crossing sends cannot wait on each other
+    handles = exchange([(mine, peer) for peer in peers], [(parts[peer], peer) for peer in peers], mesh.pp)
     for handle in handles:
         handle.wait()
     total = torch.stack([parts[rank] for rank in sorted(parts)]).sum(dim=0)

@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _dry_run(config, args)
     model = model_shape(config)  # the layout against the model, before the world size
     check_world(config, args.nproc)
-    run_device(config, args.nproc)  # the device (and what it cannot run) before any rank starts
+    run_device(config, args.nproc)  # the device (refusing what it cannot be) before any rank starts
     check_run_dir(config)
     if not args.skip_memory_check:
         memory = check_memory(config, model, args.nproc)

@@ -41,21 +41,12 @@ def check_world(config: TrainConfig, nproc: int) -> None:
 
 
 def run_device(config: TrainConfig, nproc: int):
-    """The device the ranks will run on (`--nproc` starts local gloo, CPU, ranks), refusing what the
-    GPU path cannot run yet: the pipeline executor's hand-offs rely on p2p tags, which NCCL ignores
-    (it matches messages in posting order; tests/pipeline/test_p2p_posting_order.py)."""
+    """The device the ranks will run on (`--nproc` starts local gloo, CPU, ranks)."""
     import torch
 
     from shiftlm.mesh import choose_device
 
-    device = choose_device(config.train.device)[0] if nproc <= 1 else torch.device("cpu")
-    if device.type == "cuda" and config.parallel.pp > 1:
-        raise ConfigError(
-            f"pp = {config.parallel.pp} does not run on GPUs yet (the pipeline executor's hand-offs are "
-            "not in NCCL's posting order): use pp = 1 with tp, sp, cp and dp on GPUs, or "
-            "--train.device=cpu"
-        )
-    return device
+    return choose_device(config.train.device)[0] if nproc <= 1 else torch.device("cpu")
 
 
 def check_run_dir(config: TrainConfig) -> None:

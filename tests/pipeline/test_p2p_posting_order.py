@@ -1,66 +1,129 @@
-"""NCCL matches point-to-point messages between two ranks in the order they are posted (it ignores
-tags); gloo matches them by tag. Code that runs on NCCL must therefore post, for every (sender,
-receiver) pair, its receives in the order the sender posts the sends. Recorded here on gloo ranks,
-through `shiftlm.comm.p2p`, during two real training steps.
-
-Ring attention (context parallelism) has that property. The pipeline executor does not: it posts
-activation headers and receives ahead (RECV_AHEAD) and a gradient receive right after each forward,
-so on NCCL messages would land in the wrong buffers; `shiftlm train` refuses pp > 1 on GPUs until
-it does (the strict xfail turns into a failure, to be removed, once the executor is fixed).
+"""NCCL matches the point-to-point operations of two ranks in the order each side posts them (it
+ignores tags), and a lone NCCL send waits until the peer's receive runs; gloo matches by tag. Code
+that runs on both must therefore, for every pair of ranks, post the same sequence of operations on
+both sides, with a send and a receive that must progress together started as one group
+(`shiftlm.comm.p2p.exchange`). Recorded here on gloo ranks, through `shiftlm.comm.p2p`, for every
+pipeline schedule (the bare executor at pp 2 and 4, and the trainer), ring attention (cp 2 and 4)
+and the tied-embedding gradient sum.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from shiftlm.pipeline.schedules import SCHEDULES
+from tests.train.conftest import tied_qwen2_model  # noqa: F401 - the fixture
 
-def posted_p2p(overrides: list[str], log_dir: str) -> list[tuple[str, int, int, int, tuple]]:
-    """(kind, sender, receiver, tag, shape) of every send and receive this rank posts, in order."""
+
+def _recording(fn, *args):
+    """Run fn(*args) on this rank; return (result, [group of (sender, receiver, tag, shape), ...])."""
     import torch.distributed as dist
 
     from shiftlm.comm import p2p
-    from tests.train.test_layouts import train_losses
 
     posted = []
-    start = p2p._start
+    post = p2p._post
 
-    def recording(op, tensor, peer, group, tag):
+    def recording(ops, group):
         me = dist.get_rank()
-        pair = (me, peer) if op == "send" else (peer, me)
-        posted.append((op, *pair, tag, tuple(tensor.shape)))
-        return start(op, tensor, peer, group, tag)
+        posted.append(
+            [
+                (me, peer, tag, tuple(t.shape)) if op == "send" else (peer, me, tag, tuple(t.shape))
+                for op, t, peer, tag in ops
+            ]
+        )
+        return post(ops, group)
 
-    p2p._start = recording
+    p2p._post = recording
     try:
-        train_losses(["--train.steps=2", *overrides], log_dir)
+        return fn(*args), posted
     finally:
-        p2p._start = start
-    return posted
+        p2p._post = post
 
 
-def order_mismatches(posted_by_rank: list[list[tuple]]) -> dict:
-    """Pairs whose receives were posted in another order than their sends: pair -> (sends, receives)."""
-    sends: dict = {}
-    receives: dict = {}
-    for posted in posted_by_rank:
-        for op, sender, receiver, tag, shape in posted:
-            (sends if op == "send" else receives).setdefault((sender, receiver), []).append((tag, shape))
+def trained(overrides: list[str], log_dir: str):
+    from tests.train.test_layouts import train_losses
+
+    return _recording(train_losses, ["--train.steps=2", *overrides], log_dir)[1]
+
+
+def executed(name: str, pp: int, microbatches: int, chunks: int | None):
+    from tests.pipeline.test_executor import run_schedule
+
+    return _recording(run_schedule, name, pp, microbatches, chunks)[1]
+
+
+def order_mismatches(posted_by_rank: list[list[list[tuple]]]) -> dict:
+    """Pairs whose two sides posted different sequences: (a, b) -> (a's sequence, b's sequence).
+
+    Each side's sequence lists, per call that posted something with the other rank, the messages
+    of that pair it started together (order inside one group does not matter)."""
+    sequences: dict = {}
+    for rank, groups in enumerate(posted_by_rank):
+        for group in groups:
+            by_peer: dict = {}
+            for sender, receiver, tag, shape in group:
+                peer = receiver if sender == rank else sender
+                by_peer.setdefault(peer, []).append((sender, receiver, tag, shape))
+            for peer, messages in by_peer.items():
+                sequences.setdefault((rank, peer), []).append(tuple(sorted(messages)))
+    pairs = {(min(a, b), max(a, b)) for a, b in sequences}
     return {
-        pair: (sends.get(pair), receives.get(pair))
-        for pair in set(sends) | set(receives)
-        if sends.get(pair) != receives.get(pair)
+        (a, b): (sequences.get((a, b)), sequences.get((b, a)))
+        for a, b in pairs
+        if sequences.get((a, b)) != sequences.get((b, a))
     }
 
 
-def test_ring_attention_posts_receives_in_the_senders_order(ranks, tmp_path):
-    posted = ranks.run(2, posted_p2p, ["--parallel.cp=2"], str(tmp_path))
+def test_the_check_catches_a_crossing_that_is_not_grouped_and_a_swapped_order():
+    send_then_recv = [[(0, 1, 5, (2,))], [(1, 0, 6, (2,))]]
+    crossing = [send_then_recv, [[(1, 0, 6, (2,))], [(0, 1, 5, (2,))]]]  # both send first
+    assert order_mismatches(crossing)
+    grouped = [[[(0, 1, 5, (2,)), (1, 0, 6, (2,))]], [[(1, 0, 6, (2,)), (0, 1, 5, (2,))]]]
+    assert order_mismatches(grouped) == {}
+    swapped = [[[(0, 1, 5, (2,))], [(0, 1, 6, (2,))]], [[(0, 1, 6, (2,))], [(0, 1, 5, (2,))]]]
+    assert order_mismatches(swapped)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_executor_posts_in_one_order_per_pair_at_pp2(ranks, name):
+    posted = ranks.run(2, executed, name, 2, 4, None)
     assert sum(len(p) for p in posted) > 0
     assert order_mismatches(posted) == {}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the executor posts receives ahead of order")
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])
-def test_pipeline_executor_posts_receives_in_the_senders_order(ranks, tmp_path, schedule):
-    posted = ranks.run(2, posted_p2p, ["--parallel.pp=2", f"--train.schedule={schedule}"], str(tmp_path))
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_executor_posts_in_one_order_per_pair_at_pp4(ranks, name):
+    chunks = 3 if name == "interleaved_1f1b" else None
+    posted = ranks.run(4, executed, name, 4, 8, chunks)
     assert sum(len(p) for p in posted) > 0
+    assert order_mismatches(posted) == {}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--parallel.pp=2", "--train.schedule=1f1b"],
+        ["--parallel.pp=2", "--train.schedule=zb_v"],
+        ["--parallel.pp=2", "--train.schedule=bitpipe"],
+        ["--parallel.cp=2"],
+    ],
+    ids=["trainer-1f1b", "trainer-zb_v", "trainer-bitpipe", "ring-cp2"],
+)
+def test_training_posts_in_one_order_per_pair(ranks, tmp_path, overrides):
+    posted = ranks.run(2, trained, overrides, str(tmp_path))
+    assert sum(len(p) for p in posted) > 0
+    assert order_mismatches(posted) == {}
+
+
+def test_ring_attention_at_cp4_posts_in_one_order_per_pair(ranks, tmp_path):
+    posted = ranks.run(4, trained, ["--parallel.cp=4"], str(tmp_path))
+    assert sum(len(p) for p in posted) > 0
+    assert order_mismatches(posted) == {}
+
+
+def test_tied_embedding_gradient_sum_posts_in_one_order_per_pair(ranks, tmp_path, tied_qwen2_model):  # noqa: F811
+    posted = ranks.run(2, trained, [tied_qwen2_model, "--parallel.pp=2"], str(tmp_path))
+    grouped = [group for groups in posted for group in groups if len(group) > 1]
+    assert grouped, "the tied embedding's gradient sum should post its crossing send and receive together"
     assert order_mismatches(posted) == {}
