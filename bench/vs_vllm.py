@@ -397,6 +397,7 @@ def main() -> int:
                 make_checkpoint(model)
             sweep = step_sweep(model, [160, 64, 512, 1024], [1, 8, 32, 64])
         path = Path(args.out) / "vs_vllm_step_sweep.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"loadavg": os.getloadavg(), "decode_step_sweep": sweep}, indent=1))
         print(json.dumps(sweep) if args.json else f"wrote {path}")
         return 0
