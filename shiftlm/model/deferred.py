@@ -80,9 +80,13 @@ def _weight_grads(
 
 @torch.no_grad()
 def accumulate_grad(param: torch.Tensor | None, grad: torch.Tensor | None) -> None:
-    """param.grad += grad, out of place (a gradient autograd returned may alias another tensor)."""
+    """param.grad += grad, out of place (a gradient autograd returned may alias another tensor);
+    then the parameter's post-accumulate-grad hooks, as autograd's own accumulation runs them (ZeRO-2/3's
+    sharded gradients, `train/grad_shards.py`, take each gradient as it lands, deferred ones too)."""
     if param is not None and grad is not None:
         param.grad = grad if param.grad is None else param.grad + grad
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
 
 
 class _DeferrableLinear(torch.autograd.Function):

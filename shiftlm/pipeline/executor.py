@@ -113,6 +113,11 @@ class PipelineExecutor:
             key: [p for p in module.parameters() if p.requires_grad] for key, module in self.modules.items()
         }
 
+    @property
+    def synced_stages(self) -> list[tuple[int, int]]:
+        """(stage, replica) keys whose gradients the schedule sums across replicas (BitPipe)."""
+        return list(self._synced)
+
     def reset_shapes(self) -> None:
         """Forget the activation shapes: the next step sends headers again (call it on every rank)."""
         self._shapes.clear(), self._sent_shapes.clear()

@@ -9,6 +9,10 @@ size (ZeRO-1/2: rank r owns the r-th 1/N of everything). With `units` (one label
 consecutive parameters with the same label form a unit), every unit is padded on its own, so rank r
 owns the r-th 1/N of every unit: ZeRO-3 gathers and frees one unit (a decoder layer) at a time, as
 FSDP's per-module flat parameters do.
+
+`full_grads=False` (ZeRO-2/3 with a data group of more than one rank): no full-size gradient buffer;
+`.grad` stays None between uses and `train/grad_shards.py` keeps only this rank's 1/N shard of the
+gradients (plus a unit's buffer while it is being reduced). Masks can be built at shard size too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+GRADS_TAG = "shiftlm.grads"  # profiler ranges around every gradient / parameter storage allocation
+PARAMS_TAG = "shiftlm.params"  # (train/memory_probe.tagged_peak attributes the allocator's bytes)
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,10 @@ class FlatParameters:
         pad_to: int = 1,
         units: list[str] | None = None,
         device: torch.device | None = None,
+        full_grads: bool = True,
     ):
-        """`device`: where the flat buffers live (by default the parameters' device)."""
+        """`device`: where the flat buffers live (by default the parameters' device); `full_grads`:
+        whether to keep the full-size gradient buffer (`.grad` views into it)."""
         self.parameters = [param for _, param in named_parameters]
         self.slots: list[FlatSlot] = []
         self.units: list[tuple[int, int]] = []  # (offset, padded length) of each sharding unit
@@ -60,13 +69,18 @@ class FlatParameters:
             self.units.append((0, padded))
         if device is None:
             device = self.parameters[0].device if self.parameters else torch.device("cpu")
-        self.params = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.grads = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.padded, self.device = padded, device
+        with torch.profiler.record_function(PARAMS_TAG):
+            self.params = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.grads = None
+        if full_grads:
+            with torch.profiler.record_function(GRADS_TAG):  # (memory_probe.tagged_peak finds it)
+                self.grads = torch.zeros(padded, dtype=torch.float32, device=device)
         with torch.no_grad():
             for slot, param in zip(self.slots, self.parameters):
                 self.params[slot.offset : slot.offset + slot.numel].copy_(param.reshape(-1))
                 param.data = self.view(self.params, slot)
-                param.grad = self.view(self.grads, slot)
+                param.grad = self.view(self.grads, slot) if full_grads else None
 
     @staticmethod
     def view(buffer: torch.Tensor, slot: FlatSlot) -> torch.Tensor:
@@ -78,20 +92,33 @@ class FlatParameters:
 
     def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The inverse of `unflatten`: a new padded flat buffer from per-parameter tensors."""
-        buffer = torch.zeros_like(self.grads)  # (ZeRO-3 frees `params`; `grads` has the same layout)
+        buffer = self.zeros()  # (ZeRO-3 frees `params`)
         for slot in self.slots:
             self.view(buffer, slot).copy_(tensors[slot.name].reshape(slot.shape))
         return buffer
 
-    def mask(self, keep) -> torch.Tensor:
-        """A flat 0/1 buffer: 1 on the parameters for which `keep(name, shape)` is true."""
-        mask = torch.zeros_like(self.grads)
+    def zeros(self) -> torch.Tensor:
+        """A new full-size fp32 buffer laid out like `params`."""
+        return torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+
+    def mask(self, keep, ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """A flat 0/1 buffer: 1 on the parameters for which `keep(name, shape)` is true. With `ranges`
+        only those [start, end) pieces of it, concatenated (a shard-size mask: no full-size one made)."""
+        if ranges is None:
+            ranges = [(0, self.padded)]
+        pieces = [torch.zeros(b - a, dtype=torch.float32, device=self.device) for a, b in ranges]
         for slot in self.slots:
-            if keep(slot.name, slot.shape):
-                self.view(mask, slot).fill_(1.0)
-        return mask
+            if not keep(slot.name, slot.shape):
+                continue
+            for (a, b), piece in zip(ranges, pieces):
+                start, end = max(a, slot.offset), min(b, slot.offset + slot.numel)
+                if start < end:
+                    piece[start - a : end - a].fill_(1.0)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def zero_grad(self) -> None:
+        if self.grads is None:  # sharded gradients: `train/grad_shards.py` owns them
+            return
         self.grads.zero_()
         self.adopt_grads()
 
@@ -100,6 +127,8 @@ class FlatParameters:
         """Bring back gradients that code outside autograd's accumulation replaced (`p.grad = g`,
         as the pipeline executor does): copy them into the flat buffer and point `.grad` at it again.
         `indices`: only these parameters (default: all)."""
+        if self.grads is None:
+            return
         for index in range(len(self.parameters)) if indices is None else indices:
             slot, param = self.slots[index], self.parameters[index]
             view = self.view(self.grads, slot)

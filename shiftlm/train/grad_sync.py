@@ -11,7 +11,7 @@ callback, so with a pipeline a stage's buckets are reduced while later actions o
 `finish()` starts whatever is left and waits for all of them. Every rank of the group runs the
 same backward (or schedule), so buckets start in the same order everywhere, as collectives must.
 With `overlap=False` all buckets start in `finish()`; the sums are the same bit for bit.
-ZeRO-2/3 reduce-scatter instead (`scatter=True`): each rank keeps only the sum of the range it owns.
+ZeRO-2/3 keep sharded gradients instead (`grad_shards.ShardedGrads`, the same interface).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shiftlm.comm import CommGroup, all_reduce, reduce_scatter
+from shiftlm.comm import CommGroup, all_reduce
 from shiftlm.train.flat import FlatParameters
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -33,15 +33,10 @@ class GradSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         count_accumulations: bool = True,
-        scatter: bool = False,
     ):
         """`count_accumulations=False`: ignore autograd's accumulate hooks, only `parameters_ready`
         completes a parameter (the pipeline executor: its I pass fires a weight's hook without a
-        gradient, whose W comes later). `scatter=True` (ZeRO-2/3): `finish()` reduce-scatters each
-        sharding unit instead, so rank r ends with the sum of only its 1/N of the unit (the rest of
-        the buffer keeps this rank's local gradients); no overlap, one collective per unit."""
-        self.scatter = scatter and group.size > 1
-        overlap = overlap and not self.scatter
+        gradient, whose W comes later)."""
         self.flat, self.group = flat, group
         self.overlap = overlap and group.size > 1
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the flat buffer
@@ -114,13 +109,6 @@ class GradSync:
     def finish(self) -> None:
         """All gradients are summed over the group when this returns."""
         if self.group.size == 1:
-            return
-        if self.scatter:
-            for offset, length in self.flat.units:
-                size = length // self.group.size
-                mine = reduce_scatter(self.flat.grads[offset : offset + length], self.group, 0)
-                start = offset + self.group.rank * size
-                self.flat.grads[start : start + size].copy_(mine)
             return
         for bucket in range(len(self.buckets)):  # in bucket order on every rank: same collective order
             if bucket not in self._handles:

@@ -32,9 +32,7 @@ def allocation_peak(overrides: list[str], log_dir: str, steps: int = 2) -> dict:
     config = load_config(None, [*overrides, *fixed, f"--log.dir={log_dir}", f"--train.steps={steps + 1}"])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         Trainer(config, quiet=True).run(stop_after=steps)
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-        prof.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+    events = profiled_events(prof)
     live = peak = 0
     for event in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
         live += event["args"]["Bytes"]
@@ -42,6 +40,41 @@ def allocation_peak(overrides: list[str], log_dir: str, steps: int = 2) -> dict:
     model = estimate(config, model_shape(config), config.parallel.world_size)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return {"rank": rank, "peak_bytes": peak, "end_bytes": live, "model_bytes": model["tensor_bytes"]}
+
+
+def profiled_events(prof) -> list[dict]:
+    """The chrome-trace events of a finished `torch.profiler.profile`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        return json.load(open(trace.name))["traceEvents"]
+
+
+def tagged_peak(events: list[dict], tag: str, after: str | None = None) -> int:
+    """Peak live bytes of the allocations made inside `record_function(tag)` ranges (matched by the
+    allocation's thread and time), each live until the allocator frees its address: e.g. the
+    gradient storage (`flat.GRADS_TAG`: the flat gradient buffer, or the gradient shard and the
+    transient unit buffers of ZeRO-2/3). `after`: the peak counts from the start of the first range of
+    that name on (what was allocated before stays live)."""
+    ranges: dict = {}
+    for event in events:
+        if event.get("name") == tag and event.get("ph") == "X":
+            ranges.setdefault(event.get("tid"), []).append((event["ts"], event["ts"] + event["dur"]))
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    start = min((e["ts"] for e in events if e.get("name") == after and e.get("ph") == "X"), default=None)
+    if after is not None and start is None:
+        raise ValueError(f"no profiler range named {after!r} in the trace")
+    live: dict[int, int] = {}
+    current = peak = 0
+    for event in memory:
+        nbytes, address = event["args"]["Bytes"], event["args"].get("Addr")
+        if nbytes > 0 and any(a <= event["ts"] <= b for a, b in ranges.get(event.get("tid"), ())):
+            live[address] = nbytes
+            current += nbytes
+        elif nbytes < 0 and address in live:
+            current -= live.pop(address)
+        if start is None or event["ts"] >= start:
+            peak = max(peak, current)
+    return peak
 
 
 def compare(per_rank: list[dict]) -> dict:

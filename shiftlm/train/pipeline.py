@@ -64,7 +64,7 @@ def make_executor(
 ) -> Callable:
     """A function (inputs, targets, target_tokens) -> this rank's loss share, running the schedule.
 
-    `on_stage_grads_ready(key)` is passed to the executor: called once a stage's gradients are final.
+    `on_stage_grads_ready(key)` is passed to the executor: called once a stage's gradients are final. The executor is `run.executor`.
     """
     from shiftlm.pipeline.executor import PipelineExecutor
 
@@ -90,4 +90,5 @@ def make_executor(
         result = executor.step(inputs, [(y, target_tokens) for y in targets])
         return torch.zeros((), device=mesh.device) if result is None else result.float()
 
+    run.executor = executor
     return run

@@ -31,10 +31,11 @@ from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import source_name
 from shiftlm.monitor import Watchdog, connect_store, faults
 from shiftlm.monitor.live import straggler_watch
-from shiftlm.pipeline.tied import sync_tied_embedding_grads
+from shiftlm.pipeline.tied import sync_tied_embedding_grads, tied_embedding_copies
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset, split_holdout
 from shiftlm.train.flat import FlatParameters
+from shiftlm.train.grad_shards import ShardedGrads
 from shiftlm.train.grad_sync import GradSync
 from shiftlm.train.metrics import RunLog, StepRecord, throughput
 from shiftlm.train.optim import clip_coefficient, learning_rate
@@ -95,21 +96,19 @@ class Trainer(RunCheckpoints):
             self._indices_of.setdefault(key, []).append(index)
         data_group = self.mesh.dp_sp  # ranks holding the same weights: DP replicas and Ulysses peers
         named = [(flat_name(name, key[1]), param) for key, _, name, param in owned]
-        units = (
-            unit_labels([name for name, _ in named]) if config.train.zero == 3 else None
-        )  # ZeRO-3: per layer
-        self.flat = FlatParameters(named, pad_to=data_group.size, units=units)
-        overlap = config.train.overlap_grad_sync
-        bucket_bytes = int(config.train.bucket_mb * 2**20)
-        self.grad_sync = GradSync(
-            self.flat,
-            data_group,
-            bucket_bytes,
-            overlap,
-            count_accumulations=config.parallel.pp == 1,
-            scatter=config.train.zero >= 2,
+        # ZeRO-2/3 with more than one rank: sharded gradients (`grad_shards.py`), cut per layer as at 3
+        self.sharded_grads = config.train.zero >= 2 and data_group.size > 1
+        units = unit_labels([name for name, _ in named]) if config.train.zero >= 2 else None
+        self.flat = FlatParameters(
+            named, pad_to=data_group.size, units=units, full_grads=not self.sharded_grads
         )
-        decay = self.flat.mask(lambda name, shape: len(shape) >= 2)  # no decay on norms and biases
+        overlap = config.train.overlap_grad_sync
+        if not self.sharded_grads:
+            bucket_bytes = int(config.train.bucket_mb * 2**20)
+            self.grad_sync = GradSync(
+                self.flat, data_group, bucket_bytes, overlap, count_accumulations=config.parallel.pp == 1
+            )
+        decay = lambda name, shape: len(shape) >= 2  # noqa: E731 (no decay on norms and biases)
         self.optimizer = ShardedAdamW(self.flat, data_group, config.optim, decay, stage=config.train.zero)
         self.optimizer.shard_parameters(self.stages)  # ZeRO-3 only: shards at rest, gathered per layer
         self.norm_mask = self._norm_mask(owned)
@@ -122,7 +121,23 @@ class Trainer(RunCheckpoints):
         self.val_reader = (
             BatchReader(held_out, plan, self.mesh.coords.dp, config.train.seed) if holdout else None
         )
-        self.runner = StepRunner(self.stages, self.mesh, config, self._stage_grads_ready if overlap else None)
+        self.runner = StepRunner(
+            self.stages,
+            self.mesh,
+            config,
+            self._stage_grads_ready if overlap or self.sharded_grads else None,
+        )
+        if self.sharded_grads:  # BitPipe's replica sums read `.grad`: those stages hand over when ready
+            pipeline = self.runner.pipeline
+            self._synced = set(pipeline.executor.synced_stages) if pipeline else set()
+            hooked = [key not in self._synced for key, *_ in owned]
+            self.grad_sync = ShardedGrads(self.flat, data_group, self.optimizer.ranges, hooked)
+            self.optimizer.grad_shard = self.grad_sync.shard
+            self._owned_names = [(stage, name) for _, stage, name, _ in owned]
+            index_of = {id(param): index for index, (*_, param) in enumerate(owned)}
+            self._tied_copies = [
+                [index_of[id(p)] for p in tied_embedding_copies(stages)] for stages in self.replicas
+            ]
         self.checkpoints = Path(config.log.dir) / "checkpoints"
         self.start_step = 0
         self.resumed_from: Path | None = None
@@ -154,7 +169,8 @@ class Trainer(RunCheckpoints):
             holders = [r for r in range(tp.size) if shard_spec(source, stage.config, r, tp.size) == mine]
             if replica == 0 and source == name and tp.rank == holders[0]:
                 counted.add(flat_name(name, replica))
-        return self.flat.mask(lambda name, shape: name in counted)
+        ranges = self.optimizer.ranges if self.sharded_grads else None  # shard-sized when sharded
+        return self.flat.mask(lambda name, shape: name in counted, ranges)
 
     def _stage_grads_ready(self, key: StageKey) -> None:
         """The pipeline executor's callback: this stage's gradients are final, start its buckets."""
@@ -168,17 +184,22 @@ class Trainer(RunCheckpoints):
         First the data group (its buckets may have started during backward), then the copies DP
         does not see: a tied embedding's head copy on the last stage (per model replica), and KV
         rows replicated over TP. All three are sums, so the order does not change the result beyond
-        rounding; it is fixed, so the overlapped and non-overlapped paths agree bit for bit."""
-        self.flat.adopt_grads()
-        if self.config.train.zero < 2:
+        rounding; it is fixed, so the overlapped and non-overlapped paths agree bit for bit.
+        With sharded gradients (ZeRO-2/3) the data group's reductions ran during backward and the
+        other two sums are taken on the shards."""
+        if self.sharded_grads:
             self.grad_sync.finish()
+            if self.stages[0].config.tie_word_embeddings and self.mesh.pp.size > 1:
+                for copies in self._tied_copies:
+                    self.grad_sync.sync_tied(copies, self.mesh.pp, self.mesh.device)
+            self.grad_sync.sync_tp_replicated(self._owned_names, self.mesh.tp)
+            return
+        self.flat.adopt_grads()
+        self.grad_sync.finish()
         for stages in self.replicas:
             sync_tied_embedding_grads(stages, self.mesh)
         for stage in self.stages:
             sync_tp_replicated_grads(stage)
-        if self.config.train.zero >= 2:  # a reduce-scatter leaves only this rank's ranges summed: last
-            self.flat.adopt_grads()
-            self.grad_sync.finish()
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -220,7 +241,7 @@ class Trainer(RunCheckpoints):
         for step in range(self.start_step, cfg.steps):
             faults.set_step(step + 1)
             tick = time.perf_counter()
-            self.flat.zero_grad()
+            self._zero_grad()
             micro_batches = self.reader.step(step)
             target_tokens = self._global_target_tokens(micro_batches)
             self.grad_sync.begin_step(len(micro_batches))
@@ -285,14 +306,20 @@ class Trainer(RunCheckpoints):
         total = 0.0
         steps = self.config.validation.steps
         for index in range(steps):
-            self.flat.zero_grad()
+            self._zero_grad()
             micro_batches = self.val_reader.step(index)
             self.grad_sync.begin_step(len(micro_batches))
             loss = self.runner.run(micro_batches, self._global_target_tokens(micro_batches))
             self._sum_grads()  # drains the buckets the backward started (same collectives on every rank)
             total += all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
-        self.flat.zero_grad()
+        self._zero_grad()
         return total / steps
+
+    def _zero_grad(self) -> None:
+        if self.sharded_grads:
+            self.grad_sync.zero()
+        else:
+            self.flat.zero_grad()
 
     def _global_target_tokens(self, micro_batches) -> int:
         """Target tokens (not -100) in the whole global batch: this DP rank's, summed over DP."""

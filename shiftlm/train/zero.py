@@ -5,8 +5,9 @@ The flat buffers (`flat.py`) are cut into sharding units; rank r of the data gro
 - stage 0: every rank keeps all Adam moments and updates everything itself.
 - stage 1 (P_os): gradients are all-reduced; each rank keeps the moments of its range, updates it,
   and an all-gather refills the full parameters everywhere.
-- stage 2 (P_os+g): gradients are reduce-scattered (`GradSync(scatter=True)`): each rank receives
-  only the sum of its own range, which is all the update needs; the rest as in stage 1.
+- stage 2 (P_os+g): gradients are sharded (`grad_shards.ShardedGrads`): each unit's gradient is
+  reduce-scattered as soon as it is complete and each rank keeps only the sum of its own range,
+  which is all the update needs; the rest as in stage 1.
 - stage 3 (P_os+g+p): parameters are sharded at rest too (`zero3.ParameterShards`): the update
   writes the fp32 master shard, and layers are all-gathered just before use.
 The arithmetic per element is the same at every stage, so all give the same parameters (up to the
@@ -28,7 +29,7 @@ from shiftlm.train.optim import adamw_update
 def owned_ranges(flat: FlatParameters, group: CommGroup, sharded: bool) -> list[tuple[int, int]]:
     """[start, end) of every range of the flat buffers this rank owns: its 1/N of each unit."""
     if not sharded:
-        return [(0, flat.grads.numel())]
+        return [(0, flat.padded)]
     ranges = []
     for offset, length in flat.units:
         size = length // group.size
@@ -42,19 +43,24 @@ class ShardedAdamW:
         flat: FlatParameters,
         group: CommGroup,
         optim: OptimSection,
-        decay_mask: torch.Tensor,
+        decay_mask,
         shard: bool | None = None,
         stage: int | None = None,
     ):
-        """`stage`: the ZeRO stage (0-3); `shard` (older form) means stage 1 when true."""
+        """`stage`: the ZeRO stage (0-3); `shard` (older form) means stage 1 when true. `decay_mask`:
+        a full-size flat 0/1 tensor, or `keep(name, shape)` (then only the owned ranges are built)."""
         self.flat, self.group, self.optim = flat, group, optim
         self.stage = stage if stage is not None else int(bool(shard))
         self.sharded = self.stage >= 1 and group.size > 1
         self.ranges = owned_ranges(flat, group, self.sharded)
-        self.decay_mask = torch.cat([decay_mask[a:b] for a, b in self.ranges])
+        if callable(decay_mask):
+            self.decay_mask = flat.mask(decay_mask, self.ranges)
+        else:
+            self.decay_mask = torch.cat([decay_mask[a:b] for a, b in self.ranges])
         size = sum(b - a for a, b in self.ranges)
-        self.exp_avg = torch.zeros(size, device=flat.grads.device)  # fp32 moments next to the fp32 master
-        self.exp_avg_sq = torch.zeros(size, device=flat.grads.device)
+        self.exp_avg = torch.zeros(size, device=flat.device)  # fp32 moments next to the fp32 master
+        self.exp_avg_sq = torch.zeros(size, device=flat.device)
+        self.grad_shard: torch.Tensor | None = None  # ZeRO-2/3: the gradients, laid out like the moments
         self.step_count = 0
         self.shards = None  # stage 3: the ParameterShards holding the fp32 master shards
         self._refill: dict[int, torch.Tensor] = {}  # stages 1-2: the all-gather's input copy per unit
@@ -94,11 +100,11 @@ class ShardedAdamW:
         """Update the parameters with their (already synced) gradients times `grad_scale` (clipping)."""
         self.step_count += 1
         for index, (a, b, offset) in enumerate(self._pieces()):
-            grad = self.flat.grads[a:b]
+            moments = slice(offset, offset + b - a)
+            grad = self.grad_shard[moments] if self.grad_shard is not None else self.flat.grads[a:b]
             if grad_scale != 1.0:
                 grad = grad * grad_scale
             params = self.shards.master[index] if self.shards is not None else self.flat.params[a:b]
-            moments = slice(offset, offset + b - a)
             adamw_update(
                 params,
                 grad,
@@ -123,7 +129,7 @@ class ShardedAdamW:
     def _gather(self, moment: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return moment.clone()
-        full = torch.zeros_like(self.flat.grads)
+        full = self.flat.zeros()
         for (offset, length), (a, b, start) in zip(self.flat.units, self._pieces()):
             all_gather_flat(
                 full[offset : offset + length], moment[start : start + b - a].contiguous(), self.group
@@ -158,9 +164,14 @@ def global_grad_norm(
     or tied across stages are counted on one rank only. `groups` are the model-parallel groups whose
     partial sums add up to the whole model (tp, pp); data-parallel replicas hold the same numbers,
     except at ZeRO stage >= 2 (`optimizer` given), where each holds the sum of its own ranges only:
-    then those ranges are counted and the data group is summed over too.
+    then those ranges are counted and the data group is summed over too. With sharded gradients
+    (`optimizer.grad_shard`) `norm_mask` is shard-sized (`flat.mask(keep, optimizer.ranges)`).
     """
-    if optimizer is not None and optimizer.stage >= 2 and optimizer.sharded:
+    if optimizer is not None and optimizer.grad_shard is not None:
+        grads = optimizer.grad_shard
+        squares = torch.dot(grads * norm_mask, grads).reshape(1)
+        groups = [*groups, optimizer.group]
+    elif optimizer is not None and optimizer.stage >= 2 and optimizer.sharded:
         squares = sum(
             torch.dot(flat.grads[a:b] * norm_mask[a:b], flat.grads[a:b]) for a, b in optimizer.ranges
         ).reshape(1)

@@ -33,14 +33,16 @@ from typing import Any
 import torch
 
 from shiftlm.comm import CommGroup, all_gather_flat
-from shiftlm.train.flat import FlatParameters
+from shiftlm.train.flat import PARAMS_TAG, FlatParameters
 
 _LAYER = re.compile(r"(?:replica\d+\.)?model\.layers\.(\d+)\.")
 
 
 def unit_labels(names: list[str]) -> list[str]:
-    """The ZeRO-3 unit of each flat parameter name: its decoder layer, the embedding, or the head
-    (final norm + LM head); BitPipe's second replica (`replica1.` names) gets units of its own."""
+    """The ZeRO-2/3 unit of each flat parameter name: its decoder layer, the embedding, the final norm,
+    or the LM head (its own unit, as long as the embedding: a tied copy's shard then covers the same
+    elements as the table's, `grad_shards.sync_tied`); BitPipe's second replica (`replica1.` names)
+    gets units of its own."""
     labels = []
     for name in names:
         prefix = name.split("model.")[0] if name.startswith("replica") else ""
@@ -49,6 +51,10 @@ def unit_labels(names: list[str]) -> list[str]:
             labels.append(f"{prefix}layer{match.group(1)}")
         elif "embed_tokens" in name:
             labels.append(f"{prefix}embed")
+        elif name.split(".")[-2:-1] == ["lm_head"] or name.endswith("lm_head.weight"):
+            labels.append(
+                f"{prefix}lm_head"
+            )  # a unit of its own: a tied copy's shard lines up with the table's
         else:
             labels.append(f"{prefix}head")
     return labels
@@ -59,26 +65,26 @@ class ParameterShards:
 
     def __init__(self, flat: FlatParameters, group: CommGroup, ranges: list[tuple[int, int]]):
         self.flat, self.group = flat, group
-        self.master = [flat.params[a:b].clone() for a, b in ranges]  # fp32, updated by the optimizer
+        with torch.profiler.record_function(PARAMS_TAG):
+            self.master = [flat.params[a:b].clone() for a, b in ranges]  # fp32, updated by the optimizer
         self.buffers: list[torch.Tensor] = []
         self._handles: dict[int, Any] = {}
-        self._gathered = [True] * len(flat.units)
-        with torch.no_grad():
-            for offset, length in flat.units:
-                buffer = flat.params[offset : offset + length].clone()
-                self.buffers.append(buffer)
-            for index, (slot, param) in enumerate(zip(flat.slots, flat.parameters)):
-                offset, _ = flat.units[flat.unit_of[index]]
-                unit = self.buffers[flat.unit_of[index]]
-                start = slot.offset - offset
-                param.data = unit[start : start + slot.numel].view(slot.shape)
-        # the full flat copy is gone: shards + in-use units only
-        flat.params = torch.empty(0, device=flat.grads.device)
+        self._gathered = [False] * len(flat.units)
         self.current_bytes = sum(t.numel() * t.element_size() for t in self.master)
-        self.current_bytes += sum(b.numel() * b.element_size() for b in self.buffers)
         self.peak_bytes = self.checkpoint_peak_bytes = 0
-        for unit in range(len(self.buffers)):
-            self.free(unit)
+        with torch.no_grad():
+            for unit, (offset, length) in enumerate(flat.units):  # one unit's copy at a time
+                with torch.profiler.record_function(PARAMS_TAG):
+                    buffer = flat.params[offset : offset + length].clone()
+                self.buffers.append(buffer)
+                for index in (i for i, u in enumerate(flat.unit_of) if u == unit):
+                    slot, param = flat.slots[index], flat.parameters[index]
+                    param.data = buffer[slot.offset - offset : slot.offset - offset + slot.numel].view(
+                        slot.shape
+                    )
+                buffer.untyped_storage().resize_(0)  # sharded at rest: gathered around its use
+        # the full flat copy is gone: shards + in-use units only
+        flat.params = torch.empty(0, device=flat.device)
         self.peak_bytes = self.current_bytes
 
     # -- gather / free -----------------------------------------------------------------------------
@@ -92,7 +98,8 @@ class ParameterShards:
         storage = buffer.untyped_storage()
         nbytes = buffer.numel() * buffer.element_size()
         if storage.nbytes() == 0:
-            storage.resize_(nbytes)
+            with torch.profiler.record_function(PARAMS_TAG):
+                storage.resize_(nbytes)
             self._account(nbytes)
         return buffer
 
@@ -147,8 +154,8 @@ class ParameterShards:
     def wrap(self, stages: list[torch.nn.Module], stage_units: list[list[int]], tied: list[bool]) -> None:
         """Gather-before-use around each unit of each stage: its embedding, decoder layers and head.
 
-        `stage_units[i]`: the units of stage i in forward order (embedding, layers..., head; those
-        it has); `tied[i]`: stage i's head reads the embedding's weight (then the head gathers both)."""
+        `stage_units[i]`: the units of stage i in forward order (embedding, layers..., final norm,
+        LM head; those it has); `tied[i]`: stage i's head reads the embedding's weight (then the head gathers both)."""
         for stage, units, is_tied in zip(stages, stage_units, tied):
             modules: list[tuple[Any, str]] = []
             if stage.with_embedding:
@@ -158,6 +165,8 @@ class ParameterShards:
                 modules.append((stage, "head"))
             for position, ((owner, attribute), unit) in enumerate(zip(modules, units)):
                 extra = [units[0]] if is_tied and attribute == "head" else []
+                if attribute == "head":  # the final norm's unit, then the LM head's
+                    extra += units[len(modules) :]
                 embedding = stage.with_embedding and position == 0
                 nxt = units[position + 1] if position + 1 < len(units) else None
                 prev = (

@@ -1,5 +1,6 @@
 """ZeRO-2 and ZeRO-3 train the same model as ZeRO-0 and one rank, with TP / SP / PP composed; their
-checkpoints resume under any stage; ZeRO-3 holds about 1/dp of the parameters at rest."""
+checkpoints resume under any stage; ZeRO-2/3 hold 1/dp of the gradients plus a unit in transit, and
+ZeRO-3 1/dp of the parameters plus the layers in use (measured with the allocator)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from shiftlm.config import ModelConfig
 from shiftlm.train.config import load_config
 from shiftlm.train.trainer import Trainer
+from shiftlm.train.zero3 import unit_labels
 
 STEPS = 3
 BASE = [
@@ -42,13 +44,16 @@ def losses_and_first_grads(
     def capture(lr: float, grad_scale: float = 1.0) -> None:
         if not grads:
             optimizer, flat = trainer.optimizer, trainer.flat
-            full = flat.grads.clone()
-            if optimizer.stage >= 2 and optimizer.sharded:
-                mine = torch.zeros_like(full)
-                for a, b in optimizer.ranges:
-                    mine[a:b] = full[a:b]
-                dist.all_reduce(mine, group=optimizer.group.pg)
-                full = mine
+            if trainer.sharded_grads:  # each rank holds only its shard: no full-size gradient buffer
+                assert flat.grads is None
+                shard = optimizer.grad_shard
+                assert shard.numel() * optimizer.group.size == flat.padded
+                full = flat.zeros()
+                for (a, b), start in zip(optimizer.ranges, trainer.grad_sync.offsets):
+                    full[a:b] = shard[start : start + b - a]
+                dist.all_reduce(full, group=optimizer.group.pg)
+            else:
+                full = flat.grads.clone()
             grads.update({name: t.clone() for name, t in flat.unflatten(full).items()})
         step(lr, grad_scale)
 
@@ -96,6 +101,61 @@ def test_zero_2_and_3_losses_and_gradients_equal_zero_0_and_one_rank(
                 ).item()
                 assert error <= 1e-5, f"zero={zero} rank {rank} {name}: relative error {error:.2e}"
         for step, reference in single_rank_losses.items():
+            assert runs[zero][0][0][step] == pytest.approx(reference, rel=1e-5), f"zero={zero} step {step}"
+
+
+@pytest.fixture(scope="module")
+def tied_single_kv_model(tmp_path_factory) -> str:
+    """A qwen2-style micro model (q/k/v biases, LM head tied to the embedding) with one KV head, so
+    tp2 replicates the KV rows: both sums DP does not see are taken on the gradient shards."""
+    config = ModelConfig(
+        vocab_size=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=8,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        model_type="qwen2",
+    )
+    directory = tmp_path_factory.mktemp("tied_one_kv")
+    (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    return f"--model.name={directory}"
+
+
+TIED_LAYOUTS = {  # world size, overrides
+    "dp2_tp2_megatron_sp": (4, ["--parallel.dp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+    "dp2_pp2_1f1b": (4, ["--parallel.dp=2", "--parallel.pp=2", "--train.schedule=1f1b"]),
+    "dp2_pp2_bitpipe": (4, ["--parallel.dp=2", "--parallel.pp=2", "--train.schedule=bitpipe"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(TIED_LAYOUTS))
+def test_zero_2_and_3_take_the_tied_and_tp_replicated_sums_on_the_shards(
+    ranks, tmp_path, tied_single_kv_model, layout
+):
+    world, overrides = TIED_LAYOUTS[layout]
+    one = ranks.run(1, losses_and_first_grads, [tied_single_kv_model], str(tmp_path / "one"))[0][0]
+    runs = {
+        zero: ranks.run(
+            world,
+            losses_and_first_grads,
+            [tied_single_kv_model, *overrides, f"--train.zero={zero}"],
+            str(tmp_path / str(zero)),
+        )
+        for zero in (0, 2, 3)
+    }
+    for zero in (2, 3):
+        for rank, ((_, grads), (_, reference)) in enumerate(zip(runs[zero], runs[0])):
+            assert grads.keys() == reference.keys()
+            for name, grad in grads.items():
+                error = (
+                    (grad - reference[name]).abs().max() / reference[name].abs().max().clamp_min(1e-12)
+                ).item()
+                assert error <= 1e-5, f"zero={zero} rank {rank} {name}: relative error {error:.2e}"
+        for step, reference in one.items():
             assert runs[zero][0][0][step] == pytest.approx(reference, rel=1e-5), f"zero={zero} step {step}"
 
 
@@ -174,3 +234,87 @@ def test_zero_3_peak_parameter_memory_is_a_dp_share_plus_a_layer_in_use_and_one_
         # the measured peak: the shard, the unit in use and the next one being gathered (FSDP's prefetch)
         assert share < rank["peak"] <= share + 2 * rank["largest_unit"]
         assert rank["peak"] < 0.8 * rank["full"]  # vs zero=0, which holds all of `full` throughout
+
+
+def allocator_memory(overrides: list[str], log_dir: str) -> dict:
+    """The allocator's view (torch.profiler memory events) of gradient and parameter storage during
+    2 training steps (the build is profiled too, so what it allocated counts as live; the peak is
+    taken from the first step on), next to the sizes they should have."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from shiftlm.train.flat import GRADS_TAG, PARAMS_TAG
+    from shiftlm.train.memory_probe import profiled_events, tagged_peak
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = _trainer(
+            [*overrides, "--checkpoint.resume=false", "--checkpoint.every=0", "--train.steps=3"], log_dir
+        )
+        with record_function("test.run"):
+            trainer.run(stop_after=2)
+    events = profiled_events(prof)
+    flat, optimizer = trainer.flat, trainer.optimizer
+    shard = sum(b - a for a, b in optimizer.ranges)
+    # what one module gathers at once: a layer, the embedding, or the final norm + LM head (two units)
+    labels = unit_labels([slot.name for slot in flat.slots])
+    modules: dict[str, int] = {}
+    for index, (_, length) in enumerate(flat.units):
+        label = labels[flat.unit_of.index(index)].replace("lm_head", "head")
+        modules[label] = modules.get(label, 0) + length * 4
+    result = {
+        "grads": tagged_peak(events, GRADS_TAG, after="test.run"),
+        "params": tagged_peak(events, PARAMS_TAG, after="test.run"),
+        "full": flat.padded * 4,
+        "shard": shard * 4,
+        "units": sorted(length * 4 for _, length in flat.units),
+        "largest_module": max(modules.values()),
+        "masks": [optimizer.decay_mask.numel(), trainer.norm_mask.numel()],
+        "shard_elements": shard,
+    }
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (2, ["--parallel.dp=2"]),
+        (4, ["--parallel.dp=2", "--parallel.pp=2", "--train.schedule=1f1b"]),
+        (4, ["--parallel.dp=2", "--parallel.pp=2", "--train.schedule=zb_v"]),
+    ],
+    ids=["dp2", "dp2_pp2_1f1b", "dp2_pp2_zb_v"],
+)
+def test_gradients_and_parameters_are_sharded_as_the_allocator_sees_them(
+    ranks, tmp_path, eight_layer_model, layout
+):
+    world, overrides = layout
+    runs = {
+        zero: ranks.run(
+            world,
+            allocator_memory,
+            [eight_layer_model, *overrides, f"--train.zero={zero}"],
+            str(tmp_path / str(zero)),
+        )
+        for zero in (0, 1, 2, 3)
+    }
+    for rank in range(world):
+        full = runs[0][rank]["full"]
+        # zero 0 and 1: one full-size gradient buffer and the full parameters, throughout
+        for zero in (0, 1):
+            assert runs[zero][rank]["grads"] == full
+            assert runs[zero][rank]["params"] == full
+        for zero in (2, 3):
+            run = runs[zero][rank]
+            largest, second = run["units"][-1], run["units"][-2]
+            # the masks are shard-sized (no full-size fp32 mask beside the shard)
+            assert run["masks"] == [run["shard_elements"]] * 2
+            # 1/dp of the gradients, plus at most one unit filling while the previous one is reduced
+            assert run["shard"] == pytest.approx(full / 2, rel=0.01)
+            assert run["shard"] < run["grads"] <= run["shard"] + largest + second, (zero, rank, run)
+            if world == 2:  # 8 layers on the rank: the two units in transit are small beside the rest
+                assert run["grads"] < 0.8 * full
+        # zero 3: 1/dp of the parameters at rest plus the module in use and the unit prefetched
+        run = runs[3][rank]
+        bound = run["shard"] + run["largest_module"] + run["units"][-1]
+        assert run["shard"] < run["params"] <= bound, (rank, run)
+        assert runs[2][rank]["params"] == full
