@@ -30,9 +30,9 @@ def planned_zero_stages(
     """The ZeRO stages to plan for a data group of `dp` ranks: 0 without one; with one every stage
     the trainer implements, at every pp (the trainer runs ZeRO-2/3 under every schedule: tested at
     dp2 x pp2 in tests/train/test_zero.py). None dominates another as the trainer runs them
-    (`sim/trainer_costs.py`): ZeRO-1 and -2 hold the same full gradient buffer, ZeRO-2's
-    reduce-scatter is not bucket-overlapped, ZeRO-3 saves the weights for per-micro-batch gathers;
-    the simulator prices each and the planner keeps the fastest that fits. `pp` is accepted for
-    callers of the older form."""
+    (`sim/trainer_costs.py`): ZeRO-2/3 hold 1/dp of the gradients but reduce-scatter them in every
+    micro-batch's backward (A times ZeRO-1's bytes with A micro-batches), ZeRO-3 also saves the
+    weights for per-micro-batch gathers; the simulator prices each and the planner keeps the fastest
+    that fits. `pp` is accepted for callers of the older form."""
     del pp
     return (0,) if dp == 1 else tuple(implemented)

@@ -21,7 +21,7 @@ from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time,
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
-from shiftlm.sim.trainer_costs import regathered_stage_costs, zero3_sync_factor
+from shiftlm.sim.trainer_costs import regathered_stage_costs, zero_sync_factor
 
 
 def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, efficiency, dtype: str):
@@ -244,9 +244,9 @@ class StepResult:
 def grad_sync_time(
     model: ModelConfig, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
 ) -> float:
-    """DP sync of one rank's gradients. ZeRO-1/2 reduce-scatter grads and all-gather weights, the
-    same volume as an all-reduce; at ZeRO-3 the step's sync is a reduce-scatter and the trainer's
-    per-micro-batch parameter gathers are priced in the stage costs (`trainer_costs`). The group
+    """DP sync of one rank's gradients after the pipeline: an all-reduce at ZeRO-0/1; at ZeRO-2 the
+    parameter all-gather (the gradients are reduce-scattered per micro-batch inside the backward, priced
+    in the stage costs by `trainer_costs`); nothing at ZeRO-3 (its gathers are there too). The group
     is the trainer's `dp_sp`: DP replicas, cp and Ulysses peers hold the same weights and see
     different tokens (ranks per node and nodes: the products over the three axes)."""
     if layout.dp * layout.cp * layout.sp == 1:
@@ -257,7 +257,7 @@ def grad_sync_time(
         per_node, nodes = group_placement(layout, axis, hardware.gpus_per_node)
         placement = (placement[0] * per_node, placement[1] * nodes)
     time = all_reduce_time(nbytes, *placement, Links.of(hardware, efficiency))
-    return time * (zero3_sync_factor() if layout.zero >= 3 else 1.0)
+    return time * zero_sync_factor(layout)
 
 
 def step_overheads(

@@ -5,8 +5,10 @@ sharded by the ZeRO stage as in Rajbhandari et al. 2020). shiftlm's trainer keep
 a rank (`train/flat.py`, `train/zero.py`, `train/trainer.py`):
 - weights: the flat fp32 buffer (4 bytes); at ZeRO-3 the fp32 master shard (4/N) plus the units
   gathered at once (the one in use and the prefetched next: two of the largest unit);
-- gradients: the flat fp32 gradient buffer (4) at *every* ZeRO stage - ZeRO-2/3 reduce-scatter into
-  it, so only the optimizer reads a 1/N range - plus the fp32 grad-norm mask beside it (4);
+- gradients: below ZeRO-2 the flat fp32 gradient buffer (4) and the fp32 grad-norm mask beside it
+  (4); at ZeRO-2/3 (`train/grad_shards.py`) the fp32 gradient shard and the norm mask's shard (8/N)
+  plus two of the largest unit in transit (one filling, one being reduce-scattered); BitPipe's
+  replica-summed stages keep their autograd gradients (4) until the step's end on top;
 - optimizer: Adam m and v and the weight-decay mask over the owned range (12/N from ZeRO-1, 12/1
   below), N = the data group dp x cp x sp; at ZeRO-1/2 also the parameter refill's input buffer (4/N).
 A plan is priced (and checked to fit) with these, so what the planner proposes fits the trainer.
@@ -21,8 +23,11 @@ Checked against the trainer's measured allocation peak in tests/train/test_memor
 bench/memory_model.py.
 
 ZeRO-3 re-gathers every unit for every micro-batch's forward and again for its backward (FSDP's
-`reshard_after_forward`), in fp32, each gather prefetched behind the previous unit's compute; the
-step's own DP sync is then one reduce-scatter (`regathered_stage_costs`, `zero3_sync_factor`).
+`reshard_after_forward`), in fp32, each gather prefetched behind the previous unit's compute. At
+ZeRO-2/3 every micro-batch's backward reduce-scatters each unit's fp32 gradients as the unit
+completes, overlapped with the next unit's backward (`regathered_stage_costs`); the step's own DP
+sync is then ZeRO-2's parameter all-gather (half an all-reduce) and nothing at ZeRO-3
+(`zero_sync_factor`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ def trainer_states(model: ModelConfig, layout: Layout) -> tuple[float, float, fl
     if layout.zero >= 3 and n > 1:
         weights = FP32 * params / n + 2 * FP32 * largest_unit(model, layout)
     gradients = 2 * FP32 * params  # the flat gradient buffer and the grad-norm mask
+    if layout.zero >= 2 and n > 1:  # the shard and its norm mask, plus two units in transit
+        gradients = 2 * FP32 * params / n + 2 * FP32 * largest_unit(model, layout)
+        if layout.schedule == "bitpipe":  # replica-synced stages keep `.grad` until the step's end
+            gradients += FP32 * params
     optimizer = 3 * FP32 * params / sharded  # m, v and the decay mask over the owned range
     if layout.zero in (1, 2) and n > 1:  # the parameter refill's input buffer (train/zero.py)
         optimizer += FP32 * params / n
@@ -130,30 +139,35 @@ def _data_placement(layout: Layout, hardware: Hardware) -> tuple[int, int]:
 def regathered_stage_costs(
     stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency: Efficiency
 ):
-    """ZeRO-3: add to every stage's forward and backward (per micro-batch) the gathers it waits for.
-    The first unit's gather is exposed; each next one is prefetched behind the previous layer's
-    compute, so only `max(0, gather - layer compute)` shows. Gathers are fp32 (the trainer's)."""
-    if layout.zero < 3 or data_group(layout) == 1:
+    """ZeRO-2/3: add to every stage's backward (per micro-batch) the unit reduce-scatters of its
+    gradients, and at ZeRO-3 to its forward and backward the gathers it waits for. The first gather
+    (the last reduce-scatter) is exposed; the others overlap the neighbouring layer's compute, so only
+    `max(0, collective - layer compute)` shows. Both are fp32 (the trainer's) over the largest unit."""
+    if layout.zero < 2 or data_group(layout) == 1:
         return stage
     links = Links.of(hardware, efficiency)
     # an all-gather is the mirror image of a reduce-scatter (same ring steps and bytes)
-    gather = reduce_scatter_time(
+    collective = reduce_scatter_time(
         FP32 * largest_unit(model, layout), *_data_placement(layout, hardware), links
     )
     layers = model.num_layers / len(stage.forward)
 
     def exposed(pass_time: float) -> float:
-        return gather + max(layers - 1, 0) * max(0.0, gather - pass_time / layers)
+        return collective + max(layers - 1, 0) * max(0.0, collective - pass_time / layers)
 
     backward = [i + w for i, w in zip(stage.backward_input, stage.backward_weight)]
+    scatter = [exposed(b) for b in backward]  # the gradients' reduce-scatters
+    if layout.zero < 3:
+        return replace(stage, backward_input=[i + r for i, r in zip(stage.backward_input, scatter)])
     return replace(
         stage,
         forward=[f + exposed(f) for f in stage.forward],
-        backward_input=[i + exposed(b) for i, b in zip(stage.backward_input, backward)],
+        backward_input=[i + exposed(b) + r for i, b, r in zip(stage.backward_input, backward, scatter)],
     )
 
 
-def zero3_sync_factor() -> float:
-    """The step's DP sync at ZeRO-3 in all-reduces: one reduce-scatter of the gradients (half an
-    all-reduce); the parameter gathers are priced per micro-batch in the stage costs."""
-    return 0.5
+def zero_sync_factor(layout: Layout) -> float:
+    """The step's own DP sync in all-reduces of the stage's gradients: one below ZeRO-2; at ZeRO-2
+    the parameter all-gather after the update (half), the gradients being reduce-scattered inside
+    every micro-batch's backward; at ZeRO-3 none (gathers and reduce-scatters are in the stage costs)."""
+    return {0: 1.0, 1: 1.0, 2: 0.5}.get(layout.zero, 0.0)
