@@ -1,7 +1,7 @@
 """Every layout the planners propose is one shiftlm runs (issue 10, item 3; issue 18, item 3): the top
 plans of several clusters pass the trainer's `load_config` and `check_layout` and fit the GPU as the
 trainer keeps its states (the preflight's estimate), the 70B / 64 x H100 plans run `--dry-run`
-(a stand-in step equal to one rank's), ZeRO-3 is proposed with a pipeline, and `plan serve`
+(a stand-in step equal to one rank's), ZeRO-3 is planned with and without a pipeline, and `plan serve`
 proposes one engine."""
 
 from __future__ import annotations
@@ -72,9 +72,32 @@ def _top_plans(name, gpu, gpus, seq, batch, tmp_path):
         yield ranked, load_config(path, [f"--log.dir={tmp_path / 'run'}"])
 
 
-def test_zero_3_is_proposed_with_a_pipeline(tmp_path):
-    layouts = [r.layout for r, _ in _top_plans("llama3-70b", "h100-sxm", 128, 131072, 16, tmp_path)]
-    assert any(layout.zero == 3 and layout.pp > 1 for layout in layouts), layouts
+def test_zero_3_is_planned_with_and_without_a_pipeline(tmp_path):
+    """70B at 128k tokens on 128 x H100. Before ZeRO-2/3 sharded the gradients the top plan was
+    pp4 x cp8 x tp4 ZeRO-3; with 1/N gradients a bubble-free data-parallel ZeRO-3 plan fits and wins.
+    ZeRO-3 with a pipeline is still enumerated, fits and is priced (and loses only on time)."""
+    from dataclasses import replace
+
+    from shiftlm.sim.planner import enumerate_layouts
+    from shiftlm.sim.train import simulate_step
+    from shiftlm.train.config import load_config
+
+    model, gpu = PRESETS["llama3-70b"], CATALOG["h100-sxm"]
+    top = [r for r, _ in _top_plans("llama3-70b", "h100-sxm", 128, 131072, 16, tmp_path)]
+    assert top and all(r.layout.zero == 3 for r in top), [r.layout for r in top]
+    assert any(r.layout.pp == 1 and r.layout.dp > 1 for r in top)
+    piped = [
+        layout
+        for layout in enumerate_layouts(model, 128, gpu.gpus_per_node, 131072, 16)
+        if layout.zero == 3 and layout.pp == 4 and layout.cp == 8 and layout.tp == 4
+    ]
+    assert piped
+    layout = replace(piped[0], schedule="zb_h1", recompute="full", micro_batch=1, chunks=1)
+    result = simulate_step(model, layout, gpu, FITTED)
+    assert result.memory.fits and result.step_time > top[0].result.step_time
+    path = tmp_path / "piped.toml"
+    path.write_text(train_config_toml("llama3-70b", layout))
+    assert load_config(path).train.zero == 3
 
 
 def test_every_70b_plan_runs_the_dry_run(ranks, tmp_path):
