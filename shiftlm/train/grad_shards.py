@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm import CommGroup, all_gather, all_reduce, reduce_scatter
-from shiftlm.comm.p2p import irecv, isend
+from shiftlm.comm.p2p import exchange
 from shiftlm.train.flat import GRADS_TAG, FlatParameters
 
 
@@ -230,10 +230,10 @@ class ShardedGrads:
         mine = views[0].clone()
         for view in views[1:]:
             mine += view
-        parts, handles = {pp.global_rank: mine}, []
-        for peer in (r for r, held in zip(pp.ranks, holds.tolist()) if held and r != pp.global_rank):
-            parts[peer] = torch.empty_like(mine)
-            handles += [isend(mine, peer, pp), irecv(parts[peer], peer, pp)]
+        peers = [r for r, held in zip(pp.ranks, holds.tolist()) if held and r != pp.global_rank]
+        parts = {pp.global_rank: mine, **{peer: torch.empty_like(mine) for peer in peers}}
+        # every holder sends to every other at once: one group (`pipeline/tied.py` does the same)
+        handles = exchange([(mine, peer) for peer in peers], [(parts[peer], peer) for peer in peers], pp)
         for handle in handles:
             handle.wait()
         total = torch.stack([parts[rank] for rank in sorted(parts)]).sum(dim=0)
