@@ -27,8 +27,12 @@ def greedy_order(
     caps: list[int],
     split_backward: bool,
     grad_sync: bool = False,
+    latency: float = 0.0,
 ) -> list[list[Action]]:
-    """Per-rank orders; with `grad_sync`, GRAD_SYNC(stage, replica) follows the chunk's last backward."""
+    """Per-rank orders; with `grad_sync`, GRAD_SYNC(stage, replica) follows the chunk's last backward.
+    `latency`: time a message between two ranks takes (in units of one F); an action whose input
+    comes from another rank becomes ready that much after its producer ends, so a rank fills the gap
+    with other work where it has some (a schedule that leaves slack before every remote dependency)."""
     last = placement.num_stages - 1
     backward_kind = Kind.I if split_backward else Kind.B
     queues: dict[tuple[int, int], list[int]] = defaultdict(list)  # (stage, replica) -> its micro-batches
@@ -49,8 +53,11 @@ def greedy_order(
     free_at = [(0, rank) for rank in range(placement.pp)]
     sleeping: list[int] = []
 
-    def done_by(key: tuple[Kind, int, int, int], time: int) -> bool:
-        return key in finished and finished[key] <= time
+    def done_by(key: tuple[Kind, int, int, int], time: float, rank: int) -> bool:
+        if key not in finished:
+            return False
+        remote = latency if placement.rank_of(key[1], key[3]) != rank else 0.0
+        return finished[key] + remote <= time
 
     def pick(rank: int, time: int) -> Action | None:
         backwards, forwards = [], []
@@ -59,12 +66,12 @@ def greedy_order(
             b = next_backward[(stage, rep)]
             if b < len(queue) and b < next_forward[(stage, rep)]:
                 j = queue[b]
-                if stage == last or done_by((Kind.B, stage + 1, j, rep), time):
+                if stage == last or done_by((Kind.B, stage + 1, j, rep), time, rank):
                     backwards.append((b, -stage, rep, Action(backward_kind, stage, j, rep)))
             f = next_forward[(stage, rep)]
             if f < len(queue):
                 j = queue[f]
-                if stage == 0 or done_by((Kind.F, stage - 1, j, rep), time):
+                if stage == 0 or done_by((Kind.F, stage - 1, j, rep), time, rank):
                     forwards.append((f, -stage, rep, Action(Kind.F, stage, j, rep)))
         if backwards:
             return min(backwards)[-1]
@@ -85,6 +92,8 @@ def greedy_order(
             continue
         end = time + UNIT_COST[action.kind]
         heapq.heappush(ends, end)
+        if latency:  # a message it sends arrives then: an idle rank looks again at that time too
+            heapq.heappush(ends, end + latency)
         for sleeper in sleeping:
             heapq.heappush(free_at, (end, sleeper))
         sleeping.clear()

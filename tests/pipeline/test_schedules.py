@@ -169,3 +169,22 @@ def test_dualpipe_v_runs_pytorchs_order_with_each_overlapped_pair_as_f_then_b(pp
             for sub in action.sub_actions or (action,):
                 theirs.append(f"{sub.stage_index}{letters[sub.computation_type.name]}{sub.microbatch_index}")
         assert [str(a) for a in ours.ranks[rank]] == theirs
+
+
+def test_bitpipe_at_p2_leaves_slack_before_remote_inputs_and_wins_once_messages_take_time():
+    from shiftlm.pipeline.actions import Placement, PlacementKind, Schedule
+    from shiftlm.pipeline.greedy import greedy_order
+
+    placement = Placement(PlacementKind.BIDIRECTIONAL, 2, 2)
+    costs = ActionCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.25)
+
+    def makespan(latency: float) -> float:
+        ranks = greedy_order(placement, 8, [6, 6], split_backward=False, grad_sync=True, latency=latency)
+        return simulate(Schedule("bitpipe", placement, 8, tuple(tuple(a) for a in ranks)), costs).makespan
+
+    assert makespan(0.5) < makespan(0.0)
+    chosen = build_schedule("bitpipe", 2, 8)
+    assert simulate(chosen, costs).makespan == makespan(0.5)
+    first = chosen.ranks[0]  # rank 0 runs a second local forward before the one fed by rank 1
+    assert [(a.kind, a.stage) for a in first[:3]] == [(Kind.F, 0), (Kind.F, 0), (Kind.F, 1)]
+    assert bubble("bitpipe", 2, 8) == 0.0  # no worse without message time
