@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from shiftlm.comm import CommGroup
 from shiftlm.comm.p2p import irecv, isend
-from shiftlm.model.deferred import WeightGradStore
+from shiftlm.model.deferred import WeightGradStore, plain_linears
 from shiftlm.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
 from shiftlm.pipeline.p2p_order import Message, awaited_by, rank_operations, sent_by
@@ -89,6 +89,8 @@ class PipelineExecutor:
         self.on_stage_grads_ready = on_stage_grads_ready
         actions = self.schedule.ranks[rank]
         # stages whose gradients are final only once the replicas' GRAD_SYNC lands (end of step)
+        # forwards whose backward is split (I + W) build deferrable linears; the others autograd's own
+        self._split = {(a.stage, a.microbatch, a.replica) for a in actions if a.kind is Kind.I}
         self._synced = sorted({(a.stage, a.replica) for a in actions if a.kind is Kind.GRAD_SYNC})
         last = {(a.stage, a.replica): i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.I, Kind.W)}
         ready_after = {index: key for key, index in last.items() if key not in self._synced}
@@ -109,6 +111,7 @@ class PipelineExecutor:
         }
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # received activations
         self._sent_shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._sync_buffers: dict[tuple[int, int], torch.Tensor] = {}  # BitPipe: the other copy's sums
         self._params_of = {
             key: [p for p in module.parameters() if p.requires_grad] for key, module in self.modules.items()
         }
@@ -161,10 +164,14 @@ class PipelineExecutor:
         `wait` is false. An activation's shape comes in a header on a first step."""
         peer, key = self.pp_ranks[message.sender], message.key
         if message.kind == "sync":
-            params = self._params_of[(message.stage, 1 - message.replica)]
-            numel, dtype = sum(p.numel() for p in params), params[0].dtype
+            mine = (message.stage, 1 - message.replica)
+            buffer = self._sync_buffers.get(mine)  # kept across steps: the sum is added before the next
+            if buffer is None:
+                params = self._params_of[mine]
+                numel, dtype = sum(p.numel() for p in params), params[0].dtype
+                buffer = self._sync_buffers[mine] = torch.empty(numel, dtype=dtype, device=self.device)
             tag = self._tag(3, message.stage, 0, message.replica)
-            self._sync_recvs.append((message, *self._irecv([numel], dtype, peer, tag)))
+            self._sync_recvs.append((mine, irecv(buffer, peer, self.group, tag=tag), buffer))
             return True
         if message.kind == "grad":
             if key not in self._out_shapes:
@@ -245,7 +252,11 @@ class PipelineExecutor:
         module = self.modules[(stage, action.replica)]
         if hasattr(module, "micro_batch"):  # a stage that needs its micro-batch's context (train/streams.py)
             module.micro_batch = action.microbatch
-        out = module(x)
+        if key in self._split:
+            out = module(x)
+        else:
+            with plain_linears():
+                out = module(x)
         if stage == last:
             out = self.loss_fn(out, self._targets[action.microbatch])
             self._loss = out.detach() if self._loss is None else self._loss + out.detach()
@@ -343,16 +354,37 @@ class PipelineExecutor:
                 mine.grad = mine.grad + theirs.grad
                 theirs.grad = mine.grad.clone()
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in self._params(action)])
+        flat = self._flat_grads((action.stage, action.replica))
         self._send(self._messages[action], flat, self._tag(3, action.stage, 0, action.replica))
 
+    def _flat_grads(self, key: tuple[int, int]) -> torch.Tensor:
+        """The gradients of stage `key` as one 1-D tensor whose slices are the parameters' `.grad`:
+        a view when they already lie back to back in one storage (ours from an earlier step, or a
+        trainer's flat buffer), else one copy, after which `.grad` are views of it (later micro-batches
+        and steps accumulate into it in place, so no per-step concatenation)."""
+        params = self._params_of[key]
+        grads = [p.grad for p in params]
+        first, total = grads[0], sum(g.numel() for g in grads)
+        start, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+        offset, size = 0, first.element_size()
+        for g in grads:
+            if (not g.is_contiguous() or g.dtype != first.dtype or g.data_ptr() != start + offset * size
+                    or g.untyped_storage().data_ptr() != storage):
+                break
+            offset += g.numel()
+        else:
+            return first.as_strided((total,), (1,))
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return flat
+
     def _finish_grad_sync(self) -> None:
-        for message, work, buffer in self._sync_recvs:  # the other replica's sum, into our copy
+        for key, work, buffer in self._sync_recvs:  # the other replica's sum, into our copy
             work.wait()
-            offset = 0
-            for param in self._params_of[(message.stage, 1 - message.replica)]:
-                param.grad += buffer[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
+            self._flat_grads(key).add_(buffer)  # after every send was waited: the sent sums are ours
         if self.on_stage_grads_ready is not None:
             for key in self._synced:
                 self.on_stage_grads_ready(key)
