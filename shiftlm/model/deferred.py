@@ -105,8 +105,12 @@ def accumulate_grad(param: torch.Tensor | None, grad: torch.Tensor | None) -> No
 
 @torch.no_grad()
 def _accumulate_weight_grads(
-    weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, grad_out: torch.Tensor,
-    wants_weight: bool, wants_bias: bool,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    wants_weight: bool,
+    wants_bias: bool,
 ) -> None:
     """The W of one linear: weight.grad += dY^T X and bias.grad += sum dY, in place where a gradient
     exists (one addmm_, no temporary; `.grad` stays the tensor it was, e.g. a view of a trainer's

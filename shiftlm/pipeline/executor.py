@@ -368,8 +368,12 @@ class PipelineExecutor:
         start, storage = first.data_ptr(), first.untyped_storage().data_ptr()
         offset, size = 0, first.element_size()
         for g in grads:
-            if (not g.is_contiguous() or g.dtype != first.dtype or g.data_ptr() != start + offset * size
-                    or g.untyped_storage().data_ptr() != storage):
+            if (
+                not g.is_contiguous()
+                or g.dtype != first.dtype
+                or g.data_ptr() != start + offset * size
+                or g.untyped_storage().data_ptr() != storage
+            ):
                 break
             offset += g.numel()
         else:
