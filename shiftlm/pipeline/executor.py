@@ -111,6 +111,7 @@ class PipelineExecutor:
         }
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # received activations
         self._sent_shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}  # receive buffers, kept across steps
         self._sync_buffers: dict[tuple[int, int], torch.Tensor] = {}  # BitPipe: the other copy's sums
         self._params_of = {
             key: [p for p in module.parameters() if p.requires_grad] for key, module in self.modules.items()
@@ -123,7 +124,7 @@ class PipelineExecutor:
 
     def reset_shapes(self) -> None:
         """Forget the activation shapes: the next step sends headers again (call it on every rank)."""
-        self._shapes.clear(), self._sent_shapes.clear()
+        self._shapes.clear(), self._sent_shapes.clear(), self._buffers.clear()
 
     # -- communication ---------------------------------------------------------------------------
     def _peer(self, stage: int, replica: int) -> int:
@@ -137,8 +138,17 @@ class PipelineExecutor:
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self._sends.append((isend(tensor, peer, self.group, tag=tag), tensor))
 
-    def _irecv(self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int):
-        buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+    def _irecv(
+        self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int, keep: tuple | None = None
+    ):
+        """Post a receive; with `keep`, into the buffer that key received into last step (as PyTorch's
+        stages keep theirs): nothing of a step outlives it, so the buffer is free again, and a step
+        allocates no receive buffers."""
+        buffer = None if keep is None else self._buffers.get(keep)
+        if buffer is None or buffer.shape != tuple(shape) or buffer.dtype != dtype:
+            buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            if keep is not None:
+                self._buffers[keep] = buffer
         return irecv(buffer, peer, self.group, tag=tag), buffer
 
     def _advance(self, peer: int, through: Message | None = None) -> None:
@@ -179,7 +189,7 @@ class PipelineExecutor:
                     raise RuntimeError(f"pipeline rank {self.rank}: {message} before its forward ran")
                 return False
             shape, dtype = self._out_shapes[key]
-            self._recvs[("grad", *key)] = self._irecv(shape, dtype, peer, self._tag(2, *key))
+            self._recvs[("grad", *key)] = self._irecv(shape, dtype, peer, self._tag(2, *key), ("grad", *key))
             return True
         if key not in self._shapes:
             header = self._recvs.get(("header", *key))
@@ -193,7 +203,7 @@ class PipelineExecutor:
             dtype, shape = _DTYPES[int(fields[0])], tuple(fields[2 : 2 + int(fields[1])].tolist())
             self._shapes[key] = (shape, dtype)
         shape, dtype = self._shapes[key]
-        self._recvs[("act", *key)] = self._irecv(shape, dtype, peer, self._tag(1, *key))
+        self._recvs[("act", *key)] = self._irecv(shape, dtype, peer, self._tag(1, *key), ("act", *key))
         return True
 
     def _send(self, message: Message, tensor: torch.Tensor, tag: int) -> None:
