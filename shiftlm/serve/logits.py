@@ -57,18 +57,33 @@ def logits_block(
 
 
 def gather_logits(
-    mine: torch.Tensor, batch: FlatBatch, mode: Mode, mesh: Mesh, vocab_per_tp: int
+    mine: torch.Tensor, batch: FlatBatch, mode: Mode, mesh: Mesh, vocab_per_tp: int, vocab_size: int
 ) -> torch.Tensor | None:
-    """On the shift group's first rank: the [samples, padded_vocab] logits; None elsewhere."""
+    """On the shift group's first rank: the [samples, padded_vocab] logits; None elsewhere.
+
+    Rows flagged `batch.sample_argmax` (greedy, nothing else of the logits used) travel as each rank's
+    (max, argmax) over its columns instead of the columns: rank 0 picks the best and returns the row
+    with everything but that maximum at -inf, which is what the sampler's argmax reads. Both kinds go
+    in one gather (full rows first, then 16 bytes per argmax row)."""
     group = mesh.shift
     blocks = [
         logits_block(batch, mode, coords_of(mesh.config, rank), mesh.config.sp, vocab_per_tp)
         for rank in group.ranks
     ]
-    rows = max(block.sample_index.numel() for block in blocks)
+    argmax = batch.sample_argmax
+    if argmax is None:
+        argmax = torch.zeros(batch.sample_rows.numel(), dtype=torch.bool, device=mine.device)
+    splits = [argmax[block.sample_index] for block in blocks]
+    rows = max(int((~split).sum()) for split in splits)
+    top_rows = max(int(split.sum()) for split in splits)
     columns = max(block.vocab_len for block in blocks)
-    padded = mine.new_zeros(rows, columns)
-    padded[: mine.shape[0], : mine.shape[1]] = mine
+    me = group.ranks.index(mesh.rank)
+    full = mine.new_zeros(rows, columns)
+    mine_full = mine[~splits[me]]
+    full[: mine_full.shape[0], : mine.shape[1]] = mine_full
+    top = mine.new_zeros(top_rows, PACKED_ROW // mine.element_size())
+    top[: int(splits[me].sum())] = pack_max(mine[splits[me]], blocks[me].vocab_start, vocab_size)
+    padded = torch.cat((full.flatten(), top.flatten()))
     is_root = mesh.rank == group.ranks[0]
     parts = [torch.empty_like(padded) for _ in blocks] if is_root else None
     if group.size == 1:
@@ -78,7 +93,55 @@ def gather_logits(
     if not is_root:
         return None
     logits = mine.new_empty(batch.sample_rows.numel(), vocab_per_tp * mesh.config.tp)
-    for block, part in zip(blocks, parts):
+    tops = []
+    for block, split, part in zip(blocks, splits, parts):
         columns = slice(block.vocab_start, block.vocab_start + block.vocab_len)
-        logits[block.sample_index, columns] = part[: block.sample_index.numel(), : block.vocab_len]
+        index = block.sample_index[~split]
+        logits[index, columns] = part[: full.numel()].view(full.shape)[: index.numel(), : block.vocab_len]
+        index = block.sample_index[split]
+        tops.append((block.vocab_start, index, part[full.numel() :].view(top.shape)[: index.numel()]))
+    if bool(argmax.any()):
+        rows = argmax.nonzero().flatten()
+        value, column = best_of(tops, batch.sample_rows.numel(), mine.device)
+        logits[rows] = float("-inf")
+        logits[rows, column[rows]] = value[rows].to(logits.dtype)
     return logits
+
+
+PACKED_ROW = 16  # bytes of one argmax row: its max as float64 and the column as int64
+
+
+def pack_max(block: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """[rows, PACKED_ROW bytes in block's dtype]: each row's (max, global column of the first max)
+    over the real vocabulary (padding columns of the last shard never win)."""
+    real = max(0, min(block.shape[1], vocab_size - vocab_start))
+    if real < block.shape[1]:
+        block = block[:, :real]
+    if real == 0:  # an empty block: a max that never beats a real column
+        value = block.new_full((block.shape[0],), float("-inf"), dtype=torch.float64)
+        column = torch.full_like(value, vocab_start, dtype=torch.long)
+    else:
+        column = torch.argmax(block, dim=1)  # as the sampler's: the first maximum, NaN the largest
+        value = block.gather(1, column.unsqueeze(1)).squeeze(1).double()
+        column = column + vocab_start
+    packed = torch.stack((value, column.view(torch.float64)), dim=1)
+    return packed.view(torch.uint8).view(block.dtype)
+
+
+def best_of(
+    tops: list[tuple[int, torch.Tensor, torch.Tensor]], samples: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, column) per sampled row from every rank's (vocab_start, sample index, packed maxima):
+    as torch.argmax over the whole row: the first maximum wins, NaN counts as the largest."""
+    value = torch.full((samples,), float("-inf"), dtype=torch.float64, device=device)
+    column = torch.zeros(samples, dtype=torch.long, device=device)
+    seen = torch.zeros(samples, dtype=torch.bool, device=device)
+    for _, index, packed in sorted(tops, key=lambda top: top[0]):  # ascending columns
+        pairs = packed.clone().view(torch.uint8).view(torch.float64).view(-1, 2)
+        mine_value, mine_column = pairs[:, 0], pairs[:, 1].view(torch.long)
+        best = value[index]
+        wins = ~seen[index] | (~best.isnan() & ((mine_value > best) | mine_value.isnan()))
+        value[index] = torch.where(wins, mine_value, best)
+        column[index] = torch.where(wins, mine_column, column[index])
+        seen[index] = True
+    return value, column

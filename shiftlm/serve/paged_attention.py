@@ -62,6 +62,7 @@ class FlatBatch:
     chunks: tuple[AttentionGroup, ...]  # the step's attention groups (decode rows, prefill chunks)
     sample_rows: torch.Tensor  # rows whose logits are wanted, in plan order (ScheduledChunk.num_logits_rows)
     num_tokens: int  # N before padding
+    sample_argmax: torch.Tensor | None = None  # [samples] bool: the row needs only its argmax (None: no row)
 
 
 class PagedKVCache:

@@ -6,8 +6,9 @@ the rest of a larger plan; instead of pickling the plan), and every rank, rank 0
 no rank does Python work per token or per block of context:
 
     header   [step, mode (0 tp, 1 sp_tp), C chunks, N tokens, M new blocks, G tagged tokens]
-    chunks   [C, 9]: row, start, length, sampled rows, all_logits, first_block, number of new blocks,
-                     layout (0: causal; a stream group's otherwise), prompt length (stream groups)
+    chunks   [C, 10]: row, start, length, sampled rows, all_logits, first_block, number of new blocks,
+                     layout (0: causal; a stream group's otherwise), prompt length (stream groups),
+                     argmax_only (the sampled row needs only its argmax: `logits.gather_logits`)
     tokens   [N]     the chunks' token ids, in plan order
     blocks   [M]     the chunks' new physical blocks, in plan order
     tags     [G, 2]  (stream, position) of every token of a stream-group chunk (serve/stream_plan.py)
@@ -26,7 +27,7 @@ from shiftlm.serve.scheduler import Mode, StepPlan
 from shiftlm.serve.stream_plan import stream_group, tag_tokens
 
 HEADER = 6
-CHUNK_FIELDS = 9
+CHUNK_FIELDS = 10
 MODES = (Mode.TP, Mode.SP_TP)
 STOP_CHUNKS = -1  # header[2] of the message that stops the workers
 
@@ -36,7 +37,7 @@ def encode_plan(plan: StepPlan) -> torch.Tensor:
     chunks, tokens, blocks, tags = [], [], [], []
     for c in plan.chunks:
         chunks += (c.row, c.start, len(c.token_ids), c.num_logits_rows * (not c.all_logits), c.all_logits)
-        chunks += (c.first_block, len(c.new_blocks), c.layout, c.prompt_len)
+        chunks += (c.first_block, len(c.new_blocks), c.layout, c.prompt_len, c.argmax_only and c.sample)
         tokens += c.token_ids
         blocks += c.new_blocks
         for stream, position in zip(c.streams, c.positions):
@@ -90,8 +91,8 @@ def decode_plan(
     step, mode, num_chunks, num_tokens, num_blocks, _ = message[:HEADER].tolist()
     end_chunks = HEADER + num_chunks * CHUNK_FIELDS
     chunks = message[HEADER:end_chunks].view(num_chunks, CHUNK_FIELDS)
-    rows, starts, lengths, sample, all_logits, first_block, new_counts, layouts, prompt_lens = chunks.unbind(
-        1
+    rows, starts, lengths, sample, all_logits, first_block, new_counts, layouts, prompt_lens, argmax = (
+        chunks.unbind(1)
     )
     token_ids = message[end_chunks : end_chunks + num_tokens]
     end_blocks = end_chunks + num_tokens + num_blocks
@@ -106,6 +107,7 @@ def decode_plan(
     slots = tables.table[seq_rows, positions // block_size] * block_size + positions % block_size
     wanted = all_logits[owner].bool() | (in_chunk >= lengths[owner] - sample[owner])
     sample_rows = wanted.nonzero().flatten()
+    sample_argmax = argmax[owner[sample_rows]].bool()
 
     normal = layouts == 0
     decode = (lengths == 1) & normal
@@ -129,7 +131,7 @@ def decode_plan(
         token_ids = _pad(token_ids, padding, 0)
         positions = _pad(positions, padding, 0)
         slots = _pad(slots, padding, -1)
-    batch = FlatBatch(token_ids, positions, slots, tuple(groups), sample_rows, num_tokens)
+    batch = FlatBatch(token_ids, positions, slots, tuple(groups), sample_rows, num_tokens, sample_argmax)
     return step, MODES[mode], batch
 
 

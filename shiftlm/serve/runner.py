@@ -139,4 +139,5 @@ class ModelRunner:
         mine = self.shift_model.forward(batch, mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column
             return mine
-        return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp)
+        vocab = self.model_config.vocab_size
+        return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp, vocab)

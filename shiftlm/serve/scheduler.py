@@ -86,6 +86,7 @@ class ScheduledChunk:
     sample_rows: int = 1  # with `sample`: logits of the last rows wanted (a stream group's timestep)
     layout: int = 0  # a stream group's visibility layout (model/stream_mask.py), 0: causal
     prompt_len: int = 0  # stream groups: the shared prompt's length
+    argmax_only: bool = False  # with `sample`: only the argmax is needed (SamplingParams.argmax_only)
     streams: tuple[int, ...] = ()  # stream groups: each token's stream (-1: prompt) ...
     positions: tuple[int, ...] = ()  # ... and position
 
@@ -236,17 +237,21 @@ class Scheduler:
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         start, sent = seq.num_computed, seq.num_blocks_sent
         seq.num_blocks_sent = len(seq.block_ids)
+        tags = seq.chunk_tags(start, start + num_new)
+        all_logits = seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids)
+        argmax_only = seq.params.argmax_only and not all_logits and not tags and seq.num_sampled_rows == 1
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start : start + num_new]),
             start=start,
             new_blocks=tuple(seq.block_ids[sent:]),
             sample=start + num_new == seq.num_tokens,
-            all_logits=seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids),
+            all_logits=all_logits,
             first_block=sent,
             row=seq.row,
             sample_rows=seq.num_sampled_rows,
-            **seq.chunk_tags(start, start + num_new),
+            argmax_only=argmax_only,
+            **tags,
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -103,6 +103,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def argmax_only(self) -> bool:
+        """The next token is the raw logits' argmax and nothing else of them is returned or used (no
+        logprobs, bias, penalties or min_tokens): a 2-rank step sends (max, argmax) per rank, not logits."""
+        return (
+            self.greedy
+            and self.n == 1
+            and self.logprobs is None
+            and self.prompt_logprobs is None
+            and not self.logit_bias
+            and self.min_tokens == 0
+            and self.repetition_penalty == 1.0
+            and self.frequency_penalty == 0.0
+            and self.presence_penalty == 0.0
+        )
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
