@@ -99,8 +99,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = vocab_start
         self.group = group
         self.sequence_parallel = sequence_parallel
+        # serving (ShiftModel): the whole table on every rank, so a lookup needs no all-reduce
+        self.full_table: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.full_table is not None and not self.sequence_parallel:
+            return F.embedding(ids, self.full_table)
         if self.group.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start

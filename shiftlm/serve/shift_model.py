@@ -9,7 +9,8 @@ holds TP shard `tp` (docs/design.md "Shift Parallelism").
   causal attention; row-parallel sums run over the tp group.
 - Full TP: every rank takes all tokens and the layers run with `attention.FullTP`: head block
   j = tp*S + sp as `narrow` views of the same shards (selected by the layer), sums over all P ranks.
-  The embedding stays TP-sharded (a lookup costs nothing to repeat; its all-reduce runs over tp).
+  The embedding lookup uses the whole table on every rank (gathered once, up to FULL_EMBEDDING_BYTES),
+  so neither mode spends an all-reduce on it; the LM head stays vocab-parallel.
 Either way rank (sp, tp) writes and reads the K/V of head block j, so both modes share one cache.
 Only the sampled rows go through the final norm and the LM head (`logits.logits_block`).
 """
@@ -17,6 +18,7 @@ Only the sampled rows go through the final norm and the LM head (`logits.logits_
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shiftlm.config import ConfigError
 from shiftlm.mesh import Mesh
@@ -25,6 +27,8 @@ from shiftlm.model.transformer import Transformer
 from shiftlm.serve.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 from shiftlm.serve.scheduler import Mode
+
+FULL_EMBEDDING_BYTES = 512 * 2**20  # a larger table stays vocab-parallel (one all-reduce per step)
 
 
 class ShiftModel:
@@ -40,6 +44,13 @@ class ShiftModel:
         head = model.head_weight  # [padded_vocab / T, hidden]
         self.vocab_per_tp = head.shape[0]
         self.head_view = head.narrow(0, *full_tp_vocab_part(mesh.coords.sp, sp, self.vocab_per_tp))
+        embed = getattr(model.model, "embed_tokens", None)
+        if embed is not None and mesh.tp.size > 1 and not embed.sequence_parallel:
+            full_bytes = embed.weight.numel() * embed.weight.element_size() * mesh.tp.size
+            if full_bytes <= FULL_EMBEDDING_BYTES:  # collective: every rank builds its ShiftModel
+                parts = [torch.empty_like(embed.weight) for _ in range(mesh.tp.size)]
+                dist.all_gather(parts, embed.weight.detach(), group=mesh.tp.pg)
+                embed.full_table = torch.cat(parts)
         # oneDNN-layout copies of the weights each mode uses, made on the first step that uses them
         self.packed = PackedWeights() if pack_weights else None
 

@@ -129,7 +129,9 @@ def run_mixed_batch(model_dir: str, tp: int, sp: int) -> dict | None:
             if out.logprobs is not None:
                 logprobs.setdefault(out.request_id, []).append(out.logprobs.logprob)
     runner.stop_workers()
-    return {"tokens": tokens, "logprobs": logprobs, "finite": finite_per_row}
+    embed = runner.shift_model.model.model.embed_tokens
+    table = None if embed.full_table is None else tuple(embed.full_table.shape)
+    return {"tokens": tokens, "logprobs": logprobs, "finite": finite_per_row, "table": table}
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +160,8 @@ def test_only_argmax_rows_skip_the_full_logits(mixed_runs, layout):
         else:
             assert min(finite[name]) > 1, name
     assert min(mixed_runs["tp1"]["finite"]["greedy"]) > 1  # one rank: the full row, nothing to save
+
+
+def test_tp_ranks_look_tokens_up_in_the_whole_embedding_table(mixed_runs):
+    assert mixed_runs["tp2"]["table"] is not None and mixed_runs["tp2"]["table"][0] >= 250
+    assert mixed_runs["tp1"]["table"] is None and mixed_runs["sp2"]["table"] is None  # nothing to sum
