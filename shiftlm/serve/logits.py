@@ -70,20 +70,24 @@ def gather_logits(
         logits_block(batch, mode, coords_of(mesh.config, rank), mesh.config.sp, vocab_per_tp)
         for rank in group.ranks
     ]
+    samples = batch.sample_rows.numel()
     argmax = batch.sample_argmax
-    if argmax is None:
-        argmax = torch.zeros(batch.sample_rows.numel(), dtype=torch.bool, device=mine.device)
-    splits = [argmax[block.sample_index] for block in blocks]
-    rows = max(int((~split).sum()) for split in splits)
-    top_rows = max(int(split.sum()) for split in splits)
+    if argmax is None or not bool(argmax.any()):
+        argmax = None  # every row whole (sampled steps, one-rank-per-row layouts): the gather as before
+    splits = [None if argmax is None else argmax[block.sample_index] for block in blocks]
+    tops_per_block = [0 if split is None else int(split.sum()) for split in splits]
+    rows = max(block.sample_index.numel() - n for block, n in zip(blocks, tops_per_block))
+    top_rows = max(tops_per_block)
     columns = max(block.vocab_len for block in blocks)
     me = group.ranks.index(mesh.rank)
     full = mine.new_zeros(rows, columns)
-    mine_full = mine[~splits[me]]
-    full[: mine_full.shape[0], : mine.shape[1]] = mine_full
+    if rows:
+        mine_full = mine if splits[me] is None else mine[~splits[me]]
+        full[: mine_full.shape[0], : mine.shape[1]] = mine_full
     top = mine.new_zeros(top_rows, PACKED_ROW // mine.element_size())
-    top[: int(splits[me].sum())] = pack_max(mine[splits[me]], blocks[me].vocab_start, vocab_size)
-    padded = torch.cat((full.flatten(), top.flatten()))
+    if top_rows:
+        top[: tops_per_block[me]] = pack_max(mine[splits[me]], blocks[me].vocab_start, vocab_size)
+    padded = torch.cat((full.flatten(), top.flatten())) if top_rows else full.flatten()
     is_root = mesh.rank == group.ranks[0]
     parts = [torch.empty_like(padded) for _ in blocks] if is_root else None
     if group.size == 1:
@@ -92,19 +96,21 @@ def gather_logits(
         run_blocking(dist.gather, padded, parts, dst=group.ranks[0], group=group.pg)
     if not is_root:
         return None
-    logits = mine.new_empty(batch.sample_rows.numel(), vocab_per_tp * mesh.config.tp)
+    logits = mine.new_empty(samples, vocab_per_tp * mesh.config.tp)
     tops = []
     for block, split, part in zip(blocks, splits, parts):
-        columns = slice(block.vocab_start, block.vocab_start + block.vocab_len)
-        index = block.sample_index[~split]
-        logits[index, columns] = part[: full.numel()].view(full.shape)[: index.numel(), : block.vocab_len]
-        index = block.sample_index[split]
-        tops.append((block.vocab_start, index, part[full.numel() :].view(top.shape)[: index.numel()]))
-    if bool(argmax.any()):
-        rows = argmax.nonzero().flatten()
-        value, column = best_of(tops, batch.sample_rows.numel(), mine.device)
-        logits[rows] = float("-inf")
-        logits[rows, column[rows]] = value[rows].to(logits.dtype)
+        if rows:
+            columns = slice(block.vocab_start, block.vocab_start + block.vocab_len)
+            index = block.sample_index if split is None else block.sample_index[~split]
+            logits[index, columns] = part[: full.numel()].view(full.shape)[: index.numel(), : block.vocab_len]
+        if top_rows:
+            index = block.sample_index[split]
+            tops.append((block.vocab_start, index, part[full.numel() :].view(top.shape)[: index.numel()]))
+    if top_rows:
+        picked = argmax.nonzero().flatten()
+        value, column = best_of(tops, samples, mine.device)
+        logits.index_fill_(0, picked, float("-inf"))
+        logits[picked, column[picked]] = value[picked].to(logits.dtype)
     return logits
 
 
@@ -121,9 +127,10 @@ def pack_max(block: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Te
         value = block.new_full((block.shape[0],), float("-inf"), dtype=torch.float64)
         column = torch.full_like(value, vocab_start, dtype=torch.long)
     else:
-        column = torch.argmax(block, dim=1)  # as the sampler's: the first maximum, NaN the largest
-        value = block.gather(1, column.unsqueeze(1)).squeeze(1).double()
-        column = column + vocab_start
+        # torch.max(dim) picks as the sampler's torch.argmax does (the first maximum, NaN the largest;
+        # test_greedy_argmax checks it) at a third of argmax's time here (54 vs 160 us at 32 x 4000)
+        value, column = block.max(dim=1)
+        value, column = value.double(), column + vocab_start
     packed = torch.stack((value, column.view(torch.float64)), dim=1)
     return packed.view(torch.uint8).view(block.dtype)
 
