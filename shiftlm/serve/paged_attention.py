@@ -135,9 +135,13 @@ class PagedAttention:
         real = batch.num_tokens
         self._rows = None if real == batch.slots.numel() else torch.arange(real, device=batch.slots.device)
         self._slots = batch.slots[:real]
+        self._decode = self.is_decode(batch)
+
+    @staticmethod
+    def is_decode(batch: FlatBatch) -> bool:
+        """A pure decode step (row i is sequence i, one query each): the lean path, decided once per step."""
         groups = batch.chunks
-        # a pure decode step (row i is sequence i, one query each): the lean path, decided once per step
-        self._decode = (
+        return (
             len(groups) == 1
             and groups[0].query_valid is None
             and groups[0].query_rows.shape[1] == 1

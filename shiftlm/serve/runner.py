@@ -16,6 +16,7 @@ rank owns (`logits.py`).
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 
 import torch
@@ -73,7 +74,12 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype = torch.float32,
+        compile_decode: bool = False,
     ) -> ModelRunner:
+        """`compile_decode`: pure decode steps as one compiled function where it applies
+        (`compiled_step.py`; the server's default, off with `--enforce-eager`). The environment variable
+        SHIFTLM_COMPILE_DECODE=1 turns it on for every runner (to run a test suite on that path)."""
+        compile_decode = compile_decode or os.environ.get("SHIFTLM_COMPILE_DECODE") == "1"
         config = ModelConfig.from_hf(model_dir)
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
@@ -81,7 +87,7 @@ class ModelRunner:
         cache = PagedKVCache(
             config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
         )
-        return cls(config, ShiftModel(model, mesh, cache), mesh)
+        return cls(config, ShiftModel(model, mesh, cache, compile_decode=compile_decode), mesh)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""

@@ -24,6 +24,7 @@ from shiftlm.config import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.inference_linear import PackedWeights, inference_linear
 from shiftlm.model.transformer import Transformer
+from shiftlm.serve.compiled_step import CompiledDecode
 from shiftlm.serve.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 from shiftlm.serve.scheduler import Mode
@@ -34,7 +35,14 @@ FULL_EMBEDDING_BYTES = 512 * 2**20  # a larger table stays vocab-parallel (one a
 class ShiftModel:
     """Runs a step on this rank in either mode; returns its share of the sampled rows' logits."""
 
-    def __init__(self, model: Transformer, mesh: Mesh, cache: PagedKVCache, pack_weights: bool = True):
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: Mesh,
+        cache: PagedKVCache,
+        pack_weights: bool = True,
+        compile_decode: bool = False,
+    ):
         config = model.config
         self.model, self.mesh, self.cache, self.config = model, mesh, cache, config
         sp, tp = mesh.config.sp, mesh.config.tp
@@ -53,10 +61,15 @@ class ShiftModel:
                 embed.full_table = torch.cat(parts)
         # oneDNN-layout copies of the weights each mode uses, made on the first step that uses them
         self.packed = PackedWeights() if pack_weights else None
+        # pure decode steps as one compiled function where it applies (serve/compiled_step.py)
+        compiled = compile_decode and CompiledDecode.supports(model, mesh.shift.size)
+        self.compiled = CompiledDecode(model, cache) if compiled else None
 
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
+        if self.compiled is not None and self.compiled.applies(batch):  # one rank: the block is every logit
+            return self.compiled(batch)
         if self.packed is None:
             return self._forward(batch, mode)
         with self.packed.active():

@@ -1,0 +1,179 @@
+"""A pure decode step as one `torch.compile`d function (inductor): the serving runner's default on a
+single rank in full-TP mode; `--enforce-eager` keeps the eager step (docs/serving.md "Compiled decode").
+
+The eager step runs ~300 small ops (norms, RoPE, reshapes, residual adds, ...) at a few microseconds
+of dispatch each; inductor fuses them into a few C++ kernels a layer around the GEMMs (extern `mm`).
+The function is tensor code only, so it compiles to one graph without breaks (`fullgraph=True`): its
+inputs are the step's token ids, positions, slots, gather index, mask bias and sampled rows, the cache
+storage, and the weights (passed in, so their identity is not guarded: no recompiles), with Q|K|V and
+gate|up concatenated once (one more copy of those weights). Attention stays the eager code as one
+custom op per layer (`paged_decode_attention`: cache write, gather into the cache's kept buffers,
+SDPA): inlined, inductor cloned the whole cache per layer for a mutated view, and its dynamic-context
+kernels ran 2-4x slower than eager's at 8-64 sequences. So the graph's only dynamic size is the batch
+(`dynamic=True`): one compile for a single sequence (dynamo specializes size 1), one for the rest.
+
+Applies to: one rank (shift group of 1), fp32, a pure decode step (one query per sequence, no stream
+rotation). Everything else (prefill and mixed steps, several ranks) runs the eager step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from shiftlm.model.transformer import Transformer
+from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
+
+log = logging.getLogger(__name__)
+_CACHES: weakref.WeakValueDictionary[int, PagedKVCache] = (
+    weakref.WeakValueDictionary()
+)  # storage address -> cache
+
+
+@torch.library.custom_op("shiftlm::paged_decode_attention", mutates_args=("storage",))
+def paged_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    storage: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_index: torch.Tensor,
+    bias: torch.Tensor,
+) -> torch.Tensor:
+    """The eager decode attention of one layer (PagedAttention's lean path, the same calls): write K/V
+    [S, Hkv, D] into `storage` (a `PagedKVCache`'s) at `slots`, gather the blocks into the cache's kept
+    buffers, attend q [S, Hq, D] -> [S, Hq, D]. Opaque to inductor: the context length stays inside,
+    so the compiled graph's only dynamic size is the batch, and the gather keeps its buffers."""
+    cache = _CACHES[storage.data_ptr()]
+    cache.write(layer, slots, k, v)
+    seqs, heads, d = q.shape
+    keys, values = cache.gather(layer, block_index, seqs)
+    folded = q.reshape(seqs, keys.shape[1], -1, d)
+    return F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias).reshape(seqs, heads, d)
+
+
+@paged_decode_attention.register_fake
+def _(q, k, v, storage, layer, slots, block_index, bias):
+    return torch.empty_like(q)
+
+
+class CompiledDecode:
+    """The compiled decode step of one rank's model and cache; `applies(batch)` says when to use it."""
+
+    def __init__(self, model: Transformer, cache: PagedKVCache):
+        config = model.config
+        self.cache = cache
+        layers = list(model.model.layers.values())
+        with torch.no_grad():
+            self.weights = tuple(
+                (
+                    layer.input_layernorm.weight.detach(),
+                    torch.cat([p.weight.detach() for p in _qkv(layer)]),
+                    _bias(layer),
+                    layer.self_attn.o_proj.weight.detach(),
+                    layer.post_attention_layernorm.weight.detach(),
+                    torch.cat((layer.mlp.gate_proj.weight.detach(), layer.mlp.up_proj.weight.detach())),
+                    layer.mlp.down_proj.weight.detach(),
+                )
+                for layer in layers
+            )
+        self.embed = model.model.embed_tokens.weight.detach()
+        self.norm = model.model.norm.weight.detach()
+        self.head = model.head_weight.detach()
+        self.inv_freq = model.inv_freq
+        _CACHES[cache.storage.data_ptr()] = cache
+        shape = (config.num_heads, cache.storage.shape[3], config.head_dim)
+        self._fn = torch.compile(_decode_step(shape, config.rms_norm_eps), fullgraph=True, dynamic=True)
+        self._compiled: set[bool] = set()  # which of (single sequence, several) compiled already
+
+    @staticmethod
+    def supports(model: Transformer, shift_size: int) -> bool:
+        """The model and layout this path covers (else the runner keeps the eager step)."""
+        return (
+            shift_size == 1
+            and model.with_embedding
+            and model.with_head
+            and model.model.norm.weight.dtype == torch.float32  # eager's RMSNorm is F.rms_norm in fp32 only
+        )
+
+    @staticmethod
+    def applies(batch: FlatBatch) -> bool:
+        """A pure decode step (PagedAttention's lean path: row i is sequence i, one query each)."""
+        return PagedAttention.is_decode(batch) and batch.num_tokens == batch.slots.numel()
+
+    @torch.no_grad()
+    def __call__(self, batch: FlatBatch) -> torch.Tensor:
+        """The sampled rows' logits [samples, padded vocab], as `ShiftModel.forward` returns them."""
+        group = batch.chunks[0]
+        seqs = batch.token_ids.shape[0]
+        key = seqs == 1
+        start = time.perf_counter() if key not in self._compiled else None
+        logits = self._fn(
+            batch.token_ids,
+            batch.positions,
+            batch.slots,
+            group.block_index,
+            group.bias(self.embed.dtype),
+            batch.sample_rows,
+            self.cache.storage,
+            self.weights,
+            (self.embed, self.norm, self.head, self.inv_freq),
+        )
+        if start is not None:
+            self._compiled.add(key)
+            kind = "1 sequence" if key else "batch"
+            log.warning("compiled the decode step (%s) in %.1f s", kind, time.perf_counter() - start)
+        return logits
+
+
+def _qkv(layer) -> tuple:
+    attn = layer.self_attn
+    return (attn.q_proj, attn.k_proj, attn.v_proj)
+
+
+def _bias(layer) -> torch.Tensor | None:
+    """Q|K|V's concatenated bias (qwen2), None without biases."""
+    if all(p.bias is None for p in _qkv(layer)):
+        return None
+    return torch.cat(
+        [p.weight.new_zeros(p.weight.shape[0]) if p.bias is None else p.bias.detach() for p in _qkv(layer)]
+    )
+
+
+def _decode_step(shape: tuple[int, int, int, int], eps: float):
+    """The whole decode step as tensor code (compiled with fullgraph=True), the model's sizes closed
+    over as constants. Same math as the eager step (model/transformer.py, paged_attention.py)."""
+    heads, kv_heads, d = shape
+    return lambda *args: _step(heads, kv_heads, d, eps, *args)
+
+
+def _step(heads, kv_heads, d, eps, ids, positions, slots, block_index, bias, rows, storage, weights, ends):
+    embed, norm, head, inv_freq = ends
+    seqs = ids.shape[0]
+    hidden = heads * d
+    x = F.embedding(ids, embed)
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos().to(x.dtype).unsqueeze(1), angles.sin().to(x.dtype).unsqueeze(1)
+    width = x.shape[-1]
+    for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(weights):
+        h = F.rms_norm(x, (width,), ln1, eps)
+        q, k, v = F.linear(h, qkv_w, qkv_b).split((hidden, kv_heads * d, kv_heads * d), dim=-1)
+        q = _rope(q.view(seqs, heads, d), cos, sin)
+        k = _rope(k.view(seqs, kv_heads, d), cos, sin)
+        v = v.reshape(seqs, kv_heads, d)
+        out = paged_decode_attention(q, k, v, storage, layer, slots, block_index, bias)
+        x = x + F.linear(out.reshape(seqs, hidden), o_w)
+        gate, up = F.linear(F.rms_norm(x, (width,), ln2, eps), gate_up_w).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, down_w)
+    return F.linear(F.rms_norm(x[rows], (width,), norm, eps), head)
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
