@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# servers started by tests run eagerly (no startup compile); tests/serve/test_compiled_decode.py
+# covers the compiled decode step
+os.environ.setdefault("SHIFTLM_ENFORCE_EAGER", "1")
 
 from shiftlm.launch import LocalWorkers, WorkerError
 

@@ -9,11 +9,12 @@ storage, and the weights (passed in, so their identity is not guarded: no recomp
 gate|up concatenated once (one more copy of those weights). Attention stays the eager code as one
 custom op per layer (`paged_decode_attention`: cache write, gather into the cache's kept buffers,
 SDPA): inlined, inductor cloned the whole cache per layer for a mutated view, and its dynamic-context
-kernels ran 2-4x slower than eager's at 8-64 sequences. So the graph's only dynamic size is the batch
-(`dynamic=True`): one compile for a single sequence (dynamo specializes size 1), one for the rest.
+kernels ran 2-4x slower than eager's at 8-64 sequences. So the graph's only dynamic size is the context
+length, inside the gather index and mask (`warm_up`, at startup: one compile per batch size).
 
 Applies to: one rank (shift group of 1), fp32, a pure decode step (one query per sequence, no stream
-rotation). Everything else (prefill and mixed steps, several ranks) runs the eager step.
+rotation) of at most `MAX_SEQS` sequences: the latency case (TPOT one request at a time). Everything
+else (larger batches, prefill and mixed steps, several ranks) runs the eager step.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from shiftlm.model.inference_linear import GEMV_ROWS
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
 log = logging.getLogger(__name__)
+# Batches it runs: eager's linears of more rows run oneDNN on prepacked weights (inference_linear.py),
+# ~2x MKL's GEMM that the graph calls; compiled was 1.20x / 1.06x eager's step at 8 / 32 sequences
+MAX_SEQS = GEMV_ROWS
 _CACHES: weakref.WeakValueDictionary[int, PagedKVCache] = (
     weakref.WeakValueDictionary()
 )  # storage address -> cache
@@ -85,11 +90,11 @@ class CompiledDecode:
         self.embed = model.model.embed_tokens.weight.detach()
         self.norm = model.model.norm.weight.detach()
         self.head = model.head_weight.detach()
-        self.inv_freq = model.inv_freq
+        self.ends = (self.embed, self.norm, self.head, model.inv_freq)
         _CACHES[cache.storage.data_ptr()] = cache
         shape = (config.num_heads, cache.storage.shape[3], config.head_dim)
-        self._fn = torch.compile(_decode_step(shape, config.rms_norm_eps), fullgraph=True, dynamic=True)
-        self._compiled: set[bool] = set()  # which of (single sequence, several) compiled already
+        self._fn = torch.compile(_decode_step(shape, config.rms_norm_eps), fullgraph=True)
+        self.steps = 0  # steps run compiled (tests check the path is taken)
 
     @staticmethod
     def supports(model: Transformer, shift_size: int) -> bool:
@@ -103,32 +108,41 @@ class CompiledDecode:
 
     @staticmethod
     def applies(batch: FlatBatch) -> bool:
-        """A pure decode step (PagedAttention's lean path: row i is sequence i, one query each)."""
-        return PagedAttention.is_decode(batch) and batch.num_tokens == batch.slots.numel()
+        """A pure decode step of at most `MAX_SEQS` sequences (PagedAttention's lean path: row i is
+        sequence i, one query each)."""
+        return (
+            batch.token_ids.shape[0] <= MAX_SEQS
+            and PagedAttention.is_decode(batch)
+            and batch.num_tokens == batch.slots.numel()
+        )
 
     @torch.no_grad()
     def __call__(self, batch: FlatBatch) -> torch.Tensor:
         """The sampled rows' logits [samples, padded vocab], as `ShiftModel.forward` returns them."""
+        self.steps += 1
         group = batch.chunks[0]
-        seqs = batch.token_ids.shape[0]
-        key = seqs == 1
-        start = time.perf_counter() if key not in self._compiled else None
-        logits = self._fn(
-            batch.token_ids,
-            batch.positions,
-            batch.slots,
-            group.block_index,
-            group.bias(self.embed.dtype),
-            batch.sample_rows,
-            self.cache.storage,
-            self.weights,
-            (self.embed, self.norm, self.head, self.inv_freq),
-        )
-        if start is not None:
-            self._compiled.add(key)
-            kind = "1 sequence" if key else "batch"
-            log.warning("compiled the decode step (%s) in %.1f s", kind, time.perf_counter() - start)
-        return logits
+        bias = group.bias(self.embed.dtype)
+        args = (batch.token_ids, batch.positions, batch.slots, group.block_index, bias, batch.sample_rows)
+        return self._fn(*args, self.cache.storage, self.weights, self.ends)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile now, one graph per batch size it applies to (any context length), on a dummy step
+        that writes slots of block 0, then zero the cache; one log line each."""
+        device = self.embed.device
+        for seqs in range(1, MAX_SEQS + 1):
+            start = time.perf_counter()
+            rows = torch.arange(seqs, device=device)
+            blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence
+            bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.embed.dtype, device=device)
+            args = (torch.zeros_like(rows), torch.zeros_like(rows), rows, blocks, bias, rows)
+            torch._dynamo.mark_dynamic(blocks, 0)  # every context length in one graph per batch size
+            torch._dynamo.mark_dynamic(bias, 3)
+            self._fn(*args, self.cache.storage, self.weights, self.ends)
+            log.warning(
+                "compiled the decode step of %d sequence(s) in %.1f s", seqs, time.perf_counter() - start
+            )
+        self.cache.storage.zero_()
 
 
 def _qkv(layer) -> tuple:

@@ -26,6 +26,7 @@ class ServeOptions:
     max_num_seqs: int = 64
     max_tokens_per_step: int = 256
     max_pending: int = 512
+    enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None

@@ -87,7 +87,10 @@ class ModelRunner:
         cache = PagedKVCache(
             config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
         )
-        return cls(config, ShiftModel(model, mesh, cache, compile_decode=compile_decode), mesh)
+        shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode)
+        if shift_model.compiled is not None:
+            shift_model.compiled.warm_up()
+        return cls(config, shift_model, mesh)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""

@@ -149,7 +149,11 @@ def _load_runner(options: ServeOptions):
     device = choose_device(options.device)[0]  # the process group's device (or this process's, alone)
     mesh = Mesh(options.parallel, device=device)
     dtype = getattr(torch, options.torch_dtype(device.type))
-    return ModelRunner.load(options.model, mesh, options.num_blocks, options.block_size, dtype=dtype)
+    # tests set SHIFTLM_ENFORCE_EAGER=1 (tests/conftest.py): no compile in every server they start
+    eager = options.enforce_eager or os.environ.get("SHIFTLM_ENFORCE_EAGER") == "1"
+    return ModelRunner.load(
+        options.model, mesh, options.num_blocks, options.block_size, dtype=dtype, compile_decode=not eager
+    )
 
 
 def build_engine(runner, options: ServeOptions, tokenizer, step_log=None):
