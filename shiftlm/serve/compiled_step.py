@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import weakref
 
 import torch
@@ -163,7 +164,15 @@ def _decode_step(shape: tuple[int, int, int, int], eps: float):
     """The whole decode step as tensor code (compiled with fullgraph=True), the model's sizes closed
     over as constants. Same math as the eager step (model/transformer.py, paged_attention.py)."""
     heads, kv_heads, d = shape
-    return lambda *args: _step(heads, kv_heads, d, eps, *args)
+
+    def step(*args):
+        return _step(heads, kv_heads, d, eps, *args)
+
+    # a code object of its own per model: dynamo keeps at most 8 graphs per code object, so models
+    # (tests load several) sharing one would run out
+    return types.FunctionType(
+        step.__code__.replace(), step.__globals__, "decode_step", None, step.__closure__
+    )
 
 
 def _step(heads, kv_heads, d, eps, ids, positions, slots, block_index, bias, rows, storage, weights, ends):

@@ -1,6 +1,7 @@
 """The compiled decode step (serve/compiled_step.py) computes the eager step's logits and writes the
 same K/V: tiny models on one rank, a prefill then decode steps of one and of two sequences whose
-contexts cross block boundaries (GQA with rope scaling; a sliding window; q/k/v biases)."""
+contexts cross block boundaries (GQA with rope scaling; a sliding window; q/k/v biases); and the
+engine's greedy tokens on the compiled runner, one request at a time, equal Hugging Face `generate`."""
 
 from __future__ import annotations
 
@@ -37,15 +38,16 @@ def steps(mode: Mode) -> list[StepPlan]:
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral", "qwen2"])
-def test_compiled_decode_equals_the_eager_step(tmp_path, family):
+def test_compiled_decode_equals_the_eager_step(tmp_path, monkeypatch, family):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.serve.runner import ModelRunner
 
+    monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)  # the eager runner stays eager
     model_dir = make_tiny_checkpoint(tmp_path / family, family)
     mesh = Mesh(ParallelConfig())
-    eager = ModelRunner.load(model_dir, mesh, num_blocks=16, block_size=BLOCK)
-    compiled = ModelRunner.load(model_dir, mesh, num_blocks=16, block_size=BLOCK, compile_decode=True)
+    eager = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=BLOCK)
+    compiled = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=BLOCK, compile_decode=True)
     assert eager.shift_model.compiled is None and compiled.shift_model.compiled is not None
     for mode in Mode:
         for plan in steps(mode):
@@ -58,3 +60,25 @@ def test_compiled_decode_equals_the_eager_step(tmp_path, family):
         )
         assert torch.equal(compiled.cache.storage != 0, written)
     assert compiled.shift_model.compiled.steps == 2 * 9  # every decode step of both modes ran compiled
+    if family == "llama-gqa":  # end to end: the engine's greedy tokens, one request at a time, equal HF's
+        greedy_one_at_a_time_equals_hf(compiled, model_dir)
+
+
+def greedy_one_at_a_time_equals_hf(runner, model_dir) -> None:
+    from shiftlm.serve.scheduler import ShiftPolicy
+    from shiftlm.serve.sequence import SamplingParams
+    from tests.serve.test_shift_parity import NEW_TOKENS, PROMPTS, _engine, hf_greedy
+
+    steps = runner.shift_model.compiled.steps
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    got = []
+    for index, prompt in enumerate(PROMPTS):
+        engine = _engine(runner, ShiftPolicy.named("tp"))
+        engine.add_request(f"r{index}", prompt, params)
+        tokens = []
+        while engine.has_work():
+            for out in engine.step():
+                tokens.extend(out.token_ids)
+        got.append(tokens)
+    assert got == hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
+    assert runner.shift_model.compiled.steps == steps + len(PROMPTS) * (NEW_TOKENS - 1)
