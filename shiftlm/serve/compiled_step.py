@@ -136,9 +136,11 @@ class CompiledDecode:
             rows = torch.arange(seqs, device=device)
             blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence
             bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.embed.dtype, device=device)
-            args = (torch.zeros_like(rows), torch.zeros_like(rows), rows, blocks, bias, rows)
-            torch._dynamo.mark_dynamic(blocks, 0)  # every context length in one graph per batch size
-            torch._dynamo.mark_dynamic(bias, 3)
+            args = (torch.zeros_like(rows), torch.zeros_like(rows), rows, blocks, bias, rows.clone())
+            # every context length in one graph per batch size (unbacked: one block, i.e. a size of 1,
+            # is not specialized into a graph of its own)
+            torch._dynamo.decorators.mark_unbacked(blocks, 0)
+            torch._dynamo.decorators.mark_unbacked(bias, 3)
             self._fn(*args, self.cache.storage, self.weights, self.ends)
             log.warning(
                 "compiled the decode step of %d sequence(s) in %.1f s", seqs, time.perf_counter() - start
