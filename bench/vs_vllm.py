@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM = Path("/work/venv-vllm/bin/python")
 LAYOUTS = {  # name -> shiftlm serve arguments
     "tp1": ["--tp", "1", "--sp", "1", "--mode", "tp"],
+    "tp1-eager": ["--tp", "1", "--sp", "1", "--mode", "tp", "--enforce-eager"],  # no compiled decode step
     "tp1-sp2-shift": ["--tp", "1", "--sp", "2", "--mode", "shift"],
     "tp2": ["--tp", "2", "--sp", "1", "--mode", "tp"],
 }
@@ -417,7 +418,7 @@ def main() -> int:
             servers["vllm"] = start_vllm(vllm_python, model, args, single, Path(tmp))
             stack.callback(servers["vllm"].stop)
         for name in layouts:
-            cores = single if name == "tp1" else double
+            cores = single if name.startswith("tp1") and "sp2" not in name else double
             servers[name] = start_shiftlm(name, model, args, cores, Path(tmp))
             stack.callback(servers[name].stop)
         names = list(servers)
