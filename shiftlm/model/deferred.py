@@ -71,16 +71,22 @@ class WeightGradStore:
 
 
 @contextmanager
-def plain_linears() -> Iterator[None]:
+def plain_linears(plain: bool = True) -> Iterator[None]:
     """Forwards run inside this block build autograd's own linear nodes (F.linear): for a forward
     whose backward will not be deferred (a pipeline's B rather than I + W), that backward skips
-    the Python `_DeferrableLinear.backward` (about 7% of an MLP's F + B on one CPU thread)."""
+    the Python `_DeferrableLinear.backward` (about 7% of an MLP's F + B on one CPU thread).
+    `plain=False` builds the deferrable ones (what a recomputation uses when its forward did)."""
     global _plain
-    previous, _plain = _plain, True
+    previous, _plain = _plain, plain
     try:
         yield
     finally:
         _plain = previous
+
+
+def plain_linears_active() -> bool:
+    """Whether forwards now build plain linears (inside `plain_linears()`)."""
+    return _plain
 
 
 def _weight_grads(

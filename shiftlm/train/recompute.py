@@ -21,6 +21,7 @@ kernels on the same inputs, so losses and gradients are bit-identical to `none`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from shiftlm.model import Transformer
+from shiftlm.model.deferred import plain_linears, plain_linears_active
 
 
 class _RecomputeAttentionCore(TorchFunctionMode):
@@ -46,11 +48,18 @@ def _attention_with_core_recompute(forward: Callable, *args: Any, **kwargs: Any)
         return forward(*args, **kwargs)
 
 
+def _same_linears() -> tuple[Any, Any]:
+    """checkpoint's `context_fn`: the recomputation in backward builds the kind of linear the forward
+    built (plain inside the executor's `plain_linears()`, else deferrable), so the tensors it saves
+    match the forward's (they differ in shape otherwise, and checkpoint refuses)."""
+    return nullcontext(), plain_linears(plain_linears_active())
+
+
 def apply_recompute(stage: Transformer, mode: str) -> None:
     """Make `stage`'s decoder layers recompute activations in backward: none | selective | full."""
     for layer in stage.model.layers.values():
         if mode == "full":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_linears)
         elif mode == "selective":
             attention = layer.self_attn
             attention.forward = partial(_attention_with_core_recompute, attention.forward)

@@ -5,21 +5,26 @@ import pytest
 from shiftlm.config import ModelConfig
 
 
-@pytest.fixture(scope="session")
-def tied_qwen2_model(tmp_path_factory) -> str:
-    """`--model.name=DIR` of a qwen2 micro model (q/k/v biases, GQA, LM head tied to the embedding)."""
+def tied_qwen2_config(directory, num_kv_heads: int = 2) -> str:
+    """Write a qwen2 micro model's config.json (q/k/v biases, LM head tied to the embedding, 4 heads
+    over `num_kv_heads`) into `directory`; returns its `--model.name=DIR`."""
     config = ModelConfig(
         vocab_size=2048,
         hidden_size=32,
         intermediate_size=64,
         num_layers=4,
         num_heads=4,
-        num_kv_heads=2,
+        num_kv_heads=num_kv_heads,
         head_dim=8,
         attention_bias=True,
         tie_word_embeddings=True,
         model_type="qwen2",
     )
-    directory = tmp_path_factory.mktemp("tied_qwen2")
     (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
     return f"--model.name={directory}"
+
+
+@pytest.fixture(scope="session")
+def tied_qwen2_model(tmp_path_factory) -> str:
+    """`--model.name=DIR` of a qwen2 micro model (q/k/v biases, GQA, LM head tied to the embedding)."""
+    return tied_qwen2_config(tmp_path_factory.mktemp("tied_qwen2"))

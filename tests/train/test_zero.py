@@ -15,6 +15,7 @@ from shiftlm.config import ModelConfig
 from shiftlm.train.config import load_config
 from shiftlm.train.trainer import Trainer
 from shiftlm.train.zero3 import unit_labels
+from tests.train.conftest import tied_qwen2_config
 
 STEPS = 3
 BASE = [
@@ -81,6 +82,20 @@ LAYOUTS = {  # world size, overrides
 }
 
 
+def _check_zero_runs(runs: dict, one_rank_losses: dict) -> None:
+    """Every rank's step-1 gradients at zero 2 and 3 equal zero 0's, and rank 0's losses one rank's."""
+    for zero in (2, 3):
+        for rank, ((_, grads), (_, reference)) in enumerate(zip(runs[zero], runs[0])):
+            assert grads.keys() == reference.keys()
+            for name, grad in grads.items():
+                error = (
+                    (grad - reference[name]).abs().max() / reference[name].abs().max().clamp_min(1e-12)
+                ).item()
+                assert error <= 1e-5, f"zero={zero} rank {rank} {name}: relative error {error:.2e}"
+        for step, reference in one_rank_losses.items():
+            assert runs[zero][0][0][step] == pytest.approx(reference, rel=1e-5), f"zero={zero} step {step}"
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_zero_2_and_3_losses_and_gradients_equal_zero_0_and_one_rank(
     ranks, tmp_path, single_rank_losses, layout
@@ -92,37 +107,14 @@ def test_zero_2_and_3_losses_and_gradients_equal_zero_0_and_one_rank(
         )
         for zero in (0, 2, 3)
     }
-    for zero in (2, 3):
-        for rank, ((_, grads), (_, reference)) in enumerate(zip(runs[zero], runs[0])):
-            assert grads.keys() == reference.keys()
-            for name, grad in grads.items():
-                error = (
-                    (grad - reference[name]).abs().max() / reference[name].abs().max().clamp_min(1e-12)
-                ).item()
-                assert error <= 1e-5, f"zero={zero} rank {rank} {name}: relative error {error:.2e}"
-        for step, reference in single_rank_losses.items():
-            assert runs[zero][0][0][step] == pytest.approx(reference, rel=1e-5), f"zero={zero} step {step}"
+    _check_zero_runs(runs, single_rank_losses)
 
 
 @pytest.fixture(scope="module")
 def tied_single_kv_model(tmp_path_factory) -> str:
     """A qwen2-style micro model (q/k/v biases, LM head tied to the embedding) with one KV head, so
     tp2 replicates the KV rows: both sums DP does not see are taken on the gradient shards."""
-    config = ModelConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=8,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        model_type="qwen2",
-    )
-    directory = tmp_path_factory.mktemp("tied_one_kv")
-    (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    return f"--model.name={directory}"
+    return tied_qwen2_config(tmp_path_factory.mktemp("tied_one_kv"), num_kv_heads=1)
 
 
 TIED_LAYOUTS = {  # world size, overrides
@@ -147,16 +139,7 @@ def test_zero_2_and_3_take_the_tied_and_tp_replicated_sums_on_the_shards(
         )
         for zero in (0, 2, 3)
     }
-    for zero in (2, 3):
-        for rank, ((_, grads), (_, reference)) in enumerate(zip(runs[zero], runs[0])):
-            assert grads.keys() == reference.keys()
-            for name, grad in grads.items():
-                error = (
-                    (grad - reference[name]).abs().max() / reference[name].abs().max().clamp_min(1e-12)
-                ).item()
-                assert error <= 1e-5, f"zero={zero} rank {rank} {name}: relative error {error:.2e}"
-        for step, reference in one.items():
-            assert runs[zero][0][0][step] == pytest.approx(reference, rel=1e-5), f"zero={zero} step {step}"
+    _check_zero_runs(runs, one)
 
 
 def losses_with_checkpoints(overrides: list[str], log_dir: str, resume: bool) -> dict[int, float]:
