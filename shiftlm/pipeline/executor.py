@@ -51,7 +51,7 @@ from shiftlm.comm import CommGroup
 from shiftlm.model.deferred import WeightGradStore, plain_linears
 from shiftlm.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
-from shiftlm.pipeline.messaging import _DTYPES, _HEADER_SLOTS, PairMessaging
+from shiftlm.pipeline.messaging import PairMessaging, shape_header
 from shiftlm.pipeline.p2p_order import awaited_by, rank_operations, sent_by
 
 
@@ -190,8 +190,7 @@ class PipelineExecutor(PairMessaging):
         message = self._messages[action]
         sent = self._sent_shapes.get(key)
         if sent is None:  # a header first: the send right before the activation, in the same place
-            fields = [_DTYPES.index(out.dtype), out.dim(), *out.shape]
-            header = torch.tensor(fields + [0] * (_HEADER_SLOTS - len(fields)), device=self.device)
+            header = shape_header(out, self.device)
             self._advance(message.receiver, through=message)
             self._isend(header, self.pp_ranks[message.receiver], self._tag(0, *key))
             self._sent_shapes[key] = (tuple(out.shape), out.dtype)

@@ -22,6 +22,12 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 _HEADER_SLOTS = 10  # dtype code, ndim, up to 8 dims
 
 
+def shape_header(tensor: torch.Tensor, device) -> torch.Tensor:
+    """The header a first step sends before an activation: its dtype code, ndim and shape (int64)."""
+    fields = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return torch.tensor(fields + [0] * (_HEADER_SLOTS - len(fields)), device=device)
+
+
 class PairMessaging:
     """Sends, receives and the per-pair posting cursor of one pipeline rank (mixed into the executor)."""
 
