@@ -7,7 +7,8 @@ One fixed MLP (LAYERS Linear+tanh layers) is split into the schedule's stage-chu
 does the same work; its linears defer their weight GEMMs, so W costs only those GEMMs. On each rank
 we time F, I, W and B of one chunk and a send of one activation (best of 15; once per chunk size),
 feed those costs to `simulate`, and run the real executor (best of 5 steps); all of it 3 times over,
-keeping the best. Writes bench/results/pipeline.json and bench/results/pipeline.png; prints one row
+keeping the best. Writes bench/results/pipeline.json and bench/results/pipeline.png (`--out DIR`:
+DIR/pipeline.json and .png instead); prints one row
 per schedule and the measured costs.
 """
 
@@ -127,6 +128,7 @@ def run_schedule(name: str, chunks: int | None, width: int, rows: int, repeats: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model: checks the bench runs")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for pipeline.json / .png")
     args = parser.parse_args()
     width, rows, repeats, rounds = (256, 64, 2, 1) if args.quick else (1024, 128, 5, 3)
     rows_out = []
@@ -168,10 +170,10 @@ def main() -> None:
     for row in rows_out:
         row["speedup_vs_1f1b"] = baseline["measured_s"] / row["measured_s"]
         row["predicted_speedup_vs_1f1b"] = baseline["predicted_s"] / row["predicted_s"]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     config = {"pp": PP, "microbatches": MICROBATCHES, "layers": LAYERS, "width": width, "rows": rows}
-    (RESULTS / "pipeline.json").write_text(json.dumps({"config": config, "schedules": rows_out}, indent=2))
-    _plot(rows_out, RESULTS / "pipeline.png")
+    (args.out / "pipeline.json").write_text(json.dumps({"config": config, "schedules": rows_out}, indent=2))
+    _plot(rows_out, args.out / "pipeline.png")
     print(
         f"\n{'schedule':17s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s} {'speedup':>8s} {'pred. speedup':>14s}"
     )
