@@ -72,6 +72,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         help="run every step eagerly; by default one rank compiles its decode steps of 1-2 sequences "
         "with torch.compile at startup (~20 s), ~15%% faster per step (docs/serving.md)",
     )
+    parser.add_argument(
+        "--attention-backend",
+        choices=("auto", "cpu-kernel", "sdpa"),
+        default="auto",
+        help="decode attention: auto = the CPU paged-attention kernel on CPU where it builds (first build "
+        "~25 s, cached), else gather + SDPA; cpu-kernel insists on it; sdpa never uses it",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from shiftlm.model.inference_linear import GEMV_ROWS
 from shiftlm.model.transformer import Transformer
-from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
+from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
 
 log = logging.getLogger(__name__)
 # Batches it runs: eager's linears of more rows run oneDNN on prepacked weights (inference_linear.py),
@@ -50,13 +50,18 @@ def paged_decode_attention(
     slots: torch.Tensor,
     block_index: torch.Tensor,
     bias: torch.Tensor,
+    positions: torch.Tensor,
+    window: int,
 ) -> torch.Tensor:
     """The eager decode attention of one layer (PagedAttention's lean path, the same calls): write K/V
-    [S, Hkv, D] into `storage` (a `PagedKVCache`'s) at `slots`, gather the blocks into the cache's kept
-    buffers, attend q [S, Hq, D] -> [S, Hq, D]. Opaque to inductor: the context length stays inside,
-    so the compiled graph's only dynamic size is the batch, and the gather keeps its buffers."""
+    [S, Hkv, D] into `storage` (a `PagedKVCache`'s) at `slots`, attend q [S, Hq, D] -> [S, Hq, D] with
+    the cache's CPU kernel if it has one, else gather the blocks into the cache's kept buffers for
+    SDPA. Opaque to inductor: the context length stays inside, so the compiled graph's only dynamic
+    size is the batch, and the gather keeps its buffers."""
     cache = _CACHES[storage.data_ptr()]
     cache.write(layer, slots, k, v)
+    if cache.kernel is not None:
+        return kernel_decode(cache, layer, q, block_index, positions, window)
     seqs, heads, d = q.shape
     keys, values = cache.gather(layer, block_index, seqs)
     folded = q.reshape(seqs, keys.shape[1], -1, d)
@@ -64,7 +69,7 @@ def paged_decode_attention(
 
 
 @paged_decode_attention.register_fake
-def _(q, k, v, storage, layer, slots, block_index, bias):
+def _(q, k, v, storage, layer, slots, block_index, bias, positions, window):
     return torch.empty_like(q)
 
 
@@ -74,6 +79,7 @@ class CompiledDecode:
     def __init__(self, model: Transformer, cache: PagedKVCache):
         config = model.config
         self.cache = cache
+        self.window = config.sliding_window or 0  # the plan's groups carry the same (plan_codec)
         layers = list(model.model.layers.values())
         with torch.no_grad():
             self.weights = tuple(
@@ -124,6 +130,7 @@ class CompiledDecode:
         group = batch.chunks[0]
         bias = group.bias(self.embed.dtype)
         args = (batch.token_ids, batch.positions, batch.slots, group.block_index, bias, batch.sample_rows)
+        args += (group.window,)
         return self._fn(*args, self.cache.storage, self.weights, self.ends)
 
     @torch.no_grad()
@@ -136,7 +143,15 @@ class CompiledDecode:
             rows = torch.arange(seqs, device=device)
             blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence
             bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.embed.dtype, device=device)
-            args = (torch.zeros_like(rows), torch.zeros_like(rows), rows, blocks, bias, rows.clone())
+            args = (
+                torch.zeros_like(rows),
+                torch.zeros_like(rows),
+                rows,
+                blocks,
+                bias,
+                rows.clone(),
+                self.window,
+            )
             # every context length in one graph per batch size (unbacked: one block, i.e. a size of 1,
             # is not specialized into a graph of its own)
             torch._dynamo.decorators.mark_unbacked(blocks, 0)
@@ -177,7 +192,9 @@ def _decode_step(shape: tuple[int, int, int, int], eps: float):
     )
 
 
-def _step(heads, kv_heads, d, eps, ids, positions, slots, block_index, bias, rows, storage, weights, ends):
+def _step(
+    heads, kv_heads, d, eps, ids, positions, slots, block_index, bias, rows, window, storage, weights, ends
+):
     embed, norm, head, inv_freq = ends
     seqs = ids.shape[0]
     hidden = heads * d
@@ -192,7 +209,7 @@ def _step(heads, kv_heads, d, eps, ids, positions, slots, block_index, bias, row
         q = _rope(q.view(seqs, heads, d), cos, sin)
         k = _rope(k.view(seqs, kv_heads, d), cos, sin)
         v = v.reshape(seqs, kv_heads, d)
-        out = paged_decode_attention(q, k, v, storage, layer, slots, block_index, bias)
+        out = paged_decode_attention(q, k, v, storage, layer, slots, block_index, bias, positions, window)
         x = x + F.linear(out.reshape(seqs, hidden), o_w)
         gate, up = F.linear(F.rms_norm(x, (width,), ln2, eps), gate_up_w).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, down_w)

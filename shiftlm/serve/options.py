@@ -27,6 +27,7 @@ class ServeOptions:
     max_tokens_per_step: int = 256
     max_pending: int = 512
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
+    attention_backend: str = "auto"  # auto | cpu-kernel | sdpa (runner.ATTENTION_BACKENDS)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
@@ -105,6 +106,10 @@ class ServeOptions:
         self.parallel.check_model(config)
         if self.mode not in ("tp", "sp_tp", "shift"):
             raise ConfigError(f"--mode {self.mode!r} is not one of tp, sp_tp, shift")
+        if self.attention_backend not in ("auto", "cpu-kernel", "sdpa"):
+            raise ConfigError(
+                f"--attention-backend {self.attention_backend!r} is not one of auto, cpu-kernel, sdpa"
+            )
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         import torch

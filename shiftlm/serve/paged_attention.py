@@ -36,6 +36,12 @@ class AttentionGroup:
     _folded: dict = field(default_factory=dict)  # mask per GQA group size; bias per dtype
     # hogwild stream groups: the queries' extra RoPE rotation per key block (serve/stream_attention.py)
     rotation: QueryRotation | None = None
+    # causal groups (not stream groups): each query's position [S, Q] and the sliding window (0: none),
+    # which is all the CPU kernel needs instead of the mask
+    query_pos: torch.Tensor | None = None
+    window: int = 0
+    # every chunk starts at position 0 and no window cuts it: SDPA's own causal mask (is_causal) applies
+    from_start: bool = False
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as SDPA's additive bias (0 or -inf), made once per step: a boolean mask is
@@ -86,6 +92,9 @@ class PagedKVCache:
         # on them; taking the views per call cost as much as the ops)
         self._slots = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
         self._blocks = [tuple(t.view(num_blocks, -1) for t in pair) for pair in self._slots]
+        # the CPU paged-attention kernel (serve/cpu_kernel.py) when the runner enabled it: decode rows
+        # then attend straight from the blocks, without `gather`
+        self.kernel = None
         # where attention gathers a group's K and V blocks: kept from step to step and grown to the
         # largest gather, so that every layer writes the same (cache-hot) memory. A fresh tensor per
         # gather (tens of MB at 64 sequences x 512 context) came from mmap and page-faulted on every
@@ -98,6 +107,10 @@ class PagedKVCache:
         k_slots, v_slots = self._slots[layer]
         k_slots.index_copy_(0, slots, k)
         v_slots.index_copy_(0, slots, v)
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` as [slots, kv_heads, head_dim] (views)."""
+        return self._slots[layer]
 
     def blocks(self, layer: int, kv: int) -> torch.Tensor:
         """K (kv=0) or V (kv=1) of `layer` as [num_blocks, block_size * kv_heads * head_dim] (a view)."""
@@ -175,6 +188,8 @@ class PagedAttention:
         are the query axis of one SDPA row block ([S, Hkv, groups, D]); the mask [S, 1, 1, C] cuts each
         sequence at its length (and window)."""
         seqs, heads, d = q.shape
+        if self.cache.kernel is not None and group.query_pos is not None:
+            return kernel_decode(self.cache, layer, q, group.block_index, group.query_pos, group.window)
         k, v = self._context(layer, seqs, group)
         folded = q.view(seqs, k.shape[1], -1, d)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.bias(q.dtype))
@@ -183,12 +198,43 @@ class PagedAttention:
     def _attend(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """q: [S, Q, Hq, D] -> [S, Q, Hq, D] over the group's gathered context."""
         seqs, queries, heads, d = q.shape
+        if queries == 1 and self.cache.kernel is not None and group.query_pos is not None:
+            # the decode rows of a mixed step
+            out = kernel_decode(self.cache, layer, q[:, 0], group.block_index, group.query_pos, group.window)
+            return out.unsqueeze(1)
         k, v = self._context(layer, seqs, group)
         kv_heads = k.shape[1]
         groups = heads // kv_heads
         if group.rotation is not None:
             return rotated_attention(q, k, v, group.mask, group.rotation)
+        if group.from_start and queries > 1:  # query i reads keys 0..i of its own sequence: no mask
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, is_causal=True, enable_gqa=groups > 1
+            )  # [S, Hq, Q, D]; padding queries of a shorter chunk read only their chunk too
+            return out.transpose(1, 2)
         # fold the `groups` query heads of each KV head into the query axis: [S, Hkv, Q * groups, D]
         folded = q.view(seqs, queries, kv_heads, groups, d).transpose(1, 2).reshape(seqs, kv_heads, -1, d)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.folded_mask(groups))
         return out.view(seqs, kv_heads, queries, groups, d).transpose(1, 2).reshape(seqs, queries, heads, d)
+
+
+def kernel_decode(
+    cache: PagedKVCache,
+    layer: int,
+    q: torch.Tensor,
+    block_index: torch.Tensor,
+    positions: torch.Tensor,
+    window: int = 0,
+) -> torch.Tensor:
+    """One query per sequence, q [S, Hq, D] at `positions` (S values), attended by the CPU kernel
+    straight from the cache blocks (`block_index`: S equal tables, sequence-major) -> [S, Hq, D]."""
+    seqs = q.shape[0]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    k, v = cache.slots(layer)
+    rows = torch.arange(seqs, device=q.device).view(seqs, 1)
+    tables = block_index.view(seqs, -1)
+    cache.kernel.paged_attention(
+        q, k, v, tables, rows, positions.reshape(seqs, 1), out, cache.block_size, window
+    )
+    return out

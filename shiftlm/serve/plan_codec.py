@@ -164,4 +164,14 @@ def _group(
         mask &= distance < sliding_window
     mask = mask.unsqueeze(1)  # [S, 1, Q, C]
     block_index = tables.table[rows[which], :num_blocks].flatten()
-    return AttentionGroup(query_rows, None if bool(valid.all()) else valid, mask, block_index)
+    valid_or_none = None if bool(valid.all()) else valid
+    from_start = bool((starts == 0).all()) and (sliding_window is None or sliding_window >= longest)
+    return AttentionGroup(
+        query_rows,
+        valid_or_none,
+        mask,
+        block_index,
+        query_pos=query_pos,
+        window=sliding_window or 0,
+        from_start=from_start,
+    )

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm.wait import run_blocking
-from shiftlm.config import ModelConfig
+from shiftlm.config import ConfigError, ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
@@ -75,11 +75,18 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         compile_decode: bool = False,
+        attention_backend: str | None = None,
     ) -> ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
         (`compiled_step.py`; the server's default, off with `--enforce-eager`). The environment variable
-        SHIFTLM_COMPILE_DECODE=1 turns it on for every runner (to run a test suite on that path)."""
+        SHIFTLM_COMPILE_DECODE=1 turns it on for every runner (to run a test suite on that path).
+        `attention_backend` (`--attention-backend`; default SHIFTLM_ATTENTION_BACKEND, else "auto"):
+        "auto" attends decode rows with the CPU paged-attention kernel on CPU where it builds
+        (serve/cpu_kernel.py), "cpu-kernel" insists on it, "sdpa" always gathers blocks for SDPA."""
         compile_decode = compile_decode or os.environ.get("SHIFTLM_COMPILE_DECODE") == "1"
+        backend = attention_backend or os.environ.get("SHIFTLM_ATTENTION_BACKEND") or "auto"
+        if backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
         config = ModelConfig.from_hf(model_dir)
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
@@ -87,6 +94,7 @@ class ModelRunner:
         cache = PagedKVCache(
             config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
         )
+        cache.kernel = _attention_kernel(backend, mesh.device)
         shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode)
         if shift_model.compiled is not None:
             shift_model.compiled.warm_up()
@@ -150,3 +158,23 @@ class ModelRunner:
             return mine
         vocab = self.model_config.vocab_size
         return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp, vocab)
+
+
+ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa")
+
+
+def _attention_kernel(backend: str, device: torch.device):
+    """The CPU paged-attention kernel module the backend asks for, or None (gather + SDPA)."""
+    if backend == "sdpa" or torch.device(device).type != "cpu":
+        if backend == "cpu-kernel":
+            raise ConfigError(f"--attention-backend cpu-kernel runs on CPU only, not on {device}: use auto")
+        return None
+    from shiftlm.serve import cpu_kernel
+
+    kernel = cpu_kernel.load()
+    if kernel is None and backend == "cpu-kernel":
+        raise ConfigError(
+            "--attention-backend cpu-kernel: the kernel could not be built here (see the warning above); "
+            "install a C++ compiler or use --attention-backend auto"
+        )
+    return kernel

@@ -142,8 +142,11 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
     if not rows:
         return SampleResult([], [])
     device = logits.device
-    raw = logits[torch.tensor([row.logits_row for row in rows], device=device)].float()
-    x = apply_penalties(raw.clone(), rows, eos_ids)
+    index = [row.logits_row for row in rows]
+    raw = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=device)]
+    raw = raw.float()
+    # the common case (no penalty, bias or min_tokens on any row) neither copies nor scans the logits
+    x = apply_penalties(raw.clone(), rows, eos_ids) if any(_penalized(r, eos_ids) for r in rows) else raw
     greedy = torch.tensor([row.params.greedy for row in rows], device=device)
     tokens = torch.argmax(x, dim=-1)
     if not bool(greedy.all()):
@@ -162,8 +165,24 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
                 # on every device), an unseeded one where the logits are
                 where = row.generator.device if row.generator is not None else device
                 tokens[i] = torch.multinomial(probs[i].to(where), 1, generator=row.generator)[0]
-    logprobs = token_logprobs(torch.log_softmax(raw, dim=-1), tokens, [row.params.logprobs for row in rows])
+    ks = [row.params.logprobs for row in rows]
+    if any(k is not None for k in ks):
+        logprobs = token_logprobs(torch.log_softmax(raw, dim=-1), tokens, ks)
+    else:  # no row asked for logprobs: no softmax over the vocabulary
+        logprobs = [None] * len(rows)
     return SampleResult(tokens.tolist(), logprobs)
+
+
+def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
+    """Whether `apply_penalties` changes this row's logits."""
+    params = row.params
+    return bool(
+        params.logit_bias
+        or (eos_ids and len(row.output_ids) < params.min_tokens)
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0
+        or params.presence_penalty != 0
+    )
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> list[TokenLogprob]:

@@ -152,7 +152,13 @@ def _load_runner(options: ServeOptions):
     # tests set SHIFTLM_ENFORCE_EAGER=1 (tests/conftest.py): no compile in every server they start
     eager = options.enforce_eager or os.environ.get("SHIFTLM_ENFORCE_EAGER") == "1"
     return ModelRunner.load(
-        options.model, mesh, options.num_blocks, options.block_size, dtype=dtype, compile_decode=not eager
+        options.model,
+        mesh,
+        options.num_blocks,
+        options.block_size,
+        dtype=dtype,
+        compile_decode=not eager,
+        attention_backend=options.attention_backend,
     )
 
 
@@ -231,7 +237,7 @@ def run_server(options: ServeOptions) -> int:
         runner.serve_steps()
         return 0
     with contextlib.ExitStack() as stack:
-        step_log = stack.enter_context(open(options.step_log, "w")) if options.step_log else None
+        step_log = stack.enter_context(open(options.step_log, "w", buffering=1)) if options.step_log else None
         code = _serve_http(runner, options, tokenizer, http, step_log, workers)
     _stop([proc for _, proc, _ in workers])
     return code

@@ -72,4 +72,6 @@ def stream_group(
         if inv_freq is None:
             raise ValueError("hogwild stream groups need the model's RoPE frequencies (decode_plan inv_freq)")
         rotation = QueryRotation.build(shift, k_stream, inv_freq, torch.float32)
-    return replace(group, mask=mask.unsqueeze(1), rotation=rotation, _folded={})
+    return replace(
+        group, mask=mask.unsqueeze(1), rotation=rotation, _folded={}, query_pos=None, from_start=False
+    )

@@ -1,0 +1,127 @@
+// Paged attention on CPU: every query row attends its own sequence's context straight from the paged
+// KV cache (no gather into contiguous buffers, no mask tensor), as vLLM's CPU attention does.
+// Built at first use by shiftlm/serve/cpu_kernel.py (torch.utils.cpp_extension); see docs/serving.md.
+//
+//   q       [N, Hq, D]        query rows of the step (RoPE applied)
+//   k, v    [slots, Hkv, D]   one layer's cache; slot = block * block_size + offset
+//   tables  [S, B] int64      physical blocks of each sequence of the group
+//   rows    [S, Q] int64      row of q for query j of sequence s (-1: padding, skipped)
+//   pos     [S, Q] int64      its position: it reads keys [max(0, pos + 1 - window), pos]
+//   out     [N, Hq, D]        written at the rows named (others untouched)
+// Query heads h * G .. h * G + G - 1 read KV head h (G = Hq / Hkv). Scores, softmax and the weighted
+// sum run in fp32 one block of keys at a time with a running max (the online softmax).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kLowest = -1e30f;
+
+template <typename T, int64_t kDim>
+void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* rows,
+            const int64_t* pos, T* out, int64_t S, int64_t Q, int64_t B, int64_t Hq, int64_t Hkv,
+            int64_t dim, int64_t block_size, int64_t window, float scale) {
+  const int64_t D = kDim > 0 ? kDim : dim;  // a compile-time head size unrolls the inner loops
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, S * Q * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), score(G * block_size), m(G), l(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % Hkv, sq = item / Hkv, s = sq / Q;
+      const int64_t row = rows[sq];
+      if (row < 0) continue;
+      const int64_t last = pos[sq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last + 1 - window) : 0;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qr = q + (row * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qr[d]) * scale;
+        m[g] = kLowest;  // finite: the file is built with -ffast-math (no infinities)
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t* table = tables + s * B;
+      for (int64_t start = first - first % block_size; start <= last; start += block_size) {
+        const int64_t lo = std::max(start, first), hi = std::min(start + block_size - 1, last);
+        const int64_t n = hi - lo + 1, base = table[start / block_size] * block_size + (lo - start);
+        for (int64_t j = 0; j < n; ++j) {  // each key row read once for the G query heads
+          const T* kr = k + ((base + j) * Hkv + h) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(kr[d]);
+            score[g * block_size + j] = dot;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = score.data() + g * block_size;
+          float best = m[g];
+          for (int64_t j = 0; j < n; ++j) best = std::max(best, sg[j]);
+          const float rescale = std::exp(m[g] - best);  // 0 on the first block (m = kLowest)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = std::exp(sg[j] - best);
+            sum += sg[j];
+          }
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
+          m[g] = best;
+          l[g] = l[g] * rescale + sum;
+        }
+        for (int64_t j = 0; j < n; ++j) {  // each value row read once for the G query heads
+          const T* vr = v + ((base + j) * Hkv + h) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = score[g * block_size + j];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += w * static_cast<float>(vr[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = out + (row * Hq + h * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& tables, const torch::Tensor& rows, const torch::Tensor& pos,
+                     torch::Tensor& out, int64_t block_size, int64_t window) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(),
+              "paged_attention: q, k, v and out must be contiguous");
+  TORCH_CHECK(tables.is_contiguous() && rows.is_contiguous() && pos.is_contiguous(),
+              "paged_attention: tables, rows and pos must be contiguous");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  pos.scalar_type() == at::kLong, "paged_attention: tables, rows, pos must be int64");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "paged_attention: q, k, v, out dtypes differ");
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(Hq % Hkv == 0 && k.size(2) == D, "paged_attention: head shapes do not match");
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+             tables.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), pos.data_ptr<int64_t>(),
+             out.data_ptr<scalar_t>(), rows.size(0), rows.size(1), tables.size(1), Hq, Hkv, D,
+             block_size, window, scale);
+    };
+    if (D == 64) run(attend<scalar_t, 64>);
+    else if (D == 128) run(attend<scalar_t, 128>);
+    else run(attend<scalar_t, 0>);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention of query rows over their paged context (CPU)");
+}

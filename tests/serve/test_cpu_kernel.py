@@ -1,0 +1,117 @@
+"""The CPU paged-attention kernel (serve/csrc/paged_attention.cpp) attends decode rows straight from
+the cache blocks; it must equal the gather + SDPA path it replaces, and a server must run with or
+without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shiftlm.config import ConfigError
+from shiftlm.serve import cpu_kernel
+from shiftlm.serve.paged_attention import AttentionGroup, FlatBatch, PagedAttention, PagedKVCache
+
+kernel = cpu_kernel.load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: the kernel cannot be built")
+
+
+def decode_step(
+    kv_heads: int, heads: int, head_dim: int, contexts: list[int], window: int, dtype, block: int = 4
+):
+    """A cache with random K/V, one decode row per sequence at position contexts[s] - 1, blocks of
+    each sequence scattered (not in order); returns (cache, batch, q [S, Hq, D], k/v of the new rows)."""
+    torch.manual_seed(len(contexts) * 31 + head_dim + window)
+    seqs, longest = len(contexts), max(contexts)
+    per_seq = -(-longest // block)
+    cache = PagedKVCache(1, seqs * per_seq + 3, block, kv_heads, head_dim, dtype)
+    cache.storage.normal_()
+    tables = torch.randperm(seqs * per_seq + 3)[: seqs * per_seq].view(seqs, per_seq)
+    positions = torch.tensor(contexts) - 1
+    slots = tables[torch.arange(seqs), positions // block] * block + positions % block
+    key_pos = torch.arange(per_seq * block)
+    distance = positions.unsqueeze(1) - key_pos
+    mask = distance >= 0
+    if window:
+        mask &= distance < window
+    group = AttentionGroup(
+        torch.arange(seqs).view(seqs, 1),
+        None,
+        mask.view(seqs, 1, 1, -1),
+        tables.flatten(),
+        query_pos=positions.view(seqs, 1),
+        window=window,
+    )
+    ids = torch.zeros(seqs, dtype=torch.long)
+    batch = FlatBatch(ids, positions, slots, (group,), torch.arange(seqs), seqs)
+    q = torch.randn(1, seqs, heads, head_dim, dtype=dtype)
+    k, v = (torch.randn(1, seqs, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    return cache, batch, q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "head_dim", "contexts", "window"),
+    [
+        (2, 8, 64, [1, 4, 5, 17, 160], 0),  # GQA, contexts inside, at and across block edges
+        (4, 4, 128, [3, 9, 33], 0),  # MHA, head size 128
+        (1, 6, 32, [30, 7, 12], 5),  # one KV head, a sliding window cutting mid-block, generic size
+    ],
+)
+def test_kernel_equals_gather_and_sdpa(kv_heads, heads, head_dim, contexts, window):
+    outputs = {}
+    for name, module in (("sdpa", None), ("kernel", kernel)):
+        cache, batch, q, k, v = decode_step(kv_heads, heads, head_dim, contexts, window, torch.float32)
+        cache.kernel = module
+        outputs[name] = PagedAttention(cache, batch)(0, q, k, v)
+    scale = outputs["sdpa"].abs().max()
+    assert (outputs["kernel"] - outputs["sdpa"]).abs().max() <= 1e-5 * scale
+
+
+@needs_kernel
+def test_kernel_in_bf16_matches_fp32_attention():
+    cache, batch, q, k, v = decode_step(2, 8, 64, [6, 21, 40], 0, torch.bfloat16)
+    cache.kernel = kernel
+    out = PagedAttention(cache, batch)(0, q, k, v).float()
+    ref_cache = PagedKVCache(1, cache.num_blocks, cache.block_size, 2, 64, torch.float32)
+    ref_cache.storage.copy_(cache.storage.float())
+    reference = PagedAttention(ref_cache, batch)(0, q.float(), k.float(), v.float())
+    assert (out - reference).abs().max() <= 2e-2 * reference.abs().max()  # bf16's 8 bits of mantissa
+
+
+@needs_kernel
+def test_kernel_path_is_what_a_runner_uses_by_default(tmp_path, monkeypatch):
+    """ModelRunner picks the kernel on CPU (auto) and not with sdpa; greedy tokens are the same."""
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+
+    monkeypatch.delenv("SHIFTLM_ATTENTION_BACKEND", raising=False)
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    tokens = {}
+    for backend in ("auto", "sdpa"):
+        runner = ModelRunner.load(model_dir, Mesh(ParallelConfig()), 16, 4, attention_backend=backend)
+        assert (runner.cache.kernel is not None) == (backend == "auto")
+        seq = [5, 17, 33, 2, 9]
+        plan = StepPlan(0, Mode.TP, (ScheduledChunk(0, tuple(seq), 0, (0, 1), True, row=0),))
+        out = []
+        for step in range(6):
+            token = int(runner.run_step(plan)[0].argmax())
+            out.append(token)
+            pos = len(seq) + step
+            new_block = (pos // 4,) if pos % 4 == 0 else ()
+            plan = StepPlan(step + 1, Mode.TP, (ScheduledChunk(0, (token,), pos, new_block, True, row=0),))
+        tokens[backend] = out
+    assert tokens["auto"] == tokens["sdpa"]
+
+
+def test_unknown_attention_backend_is_refused(tmp_path):
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.serve.runner import ModelRunner
+
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    with pytest.raises(ConfigError, match="attention backend 'flash'"):
+        ModelRunner.load(model_dir, Mesh(ParallelConfig()), 16, 4, attention_backend="flash")
