@@ -15,6 +15,15 @@ from shiftlm.launch import LocalWorkers, WorkerError
 _POOLS: dict[int, LocalWorkers] = {}
 
 
+def pytest_sessionstart(session):
+    """Build the CPU paged-attention kernel once, before any test: on a fresh machine the first build
+    takes ~25 s, which must not land inside a multi-rank test's or a server's start-up timeout (every
+    process after this one loads it from the cache)."""
+    from shiftlm.serve import cpu_kernel
+
+    cpu_kernel.load()
+
+
 class _Pools:
     def get(self, world_size: int) -> LocalWorkers:
         pool = _POOLS.get(world_size)
