@@ -19,9 +19,9 @@ def pytest_sessionstart(session):
     """Build the CPU paged-attention kernel once, before any test: on a fresh machine the first build
     takes ~25 s, which must not land inside a multi-rank test's or a server's start-up timeout (every
     process after this one loads it from the cache)."""
-    from shiftlm.serve import cpu_kernel
+    from shiftlm.model import cpu_kernels
 
-    cpu_kernel.load()
+    cpu_kernels.load()
 
 
 class _Pools:

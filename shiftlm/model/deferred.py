@@ -33,7 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftlm.model.inference_linear import inference_linear, inference_linears
+from shiftlm.model.inference_linear import (
+    inference_linear,
+    inference_linears,
+    inference_swiglu,
+)
 
 _deferring: tuple[WeightGradStore, Hashable] | None = None
 _plain = False  # inside `plain_linears()`: `linear` is F.linear (autograd's own backward)
@@ -182,6 +186,14 @@ def linears(
         return inference_linears(x, weights, biases)
     biases = biases if biases is not None else (None,) * len(weights)
     return tuple(linear(x, w, b) for w, b in zip(weights, biases))
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(linear(x, gate)) * linear(x, up) (bias-free); without autograd `inference_swiglu`."""
+    if not torch.is_grad_enabled():
+        return inference_swiglu(x, gate, up)
+    g, u = linears(x, (gate, up))
+    return F.silu(g) * u
 
 
 class Linear(nn.Linear):

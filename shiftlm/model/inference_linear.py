@@ -40,8 +40,11 @@ class PackedWeights:
     Keyed by the weight's storage address, shape and strides, so a view (full-TP's head slices) gets a
     copy of its own. The weights must not change while the copies are in use (serving's are frozen)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops=None) -> None:
         self._copies: dict[tuple, torch.Tensor] = {}
+        # the CPU kernels (model/cpu_kernels.py) the forward inside `active()` may use for its fused
+        # RMSNorm and SwiGLU; None: PyTorch's ops
+        self.ops = ops
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -111,3 +114,31 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             weight = packed.get(weight)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def active_ops(x: torch.Tensor):
+    """The CPU kernels of the PackedWeights active on this thread, for fp32 CPU tensors, else None."""
+    packed = getattr(_active, "packed", None)
+    if packed is None or packed.ops is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return packed.ops
+
+
+def inference_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) without autograd (bias-free gate and up): with the CPU kernels
+    active, one GEMM on the packed gate|up and one fused pass over its output (PyTorch's silu and
+    product over the two strided halves took 1.94 ms at 512 x 1408, the fused pass 0.42 ms)."""
+    ops = active_ops(x)
+    if ops is not None and _onednn(x, gate) and x.numel() > GEMV_ROWS * x.shape[-1]:
+        weight, _ = _active.packed.get_fused((gate, up), (None, None))
+        return ops.silu_mul(torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
+    g, u = inference_linears(x, (gate, up))
+    return F.silu(g) * u
+
+
+def inference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows without autograd: the CPU kernel where active, else `F.rms_norm`."""
+    ops = active_ops(x)
+    if ops is not None and x.is_contiguous() and weight.dtype == x.dtype:
+        return ops.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)

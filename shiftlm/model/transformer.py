@@ -19,7 +19,7 @@ from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_gro
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
-from shiftlm.model.deferred import linear, linears
+from shiftlm.model.deferred import linear, swiglu
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from shiftlm.model.ring_attention import sequence_indices
@@ -45,11 +45,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, full_tp: FullTP | None = None) -> torch.Tensor:
         if full_tp is not None:  # sub-slice `part` of this TP shard's FFN columns, summed over all P ranks
             gate, up, down = self.full_tp_views(full_tp)
-            gate, up = linears(x, (gate, up))  # without autograd one GEMM on gate|up (packed)
-            return reduce_from_group(linear(F.silu(gate) * up, down), full_tp.group)
+            hidden = swiglu(x, gate, up)  # without autograd one GEMM on gate|up (packed), fused silu * up
+            return reduce_from_group(linear(hidden, down), full_tp.group)
         x = self.gate_proj.enter(x)
-        gate, up = linears(x, (self.gate_proj.weight, self.up_proj.weight))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(x, self.gate_proj.weight, self.up_proj.weight))
 
     def full_tp_views(self, full_tp: FullTP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sub-slice `part` of this TP shard's gate/up rows and down columns (views, taken once)."""

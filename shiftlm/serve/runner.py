@@ -82,7 +82,7 @@ class ModelRunner:
         SHIFTLM_COMPILE_DECODE=1 turns it on for every runner (to run a test suite on that path).
         `attention_backend` (`--attention-backend`; default SHIFTLM_ATTENTION_BACKEND, else "auto"):
         "auto" attends decode rows with the CPU paged-attention kernel on CPU where it builds
-        (serve/cpu_kernel.py), "cpu-kernel" insists on it, "sdpa" always gathers blocks for SDPA."""
+        (model/cpu_kernels.py), "cpu-kernel" insists on it, "sdpa" always gathers blocks for SDPA."""
         compile_decode = compile_decode or os.environ.get("SHIFTLM_COMPILE_DECODE") == "1"
         backend = attention_backend or os.environ.get("SHIFTLM_ATTENTION_BACKEND") or "auto"
         if backend not in ATTENTION_BACKENDS:
@@ -169,9 +169,9 @@ def _attention_kernel(backend: str, device: torch.device):
         if backend == "cpu-kernel":
             raise ConfigError(f"--attention-backend cpu-kernel runs on CPU only, not on {device}: use auto")
         return None
-    from shiftlm.serve import cpu_kernel
+    from shiftlm.model import cpu_kernels
 
-    kernel = cpu_kernel.load()
+    kernel = cpu_kernels.load()
     if kernel is None and backend == "cpu-kernel":
         raise ConfigError(
             "--attention-backend cpu-kernel: the kernel could not be built here (see the warning above); "

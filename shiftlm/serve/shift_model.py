@@ -60,7 +60,7 @@ class ShiftModel:
                 dist.all_gather(parts, embed.weight.detach(), group=mesh.tp.pg)
                 embed.full_table = torch.cat(parts)
         # oneDNN-layout copies of the weights each mode uses, made on the first step that uses them
-        self.packed = PackedWeights() if pack_weights else None
+        self.packed = PackedWeights(cache.kernel) if pack_weights else None
         # pure decode steps as one compiled function where it applies (serve/compiled_step.py)
         compiled = compile_decode and CompiledDecode.supports(model, mesh.shift.size)
         self.compiled = CompiledDecode(model, cache) if compiled else None

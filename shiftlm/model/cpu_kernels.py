@@ -1,5 +1,7 @@
-"""The CPU paged-attention kernel (csrc/paged_attention.cpp), built on first use with PyTorch's C++
-extension loader and cached by it (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+"""shiftlm's CPU kernels (csrc/cpu_kernels.cpp): paged attention of decode rows straight from the KV
+cache blocks (serve/paged_attention.py) and the fused RMSNorm and SwiGLU of the no-grad (serving)
+forward, built on first use with PyTorch's C++ extension loader and cached by it (TORCH_EXTENSIONS_DIR,
+default ~/.cache/torch_extensions).
 
 It needs what `torch.compile` needs on CPU (a C++ compiler and Python's headers). Where it cannot be
 built, `load()` returns None once, with one warning naming the reason, and serving keeps the
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -40,16 +42,16 @@ def _build():
     )
     try:
         module = cpp_extension.load(
-            name="shiftlm_paged_attention",
+            name="shiftlm_cpu_kernels",
             sources=[str(SOURCE)],
             extra_cflags=flags,
             verbose=False,
         )
     except Exception as error:  # no compiler, no headers: keep the SDPA path
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        log.warning("the CPU paged-attention kernel could not be built (%s); using gather + SDPA", reason)
+        log.warning("the CPU kernels could not be built (%s); using PyTorch ops (gather + SDPA)", reason)
         return None
     seconds = time.perf_counter() - started
     if seconds > 1:
-        log.warning("built the CPU paged-attention kernel in %.1f s (cached for later starts)", seconds)
+        log.warning("built the CPU kernels in %.1f s (cached for later starts)", seconds)
     return module

@@ -1,6 +1,7 @@
 // Paged attention on CPU: every query row attends its own sequence's context straight from the paged
 // KV cache (no gather into contiguous buffers, no mask tensor), as vLLM's CPU attention does.
-// Built at first use by shiftlm/serve/cpu_kernel.py (torch.utils.cpp_extension); see docs/serving.md.
+// Built at first use by shiftlm/model/cpu_kernels.py (torch.utils.cpp_extension); see docs/serving.md.
+// Also: RMSNorm and SwiGLU's silu(gate) * up for the no-grad forward (fp32/bf16, contiguous rows).
 //
 //   q       [N, Hq, D]        query rows of the step (RoPE applied)
 //   k, v    [slots, Hkv, D]   one layer's cache; slot = block * block_size + offset
@@ -122,6 +123,67 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch
   });
 }
 
+namespace {
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, float eps) {
+  for (int64_t n = 0; n < rows; ++n) {
+    const T* r = x + n * H;
+    T* o = out + n * H;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(r[i]) * static_cast<float>(r[i]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) o[i] = static_cast<T>(static_cast<float>(r[i]) * inv * static_cast<float>(w[i]));
+  }
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t F) {
+  for (int64_t n = 0; n < rows; ++n) {
+    const T* g = gu + n * 2 * F;
+    const T* u = g + F;
+    T* o = out + n * F;
+#pragma omp simd
+    for (int64_t i = 0; i < F; ++i) {
+      const float a = static_cast<float>(g[i]);
+      // -ffast-math assumes no infinities: exp's argument is kept below overflow (silu(-88) is -0 anyway)
+      o[i] = static_cast<T>(a / (1.f + std::exp(std::min(-a, 80.f))) * static_cast<float>(u[i]));
+    }
+  }
+}
+
+}  // namespace
+
+// x [..., H] contiguous, weight [H] -> x / sqrt(mean(x^2) + eps) * weight (fp32 accumulation)
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                  weight.numel() == x.size(-1), "rms_norm: contiguous x [..., H] and weight [H] of its dtype");
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, H,
+                       static_cast<float>(eps));
+  });
+  return out;
+}
+
+// gate|up [..., 2F] contiguous (one GEMM's output) -> silu(gate) * up [..., F]
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: contiguous [..., 2F]");
+  const int64_t F = gate_up.size(-1) / 2, rows = F ? gate_up.numel() / (2 * F) : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = F;
+  auto out = torch::empty(sizes, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, F);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of query rows over their paged context (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a contiguous gate|up (CPU)");
 }
