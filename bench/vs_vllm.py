@@ -15,7 +15,9 @@ client's own CPU per output token is recorded (`client_cpu_ms_per_token`) to sho
 tokens with ignore_eos, greedy): one request at a time, `--concurrency` at a time (closed loop), and a
 short Poisson sweep (open loop). Rounds interleave: every round runs each load on each server in turn,
 the order rotating, with fresh prompts (no prefix-cache hits), so machine noise falls on all servers
-alike; the tables give medians over rounds and ratios within this run. The machine is shared: the
+alike; the tables give medians over rounds and ratios within this run. Before each run every server
+must be idle (under 5% of a core over 0.25 s; `settle_s` records the wait): vLLM keeps its core busy
+for ~1 s after its last request, which made the server run after it on that core up to 20% slower. The machine is shared: the
 result records the load average before and after. Writes bench/results/vs_vllm.json and .png.
 
 A second part times the engine's decode step in-process (`--step-sweep`): at fixed context, step time
@@ -118,6 +120,34 @@ class Server:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} was not healthy within {timeout:.0f}s (log: {self.log})")
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system, all threads) of the live processes of this server's session
+        (it was started with start_new_session, so its process group id is its pid)."""
+        total = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # a process that exited meanwhile
+            if int(fields[2]) == self.proc.pid:  # field 5, pgrp
+                total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime (ticks)
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def wait_idle(self, window: float = 0.25, share: float = 0.05, timeout: float = 20.0) -> float:
+        """Wait until this server uses under `share` of a core over `window` seconds; the seconds waited.
+        vLLM's CPU build keeps a core busy for ~1 s after its last request (measured: 80-99% of its core
+        in the first second, 0-1% after); a server run next on that core would pay for it."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            before, begun = self.cpu_seconds(), time.monotonic()
+            time.sleep(window)
+            if (self.cpu_seconds() - before) / (time.monotonic() - begun) < share:
+                break
+        return time.monotonic() - started - window
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -434,10 +464,13 @@ def main() -> int:
                 batch = prompts(count)  # the same prompts for every server in this cell
                 order = names[round_index % len(names) :] + names[: round_index % len(names)]
                 for name in order:
+                    # every server idle first: no run pays for the previous server's after-load work
+                    settle = max(servers[other].wait_idle() for other in names)
                     # each server sees these prompts once; other cells use fresh ones (no prefix hits)
                     result = asyncio.run(
                         run_load(servers[name].url, batch, args.output_len, concurrency, rate)
                     )
+                    result["settle_s"] = round(settle, 2)
                     rows.append({"round": round_index, "load": label, "server": name, **result})
                     print(
                         f"round {round_index} {label:14s} {name:15s} {result['out_tok_s']:7.1f} tok/s  "
