@@ -183,7 +183,11 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "attention of query rows over their paged context (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows (CPU)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a contiguous gate|up (CPU)");
+  // the GIL is released while a kernel runs (as PyTorch's own ops do): the server's HTTP thread can
+  // run Python beside it
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, "attention of query rows over their paged context (CPU)",
+        release());
+  m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows (CPU)", release());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a contiguous gate|up (CPU)", release());
 }
