@@ -273,7 +273,10 @@ def head_pass_costs(
     return PassCosts(forward, dgrad, wgrad)
 
 
-def optimizer_time(local_params: float, hardware: Hardware, efficiency: Efficiency) -> float:
-    """Fused mixed-precision Adam: reads fp32 master/m/v and the grad, writes them and the bf16 copy
-    (~30 bytes per parameter); purely memory-bound."""
-    return 30 * local_params / (hardware.hbm_bandwidth * efficiency.memory)
+def optimizer_time(
+    local_params: float, hardware: Hardware, efficiency: Efficiency, bytes_per_param: float = 30.0
+) -> float:
+    """The optimizer step, purely memory-bound: `bytes_per_param` HBM bytes per local parameter.
+    Fused mixed-precision Adam reads fp32 master/m/v and the grad and writes them and the bf16 copy
+    (~30 bytes); Megatron-LM's fp16 optimizer makes more passes (`Layout.optimizer_bytes`)."""
+    return bytes_per_param * local_params / (hardware.hbm_bandwidth * efficiency.memory)

@@ -36,6 +36,14 @@ class Layout(ParallelConfig):
     # Megatron-LM 2021-22 hands activations off with blocking p2p (batch_isend_irecv, then
     # torch.cuda.synchronize()): the sender waits for its transfer; shiftlm's executor uses isend
     blocking_p2p: bool = False
+    # HBM bytes per parameter that adding a micro-batch's weight gradients into the accumulated ones
+    # moves outside the wgrad GEMM, for every micro-batch after the first: 0 where the GEMM
+    # accumulates in place (Megatron-LM's gradient-accumulation fusion); 6 for autograd's in-place
+    # fp16 `param.grad += grad` (Megatron-LM as of early 2021: read both, write one, 2 bytes each)
+    grad_accumulation_bytes: float = 0.0
+    # HBM bytes per local parameter of the optimizer step (`costs.optimizer_time`): 30 for a fused
+    # mixed-precision Adam; Megatron-LM's fp16 optimizer makes more passes (measured.py: 52)
+    optimizer_bytes: float = 30.0
 
     def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""

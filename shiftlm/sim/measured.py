@@ -68,7 +68,23 @@ class Case:
         return flops / (step_time * layout.gpus) / 1e12
 
 
-def _megatron_layout(row: dict, recompute: str, chunks: int, tp_sp: bool = False) -> Layout:
+# Megatron-LM's fp16 optimizer step (megatron/optimizer/optimizer.py, 2021-22), HBM bytes per local
+# parameter: fp16 grads copied to fp32 main grads (2 + 4), unscale and inf check (4 + 4), the grad
+# norm (4), apex FusedAdam (param, grad, m, v read, param, m, v written: 28), fp32 params copied back
+# to the fp16 model (4 + 2): 52, against a fused Adam's 30.
+MEGATRON_OPTIMIZER_BYTES = 52.0
+# Megatron-LM as Table 1 ran it (PyTorch 20.12 container, early 2021) kept fp16 gradients in
+# `param.grad`, where autograd adds each micro-batch's weight gradients after the first with its own
+# kernel (read both, write one: 6 bytes per parameter). Later Megatron-LM (Korthikanti's 2022 runs,
+# vTrain's) accumulates into fp32 `main_grad`, inside the wgrad GEMM where apex provides the fused
+# kernel (`--gradient-accumulation-fusion`); replayed with no such cost, as their fit rows agree
+# (docs/simulator.md, "Megatron T1 against Korthikanti T5").
+MEGATRON_2021_GRAD_ACCUMULATION = 6.0
+
+
+def _megatron_layout(
+    row: dict, recompute: str, chunks: int, tp_sp: bool = False, grad_accumulation_bytes: float = 0.0
+) -> Layout:
     pp, microbatches = int(row["pp"]), int(row["global_batch"]) // (int(row["dp"]) * int(row["micro_batch"]))
     # Megatron's 1F1B caps its warm-up at the micro-batch count: with fewer micro-batches than stages it
     # runs every forward, then every backward, which is GPipe's order (shiftlm's 1f1b refuses m < pp)
@@ -89,6 +105,8 @@ def _megatron_layout(row: dict, recompute: str, chunks: int, tp_sp: bool = False
         overlap_grad_sync=False,
         rank_order=MEGATRON_ORDER,
         blocking_p2p=True,
+        grad_accumulation_bytes=grad_accumulation_bytes,
+        optimizer_bytes=MEGATRON_OPTIMIZER_BYTES,
     )
 
 
@@ -100,7 +118,7 @@ def _megatron_table1(row: dict) -> Case:
     layers, pp = int(row["layers"]), int(row["pp"])
     per_virtual = row["layers_per_virtual_stage"]
     chunks = layers // (pp * int(per_virtual)) if per_virtual else 1
-    layout = _megatron_layout(row, "full", chunks)
+    layout = _megatron_layout(row, "full", chunks, grad_accumulation_bytes=MEGATRON_2021_GRAD_ACCUMULATION)
     label = f"{row['params_b']}B tp{row['tp']} pp{pp} dp{row['dp']} v{chunks}"
     return Case(
         "megatron_2021_table1", label, _gpt(row), layout, A100, float(row["tflops_per_gpu"]), "tflops_per_gpu"

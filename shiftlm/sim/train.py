@@ -30,7 +30,27 @@ def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, eff
     `simulate_step` and the fitter's re-timing both use)."""
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
+    stage = grad_accumulation_stage_costs(stage, model, layout, hardware, efficiency)
     return activation_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+
+
+def grad_accumulation_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
+    """Each micro-batch's backward adds its weight gradients into the trainer's gradient buffer:
+    `layout.grad_accumulation_bytes` HBM bytes per parameter of the stage-chunk (its layers, and the
+    embedding or LM head on the first and last chunk), memory-bound, in every W."""
+    if layout.grad_accumulation_bytes <= 0:
+        return stage
+    chunks = len(stage.forward)
+    # the first micro-batch's gradients are written, not added: (m - 1) adds over m micro-batches
+    share = (layout.microbatches - 1) / layout.microbatches
+    per_byte = (
+        share * layout.grad_accumulation_bytes / (hardware.hbm_bandwidth * efficiency.memory * layout.tp)
+    )
+    layers = model.num_layers / chunks * model.layer_params * per_byte
+    weight = [layers] * chunks
+    weight[0] += model.embedding_params * per_byte
+    weight[-1] += model.embedding_params * per_byte if chunks > 1 or not model.tie_word_embeddings else 0.0
+    return replace(stage, backward_weight=[w + extra for w, extra in zip(stage.backward_weight, weight)])
 
 
 def activation_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
@@ -274,7 +294,7 @@ def step_overheads(
     exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
     replicas = layout.dp * layout.cp * layout.sp  # the ZeRO group is the trainer's dp_sp
     local_params = stage_params(model, layout) / (replicas if layout.zero >= 1 else 1)
-    return exposed_sync, costs.optimizer_time(local_params, hardware, efficiency)
+    return exposed_sync, costs.optimizer_time(local_params, hardware, efficiency, layout.optimizer_bytes)
 
 
 def simulate_step(

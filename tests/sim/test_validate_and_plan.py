@@ -18,7 +18,7 @@ from shiftlm.sim.fit import fit
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
-from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs
+from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs, step_stage_costs
 from shiftlm.sim.validate import mape, percentile_abs_error, replay, table_summary
 from shiftlm.sim.validate_cli import TARGET_P90_PCT, TARGET_PCT
 
@@ -29,9 +29,9 @@ def _held_out(table):
 
 
 MET_TODAY = {  # issue 17's held-out goals (validate_cli.TARGET_PCT): which are met today
-    "megatron_2021_table1": False,  # 5.04% against 4%
+    "megatron_2021_table1": True,  # 3.45% (5.04% before Megatron-LM 2021's gradient accumulation)
     "korthikanti_2022_table5": True,
-    "vtrain_multi_node": False,  # 7.50% against 7%
+    "vtrain_multi_node": False,  # 7.45% against 7%
     "vtrain_single_node": True,
     "llmfoundry_h100": True,  # never fitted: 6.4% with llm-foundry's two A100-fitted constants
 }
@@ -57,9 +57,9 @@ def test_fitted_model_meets_the_issue_goal_on_held_out_rows(table):
     "table, bound",
     [
         # where a goal is not met, the bound is today's value plus a little: a regression fails
-        ("megatron_2021_table1", 5.5),
+        ("megatron_2021_table1", 4.0),
         ("korthikanti_2022_table5", 3.0),
-        ("vtrain_multi_node", 7.7),
+        ("vtrain_multi_node", 7.6),
         ("vtrain_single_node", 8.0),
         ("llmfoundry_h100", 8.0),
         ("llmfoundry_a100", 6.0),  # no goal: the same framework on A100 (5.5% today)
@@ -153,6 +153,40 @@ def test_no_layout_family_of_vtrain_single_node_hides_in_the_average(family):
     rows = replay(table, load_cases(default_data_dir(), [table])[table], FITTED, FITTED_CLUSTER)
     summary = table_summary(rows)["families_held_out"][family]
     assert summary["rows"] > 50 and summary["mape_held_out_pct"] <= 9.0
+
+
+def test_megatron_2021_gradient_accumulation_costs_its_bytes_on_every_micro_batch_after_the_first():
+    table = "megatron_2021_table1"
+    case = load_cases(default_data_dir(), [table])[table][8]  # 530B tp8 pp35 dp9 v3, 280 micro-batches
+    layout, a100 = case.layout, case.hardware
+    assert layout.grad_accumulation_bytes == 6.0 and layout.microbatches == 280
+    fused = replace(layout, grad_accumulation_bytes=0.0)
+    args = (case.model, a100, FITTED, case.dtype)
+    stage = step_stage_costs(case.model, layout, *args[1:])
+    plain = step_stage_costs(case.model, fused, *args[1:])
+    extra = sum(w - p for w, p in zip(stage.backward_weight, plain.backward_weight))
+    params = case.model.num_layers * case.model.layer_params + 2 * case.model.embedding_params
+    expected = 6.0 * 279 / 280 * params / layout.tp / (a100.hbm_bandwidth * FITTED.memory)
+    assert extra == pytest.approx(expected, rel=1e-9)  # per micro-batch, summed over the stage-chunks
+    slower = simulate_step(case.model, layout, *args[1:]).step_time
+    assert slower > simulate_step(case.model, fused, *args[1:]).step_time
+    # the later Megatron-LM of Korthikanti's and vTrain's runs accumulates inside the GEMM
+    for other in ("korthikanti_2022_table5", "vtrain_multi_node"):
+        assert all(
+            c.layout.grad_accumulation_bytes == 0 for c in load_cases(default_data_dir(), [other])[other]
+        )
+
+
+def test_optimizer_step_costs_its_bytes_per_local_parameter():
+    from shiftlm.sim.costs import optimizer_time
+
+    a100 = CATALOG["a100-80gb"]
+    assert optimizer_time(1e9, a100, FITTED, 52.0) == pytest.approx(
+        52 / 30 * optimizer_time(1e9, a100, FITTED)
+    )
+    for rows in load_cases(default_data_dir(), ["megatron_2021_table1", "vtrain_single_node"]).values():
+        assert all(c.layout.optimizer_bytes == 52.0 for c in rows)  # Megatron-LM's fp16 optimizer
+    assert Layout().optimizer_bytes == 30.0  # a fused mixed-precision Adam
 
 
 def test_every_megatron_table1_row_is_within_10_percent():
