@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -106,6 +107,16 @@ def _local_store(world_size: int, port: int = 0):
     return store
 
 
+def _freeze_startup_objects() -> None:
+    """Move everything start-up made (the model, tokenizer, app, torch's and transformers' modules) out
+    of the garbage collector's reach: a full collection then scans only what serving allocates. With
+    them in, the full collections that serving's allocations trigger cost ~0.2 s each (measured: one
+    round in five of the 32-concurrent bench load lost 0.19 s, its step gap 1.3 -> 2.7 ms). As vLLM
+    does after its engine starts."""
+    gc.collect()
+    gc.freeze()
+
+
 def _worker_main(
     rank: int, world_size: int, store_port: int, options: ServeOptions, clock, parent: int
 ) -> None:
@@ -123,6 +134,7 @@ def _worker_main(
     except Exception as err:  # one clear line; rank 0 sees this rank exit and stops too
         print(f"error: shiftlm serve rank {rank} failed to start: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    _freeze_startup_objects()
     try:
         runner.serve_steps()
     except Exception as err:  # a peer died: rank 0's monitor names the failure; say why this one stops
@@ -234,6 +246,7 @@ def run_server(options: ServeOptions) -> int:
         _stop([proc for _, proc, _ in workers])
         return 1
     if rank != 0:
+        _freeze_startup_objects()
         runner.serve_steps()
         return 0
     with contextlib.ExitStack() as stack:
@@ -293,6 +306,7 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     ticker = threading.Thread(target=_tick, args=(stats, options.log_interval, server), daemon=True)
     ticker.start()
     host, port = http.getsockname()[:2]
+    _freeze_startup_objects()
     print(
         f"shiftlm serve: {api.model_name} on http://{host}:{port} "
         f"(tp={options.tp} sp={options.sp} mode={options.mode} threshold={options.shift_threshold} "
