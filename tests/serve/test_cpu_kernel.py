@@ -158,3 +158,30 @@ def test_fused_ops_leave_the_models_forward_unchanged():
             fused = model(ids)
     assert len(packed) > 0  # the packed path really ran
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_compiler_serving_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    """Where the kernels cannot be built (no C++ compiler): `load()` is None with one warning naming the
+    reason, `auto` serves with gather + SDPA and PyTorch's norm and SwiGLU, and `cpu-kernel` refuses to
+    start with one line naming the fix."""
+    from torch.utils import cpp_extension
+
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.serve.runner import ModelRunner
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension\ncommand 'c++' not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        runner = ModelRunner.load(model_dir, Mesh(ParallelConfig()), 16, 4, attention_backend="auto")
+        assert cpu_kernels.load() is None  # cached: not built again, no second warning
+    warnings = [r.getMessage() for r in caplog.records if r.name == cpu_kernels.__name__]
+    assert len(warnings) == 1 and "command 'c++' not found" in warnings[0]
+    assert runner.cache.kernel is None and runner.shift_model.packed.ops is None
+    with pytest.raises(ConfigError, match="install a C\\+\\+ compiler or use --attention-backend auto"):
+        ModelRunner.load(model_dir, Mesh(ParallelConfig()), 16, 4, attention_backend="cpu-kernel")
