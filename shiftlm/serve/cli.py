@@ -76,8 +76,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "--attention-backend",
         choices=("auto", "cpu-kernel", "sdpa"),
         default="auto",
-        help="decode attention: auto = the CPU paged-attention kernel on CPU where it builds (first build "
-        "~25 s, cached), else gather + SDPA; cpu-kernel insists on it; sdpa never uses it",
+        help="auto = shiftlm's CPU kernels on CPU where they build (decode attention from the cache blocks, "
+        "fused RMSNorm and SwiGLU; first build ~25 s, cached), else PyTorch's ops (gather + SDPA); "
+        "cpu-kernel insists on them; sdpa never uses them",
     )
 
 
