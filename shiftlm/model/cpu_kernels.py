@@ -18,6 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+NAME = "shiftlm_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -34,6 +35,13 @@ def _build():
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
+    try:  # say where it goes before a first build's silent ~25 s
+        where = cpp_extension._get_build_directory(NAME, False)
+        built = any(Path(where).glob(f"{NAME}*.so"))
+    except Exception:  # a private helper of torch's: only the message depends on it
+        where, built = "torch's extension cache", True
+    if not built:
+        log.warning("building shiftlm's CPU kernels (first start only, ~25 s; cached in %s)", where)
     # -fopenmp-simd: the simd loops only; with -fopenmp the .so would bring GCC's OpenMP runtime, whose
     # worker threads spun beside PyTorch's and slowed the step's GEMMs by a third
     # -ffast-math: vectorised expf (glibc's libmvec) in the softmax; the kernel keeps no infinities
@@ -42,7 +50,7 @@ def _build():
     )
     try:
         module = cpp_extension.load(
-            name="shiftlm_cpu_kernels",
+            name=NAME,
             sources=[str(SOURCE)],
             extra_cflags=flags,
             verbose=False,

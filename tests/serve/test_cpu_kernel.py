@@ -175,13 +175,16 @@ def test_without_a_compiler_serving_falls_back_with_one_warning(tmp_path, monkey
         raise RuntimeError("Error building extension\ncommand 'c++' not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / name))
     monkeypatch.setattr(cpu_kernels, "_state", {})
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
         runner = ModelRunner.load(model_dir, Mesh(ParallelConfig()), 16, 4, attention_backend="auto")
         assert cpu_kernels.load() is None  # cached: not built again, no second warning
     warnings = [r.getMessage() for r in caplog.records if r.name == cpu_kernels.__name__]
-    assert len(warnings) == 1 and "command 'c++' not found" in warnings[0]
+    # a first build says so before it starts (nothing cached under tmp_path), then why it failed
+    assert len(warnings) == 2 and "first start only" in warnings[0] and str(tmp_path) in warnings[0]
+    assert "could not be built (command 'c++' not found)" in warnings[1]
     assert runner.cache.kernel is None and runner.shift_model.packed.ops is None
     with pytest.raises(ConfigError, match="install a C\\+\\+ compiler or use --attention-backend auto"):
         ModelRunner.load(model_dir, Mesh(ParallelConfig()), 16, 4, attention_backend="cpu-kernel")
