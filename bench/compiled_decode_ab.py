@@ -8,7 +8,7 @@ bench/vs_vllm.py's random-weight Llama (hidden 512, 4 layers, 8/2 heads, fp32), 
 on the same weights, one eager and one compiled, time `runner.execute` of the same plan alternately
 (the order flips every round) as the minimum thread CPU time of `--reps` steps per round; the result is
 the minimum over rounds. The compiled runner compiles at load (`CompiledDecode.warm_up`, logged);
-batches above `compiled_step.MAX_SEQS` run eager in both (a check that nothing else changed). Writes
+batches above the compiled step's `max_seqs` run eager in both (a check that nothing else changed). Writes
 bench/results/compiled_decode_ab.json and .png (compiled/eager per case) with the load average.
 """
 

@@ -13,7 +13,7 @@ kernels ran 2-4x slower than eager's at 8-64 sequences. So the graph's only dyna
 length, inside the gather index and mask (`warm_up`, at startup: one compile per batch size).
 
 Applies to: one rank (shift group of 1), fp32, a pure decode step (one query per sequence, no stream
-rotation) of at most `MAX_SEQS` sequences: the latency case (TPOT one request at a time). Everything
+rotation) of at most `max_seqs` sequences (those where MKL's GEMV is the faster linear): the latency case (TPOT one request at a time). Everything
 else (larger batches, prefill and mixed steps, several ranks) runs the eager step.
 """
 
@@ -27,14 +27,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from shiftlm.model.inference_linear import GEMV_ROWS
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
 
 log = logging.getLogger(__name__)
-# Batches it runs: eager's linears of more rows run oneDNN on prepacked weights (inference_linear.py),
-# ~2x MKL's GEMM that the graph calls; compiled was 1.20x / 1.06x eager's step at 8 / 32 sequences
-MAX_SEQS = GEMV_ROWS
 _CACHES: weakref.WeakValueDictionary[int, PagedKVCache] = (
     weakref.WeakValueDictionary()
 )  # storage address -> cache
@@ -76,9 +72,13 @@ def _(q, k, v, storage, layer, slots, block_index, bias, positions, window):
 class CompiledDecode:
     """The compiled decode step of one rank's model and cache; `applies(batch)` says when to use it."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache):
+    def __init__(self, model: Transformer, cache: PagedKVCache, max_seqs: int):
+        """`max_seqs`: the largest batch it runs (`ShiftModel` passes the row counts for which MKL's GEMV,
+        the graph's extern `mm`, beats oneDNN's packed GEMM that eager uses: compiled was 1.20x / 1.06x
+        eager's step at 8 / 32 sequences, where eager runs oneDNN)."""
         config = model.config
         self.cache = cache
+        self.max_seqs = max_seqs
         self.window = config.sliding_window or 0  # the plan's groups carry the same (plan_codec)
         layers = list(model.model.layers.values())
         with torch.no_grad():
@@ -113,12 +113,11 @@ class CompiledDecode:
             and model.model.norm.weight.dtype == torch.float32  # eager's RMSNorm is F.rms_norm in fp32 only
         )
 
-    @staticmethod
-    def applies(batch: FlatBatch) -> bool:
-        """A pure decode step of at most `MAX_SEQS` sequences (PagedAttention's lean path: row i is
+    def applies(self, batch: FlatBatch) -> bool:
+        """A pure decode step of at most `max_seqs` sequences (PagedAttention's lean path: row i is
         sequence i, one query each)."""
         return (
-            batch.token_ids.shape[0] <= MAX_SEQS
+            batch.token_ids.shape[0] <= self.max_seqs
             and PagedAttention.is_decode(batch)
             and batch.num_tokens == batch.slots.numel()
         )
@@ -138,7 +137,7 @@ class CompiledDecode:
         """Compile now, one graph per batch size it applies to (any context length), on a dummy step
         that writes slots of block 0, then zero the cache; one log line each."""
         device = self.embed.device
-        for seqs in range(1, MAX_SEQS + 1):
+        for seqs in range(1, self.max_seqs + 1):
             start = time.perf_counter()
             rows = torch.arange(seqs, device=device)
             blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence

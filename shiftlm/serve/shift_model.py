@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from shiftlm.config import ConfigError
 from shiftlm.mesh import Mesh
-from shiftlm.model.inference_linear import PackedWeights, inference_linear
+from shiftlm.model.inference_linear import GEMV_ROWS, PackedWeights, inference_linear
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.compiled_step import CompiledDecode
 from shiftlm.serve.logits import full_tp_vocab_part, logits_block
@@ -42,6 +42,7 @@ class ShiftModel:
         cache: PagedKVCache,
         pack_weights: bool = True,
         compile_decode: bool = False,
+        gemv_rows: int | None = None,
     ):
         config = model.config
         self.model, self.mesh, self.cache, self.config = model, mesh, cache, config
@@ -61,9 +62,17 @@ class ShiftModel:
                 embed.full_table = torch.cat(parts)
         # oneDNN-layout copies of the weights each mode uses, made on the first step that uses them
         self.packed = PackedWeights(cache.kernel) if pack_weights else None
-        # pure decode steps as one compiled function where it applies (serve/compiled_step.py)
-        compiled = compile_decode and CompiledDecode.supports(model, mesh.shift.size)
-        self.compiled = CompiledDecode(model, cache) if compiled else None
+        if self.packed is not None:  # MKL's GEMV or oneDNN's packed GEMM for 1-2 rows: measured here
+            if gemv_rows is None:  # unless the caller says (tests of one path)
+                self.packed.choose_small_rows(_linear_groups(model))
+            else:
+                self.packed.gemv_rows = gemv_rows
+        # pure decode steps as one compiled function where it applies (serve/compiled_step.py): the
+        # batches small enough for MKL's GEMV, which the graph calls (oneDNN's packed GEMM, where it
+        # is faster, is not available inside the graph)
+        max_seqs = GEMV_ROWS if self.packed is None else self.packed.gemv_rows
+        compiled = compile_decode and max_seqs > 0 and CompiledDecode.supports(model, mesh.shift.size)
+        self.compiled = CompiledDecode(model, cache, max_seqs) if compiled else None
 
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
@@ -88,3 +97,19 @@ class ShiftModel:
         block = logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp)
         head = self.model.head_weight if mode is Mode.SP_TP else self.head_view
         return inference_linear(self.model.model.norm(hidden[block.hidden_rows]), head)
+
+
+def _linear_groups(model: Transformer, layers: int = 4) -> list[list[tuple[torch.Tensor, ...]]]:
+    """The weights of the first `layers` decoder layers, grouped by input as the forward fuses them
+    (Q|K|V, O, gate|up, down): what `PackedWeights.choose_small_rows` times."""
+    groups = []
+    for layer in list(model.model.layers.values())[:layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = [
+            (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+            (attn.o_proj.weight,),
+            (mlp.gate_proj.weight, mlp.up_proj.weight),
+            (mlp.down_proj.weight,),
+        ]
+        groups.append([tuple(w.detach() for w in group) for group in weights])
+    return groups

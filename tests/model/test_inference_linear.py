@@ -93,3 +93,46 @@ def test_linear_without_grad_skips_autograd_and_with_grad_keeps_it():
 def test_other_dtypes_fall_back_to_f_linear():
     weight, x = torch.randn(8, 6, dtype=torch.float64), torch.randn(2, 6, dtype=torch.float64)
     assert torch.equal(inference_linear(x, weight), F.linear(x, weight))
+
+
+@needs_onednn
+@pytest.mark.parametrize("gemv_rows", [0, 1, 2])
+def test_small_inputs_take_the_path_gemv_rows_names(gemv_rows):
+    """Inputs of at most `gemv_rows` rows run MKL on the weight as it is (no packed copy), larger ones
+    oneDNN on a packed copy; both compute F.linear."""
+    weight = torch.randn(24, 16)
+    for rows in (1, 2, 3):
+        cache = PackedWeights(gemv_rows=gemv_rows)
+        x = torch.randn(rows, 16)
+        with cache.active():
+            out = inference_linear(x, weight)
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+        assert len(cache) == (0 if rows <= gemv_rows else 1), rows
+
+
+@needs_onednn
+@pytest.mark.parametrize("slow", ["mkl", "onednn", "neither"])
+def test_choose_small_rows_keeps_the_faster_path(monkeypatch, slow):
+    """The probe times both paths on the given weights and keeps MKL only where it is faster: made
+    slow by a sleep, a path loses; the choice drives `inference_linear`."""
+    import time
+
+    import shiftlm.model.inference_linear as il
+
+    layers = [[(torch.randn(32, 16), torch.randn(8, 16)), (torch.randn(16, 32),)]]
+    if slow == "mkl":
+        fast = F.linear
+        monkeypatch.setattr(il.F, "linear", lambda *a: (time.sleep(0.02), fast(*a))[1])
+    elif slow == "onednn":
+        fast = il._onednn_linear
+        monkeypatch.setattr(il, "_onednn_linear", lambda *a: (time.sleep(0.02), fast(*a))[1])
+    cache = PackedWeights()
+    chosen = cache.choose_small_rows(layers, reps=3)
+    assert chosen == cache.gemv_rows
+    if slow == "mkl":
+        assert chosen == 0
+    elif slow == "onednn":
+        assert chosen == il.GEMV_ROWS
+    else:
+        assert 0 <= chosen <= il.GEMV_ROWS
+    assert len(cache) == 0  # the probe's packed copies are its own
