@@ -21,9 +21,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm import shm
 from shiftlm.comm.group import CommGroup, counters
 from shiftlm.comm.ledger import Record, TrackedWork, ledger
 from shiftlm.comm.wait import run_blocking
+
+SHM_DTYPES = (torch.float32, torch.float64)  # what the shared-memory sum adds (others: gloo)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -56,6 +59,11 @@ def all_reduce(
     if group.size == 1:
         return TrackedWork(None, None, out) if async_op else out
     record = _enter("all_reduce", group, out, async_op)
+    local = shm.channel(group)
+    if local is not None and not async_op and op == dist.ReduceOp.SUM and out.dtype in SHM_DTYPES:
+        local.all_reduce_(out)  # ranks of one host: through shared memory (comm/shm.py)
+        ledger.exit(record)
+        return out
     if async_op:
         return TrackedWork(dist.all_reduce(out, op=op, group=group.pg, async_op=True), record, out)
     run_blocking(dist.all_reduce, out, op=op, group=group.pg)
@@ -69,8 +77,12 @@ def all_gather(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor
         return tensor
     tensor = tensor.contiguous()
     record = _enter("all_gather", group, tensor)
-    parts = [torch.empty_like(tensor) for _ in range(group.size)]
-    dist.all_gather(parts, tensor, group=group.pg)
+    local = shm.channel(group)
+    if local is not None:
+        parts = local.all_gather(tensor)
+    else:
+        parts = [torch.empty_like(tensor) for _ in range(group.size)]
+        dist.all_gather(parts, tensor, group=group.pg)
     ledger.exit(record)
     return torch.cat(parts, dim=dim)
 
@@ -133,8 +145,12 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_
         return tensor
     record = _enter("all_to_all", group, tensor)
     inputs = [c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(group.size)]
-    run_blocking(dist.all_to_all, outputs, inputs, group=group.pg)
+    local = shm.channel(group)
+    if local is not None:
+        outputs = local.all_to_all(inputs)
+    else:
+        outputs = [torch.empty_like(inputs[0]) for _ in range(group.size)]
+        run_blocking(dist.all_to_all, outputs, inputs, group=group.pg)
     ledger.exit(record)
     return torch.cat(outputs, dim=gather_dim)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("shm_exchange.cpp"))  # the second: comm/shm.py's collectives
 NAME = "shiftlm_cpu_kernels"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -51,7 +52,7 @@ def _build():
     try:
         module = cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=flags,
             verbose=False,
         )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm import shm
 from shiftlm.comm.wait import run_blocking
 from shiftlm.mesh import Coords, Mesh, coords_of
 from shiftlm.serve.paged_attention import FlatBatch
@@ -92,6 +93,8 @@ def gather_logits(
     parts = [torch.empty_like(padded) for _ in blocks] if is_root else None
     if group.size == 1:
         parts = [padded]
+    elif (local := shm.channel(group)) is not None:  # ranks of one host (comm/shm.py)
+        parts = local.gather(padded, 0)
     else:
         run_blocking(dist.gather, padded, parts, dst=group.ranks[0], group=group.pg)
     if not is_root:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm import shm
 from shiftlm.comm.wait import run_blocking
 from shiftlm.config import ConfigError, ModelConfig
 from shiftlm.mesh import Mesh
@@ -65,6 +66,14 @@ class ModelRunner:
             if group.size > 1
             else None
         )
+        # CPU ranks of one host: the step's collectives (row-parallel sums, the plan, the logits) go
+        # through shared memory (comm/shm.py), not gloo's sockets; off with SHIFTLM_SHM_COLLECTIVES=0
+        self._local = None
+        if mesh.device.type == "cpu" and os.environ.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0":
+            for each in (group, mesh.tp, mesh.sp):  # the same order on every rank (collective)
+                channel = shm.enable(each)
+                if each is group:
+                    self._local = channel
 
     @classmethod
     def load(
@@ -76,13 +85,17 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         compile_decode: bool = False,
         attention_backend: str | None = None,
+        gemv_rows: int | None = None,
     ) -> ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
         (`compiled_step.py`; the server's default, off with `--enforce-eager`). The environment variable
         SHIFTLM_COMPILE_DECODE=1 turns it on for every runner (to run a test suite on that path).
         `attention_backend` (`--attention-backend`; default SHIFTLM_ATTENTION_BACKEND, else "auto"):
         "auto" attends decode rows with the CPU paged-attention kernel on CPU where it builds
-        (model/cpu_kernels.py), "cpu-kernel" insists on it, "sdpa" always gathers blocks for SDPA."""
+        (model/cpu_kernels.py), "cpu-kernel" insists on it, "sdpa" always gathers blocks for SDPA.
+        `gemv_rows`: inputs of up to this many rows run MKL's GEMV rather than oneDNN's packed GEMM
+        (and the compiled decode covers those batch sizes); None measures which is faster here
+        (`PackedWeights.choose_small_rows`)."""
         compile_decode = compile_decode or os.environ.get("SHIFTLM_COMPILE_DECODE") == "1"
         backend = attention_backend or os.environ.get("SHIFTLM_ATTENTION_BACKEND") or "auto"
         if backend not in ATTENTION_BACKENDS:
@@ -95,7 +108,7 @@ class ModelRunner:
             config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
         )
         cache.kernel = _attention_kernel(backend, mesh.device)
-        shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode)
+        shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode, gemv_rows=gemv_rows)
         if shift_model.compiled is not None:
             shift_model.compiled.warm_up()
         return cls(config, shift_model, mesh)
@@ -122,21 +135,27 @@ class ModelRunner:
             src = self.mesh.shift.ranks[0]
             first = torch.zeros(FIRST_MESSAGE, dtype=torch.long, device="cpu")  # gloo: always CPU
             first[: min(message.numel(), FIRST_MESSAGE)] = message[:FIRST_MESSAGE]
-            run_blocking(dist.broadcast, first, src=src, group=self._plan_group)
+            self._broadcast(first, src)
             if message.numel() > FIRST_MESSAGE:
-                run_blocking(dist.broadcast, message[FIRST_MESSAGE:].clone(), src=src, group=self._plan_group)
+                self._broadcast(message[FIRST_MESSAGE:].clone(), src)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        if self._local is not None:
+            self._local.broadcast_(tensor, 0)  # the shift group's first rank
+        else:
+            run_blocking(dist.broadcast, tensor, src=src, group=self._plan_group)
 
     def _receive(self) -> torch.Tensor | None:
         src = self.mesh.shift.ranks[0]
         first = torch.empty(FIRST_MESSAGE, dtype=torch.long, device="cpu")
-        run_blocking(dist.broadcast, first, src=src, group=self._plan_group)
+        self._broadcast(first, src)
         if int(first[2]) == STOP_CHUNKS:
             return None
         size = HEADER + payload_size(first[:HEADER])
         if size <= FIRST_MESSAGE:
             return first[:size]
         rest = torch.empty(size - FIRST_MESSAGE, dtype=torch.long, device="cpu")
-        run_blocking(dist.broadcast, rest, src=src, group=self._plan_group)
+        self._broadcast(rest, src)
         return torch.cat((first, rest))
 
     def run_step(self, plan: StepPlan) -> torch.Tensor | None:

@@ -182,6 +182,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+void register_shm(pybind11::module& m);  // shm_exchange.cpp: collectives through shared memory
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs (as PyTorch's own ops do): the server's HTTP thread can
   // run Python beside it
@@ -190,4 +192,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a contiguous gate|up (CPU)", release());
+  register_shm(m);
 }

@@ -1,0 +1,188 @@
+// Collectives among the ranks of one host through a shared-memory segment (shiftlm/comm/shm.py), as
+// vLLM's CPU backend does for its tensor-parallel all-reduce: a rank copies its data into its own
+// slot, publishes the slot's generation number (release), waits until every rank has published that
+// generation (acquire), then reads the slots it needs. No socket, no helper thread, no condition
+// variable: on a virtual machine each sleep-and-wake of gloo's path cost ~1-2 ms (docs/serving.md).
+//
+// Segment: `world` headers of 64 bytes (generation, pid), then two buffers (generation parity) of
+// `world` slots of `capacity` bytes. A rank writes buffer g % 2 at generation g only after it has seen
+// every rank publish g - 1, i.e. after every rank finished reading g - 2 from that buffer: no rank
+// overwrites data another still reads. Larger tensors go in chunks, one generation each.
+//
+// Waiting: spin (pause) for `spin_s`, then yield the core (sched_yield: another thread or process of
+// this core runs) until `yield_s`, then sleep with a growing nap (5 us .. 1 ms), checking that the
+// ranks not yet there are alive (their pid) and the deadline (`timeout_s` > 0). The GIL is released.
+#include <torch/extension.h>
+
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace {
+
+struct alignas(64) Header {
+  int64_t gen;
+  int64_t pid;
+};
+
+constexpr int64_t kHeaderBytes = 64;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+struct Segment {
+  char* base;
+  int64_t world, capacity;
+  Header* header(int64_t rank) const { return reinterpret_cast<Header*>(base + rank * kHeaderBytes); }
+  char* slot(int64_t gen, int64_t rank) const {
+    const int64_t data = ((world * kHeaderBytes + 4095) / 4096) * 4096;
+    return base + data + ((gen & 1) * world + rank) * capacity;
+  }
+};
+
+Segment segment_of(const torch::Tensor& seg, int64_t world, int64_t capacity) {
+  TORCH_CHECK(seg.is_contiguous() && seg.scalar_type() == at::kByte, "shm: a contiguous uint8 segment");
+  const int64_t data = ((world * kHeaderBytes + 4095) / 4096) * 4096;
+  TORCH_CHECK(seg.numel() >= data + 2 * world * capacity, "shm: segment too small");
+  return Segment{reinterpret_cast<char*>(seg.data_ptr<uint8_t>()), world, capacity};
+}
+
+struct Policy {
+  double spin_s, yield_s, timeout_s;
+};
+
+void publish(const Segment& s, int64_t rank, int64_t gen) {
+  __atomic_store_n(&s.header(rank)->gen, gen, __ATOMIC_RELEASE);
+}
+
+// until every rank has published `gen`
+void wait_all(const Segment& s, int64_t gen, const Policy& p) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  for (int64_t j = 0; j < s.world; ++j) {
+    Header* h = s.header(j);
+    int64_t nap_ns = 5000, polls = 0;
+    while (__atomic_load_n(&h->gen, __ATOMIC_ACQUIRE) < gen) {
+      if ((++polls & 31) != 0) {
+        cpu_relax();
+        continue;
+      }
+      const double waited = std::chrono::duration<double>(clock::now() - start).count();
+      if (waited < p.spin_s) {
+        cpu_relax();
+      } else if (waited < p.yield_s) {
+        sched_yield();
+      } else {
+        const int64_t pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
+        if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+          throw std::runtime_error("shm collective: local rank " + std::to_string(j) + " (pid " +
+                                   std::to_string(pid) + ") exited");
+        }
+        if (p.timeout_s > 0 && waited > p.timeout_s) {
+          throw std::runtime_error("shm collective: local rank " + std::to_string(j) + " did not arrive within " +
+                                   std::to_string(p.timeout_s) + " s");
+        }
+        timespec nap{0, static_cast<long>(nap_ns)};
+        nanosleep(&nap, nullptr);
+        nap_ns = std::min<int64_t>(nap_ns * 2, 1000000);
+      }
+    }
+  }
+}
+
+template <typename T>
+void sum_slots(const Segment& s, int64_t gen, int64_t count, T* out) {
+  const T* first = reinterpret_cast<const T*>(s.slot(gen, 0));
+  std::memcpy(out, first, count * sizeof(T));
+  for (int64_t j = 1; j < s.world; ++j) {  // rank order on every rank: the same bits everywhere
+    const T* part = reinterpret_cast<const T*>(s.slot(gen, j));
+#pragma omp simd
+    for (int64_t i = 0; i < count; ++i) out[i] += part[i];
+  }
+}
+
+}  // namespace
+
+// The segment's header for this rank: generation 0, its pid.
+void shm_init(const torch::Tensor& seg, int64_t rank, int64_t world, int64_t capacity) {
+  Segment s = segment_of(seg, world, capacity);
+  __atomic_store_n(&s.header(rank)->pid, static_cast<int64_t>(getpid()), __ATOMIC_RELEASE);
+  publish(s, rank, 0);
+}
+
+// In-place sum of `t` (contiguous fp32/fp64) over the ranks; returns the last generation used.
+int64_t shm_all_reduce(const torch::Tensor& seg, int64_t rank, int64_t world, int64_t gen, torch::Tensor t,
+                       int64_t capacity, double spin_s, double yield_s, double timeout_s) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "shm_all_reduce: a contiguous CPU tensor");
+  Segment s = segment_of(seg, world, capacity);
+  Policy p{spin_s, yield_s, timeout_s};
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "shm_all_reduce", [&] {
+    scalar_t* data = t.data_ptr<scalar_t>();
+    const int64_t per = capacity / static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t done = 0, n = t.numel(); done < n || (n == 0 && done == 0); done += per) {
+      const int64_t count = std::min(per, n - done);
+      ++gen;
+      std::memcpy(s.slot(gen, rank), data + done, count * sizeof(scalar_t));
+      publish(s, rank, gen);
+      wait_all(s, gen, p);
+      sum_slots(s, gen, count, data + done);
+      if (n == 0) break;
+    }
+  });
+  return gen;
+}
+
+// Every rank's `input` (same byte size on all) into `out` ([world * bytes], uint8 view) on the ranks
+// with `receive`; ranks without it only publish. Broadcast: the root publishes, the others pass an
+// empty input and read the root's slot (`from_rank`). Returns the last generation used.
+int64_t shm_gather(const torch::Tensor& seg, int64_t rank, int64_t world, int64_t gen, torch::Tensor input,
+                   torch::Tensor out, int64_t from_rank, int64_t capacity, double spin_s, double yield_s,
+                   double timeout_s) {
+  TORCH_CHECK(input.is_contiguous() && out.is_contiguous(), "shm_gather: contiguous tensors");
+  Segment s = segment_of(seg, world, capacity);
+  Policy p{spin_s, yield_s, timeout_s};
+  const char* in = reinterpret_cast<const char*>(input.data_ptr());
+  char* dst = out.numel() ? reinterpret_cast<char*>(out.data_ptr()) : nullptr;
+  const int64_t in_bytes = input.numel() * input.element_size();
+  const int64_t out_bytes = out.numel() * out.element_size();
+  // bytes per rank: the input's (gather), or what the output holds (a broadcast's receivers)
+  const int64_t bytes = from_rank >= 0 ? std::max(in_bytes, out_bytes) : in_bytes;
+  TORCH_CHECK(from_rank >= 0 || out_bytes == 0 || out_bytes == world * bytes, "shm_gather: out size");
+  for (int64_t done = 0; done < bytes || done == 0; done += capacity) {
+    const int64_t count = std::min(capacity, bytes - done);
+    ++gen;
+    if (in_bytes) std::memcpy(s.slot(gen, rank), in + done, count);
+    publish(s, rank, gen);
+    wait_all(s, gen, p);
+    if (dst != nullptr) {
+      if (from_rank >= 0) {
+        std::memcpy(dst + done, s.slot(gen, from_rank), count);
+      } else {
+        for (int64_t j = 0; j < world; ++j) std::memcpy(dst + j * bytes + done, s.slot(gen, j), count);
+      }
+    }
+    if (bytes == 0) break;
+  }
+  return gen;
+}
+
+void register_shm(pybind11::module& m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("shm_init", &shm_init, "publish this rank's pid and generation 0 in a shm segment", release());
+  m.def("shm_all_reduce", &shm_all_reduce, "in-place sum over the local ranks of a shm segment", release());
+  m.def("shm_gather", &shm_gather, "gather / broadcast through a shm segment", release());
+}
