@@ -10,6 +10,7 @@ loglikelihood requests) the one token generated to get there is dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator
@@ -163,12 +164,27 @@ async def render_stream(outputs: AsyncIterator, choices: Choices) -> AsyncIterat
 
 async def finished_unless_gone(request, work) -> bool:
     """Run the coroutine `work` to its end (re-raising its error); if the client disconnects first,
-    cancel it and return False: the cancelled output iterators' finally blocks abort the requests."""
+    cancel it and return False: the cancelled output iterators' finally blocks abort the requests.
+    The disconnect is ASGI's `http.disconnect` message, seen as it arrives (as vLLM listens for it),
+    not polled."""
     task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await request.is_disconnected():
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # the client left (or this handler was cancelled)
             task.cancel()
-            return False
+        gone.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # its finally blocks (the aborts) run before the handler returns
+        return False
     task.result()
     return True
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client has gone: the request body is read, so the next ASGI message is the
+    disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
