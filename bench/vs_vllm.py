@@ -402,6 +402,13 @@ def main() -> int:
         "--rates", type=float, nargs="*", default=[4.0, 8.0, 16.0], help="Poisson sweep, req/s"
     )
     parser.add_argument("--poisson-requests", type=int, default=32)
+    parser.add_argument(
+        "--client-cores",
+        choices=("rest", "any"),
+        default="rest",
+        help="rest: the client on the cores no 1-rank server uses (on 2 cores: rank 1's core of a 2-rank "
+        "server); any: every core, placed by the kernel",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="token budget of one step (both)")
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0)
@@ -434,6 +441,8 @@ def main() -> int:
         return 0
     vllm_python = find_vllm(args.vllm_python)
     single, double, client_cores = cpu_sets(args.cores)
+    if args.client_cores == "any":  # the kernel places the client (beside whichever server core is free)
+        client_cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     os.sched_setaffinity(0, {int(c) for c in client_cores.split(",")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
