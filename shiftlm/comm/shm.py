@@ -112,8 +112,7 @@ class ShmChannel:
 
 def channel(group: CommGroup, purpose: str = "") -> ShmChannel | None:
     """The channel `enable` made for this group (and purpose), or None."""
-    made = _channels.get((purpose, group.ranks)) if group.size > 1 else None
-    return made if made is not None and made.group.pg is group.pg else None
+    return _channels.get((purpose, group.ranks)) if group.size > 1 else None
 
 
 def enable(
@@ -121,12 +120,13 @@ def enable(
 ) -> ShmChannel | None:
     """Make (collectively, over `group.pg`) a shared-memory channel for the group, or None where one cannot
     be made: a group of one, ranks on several hosts, no /dev/shm, no CPU kernels. Every rank gets the
-    same answer. Idempotent per (group's process group, purpose); a new process group of the same
-    ranks (a new `Mesh`) gets a new channel."""
+    same answer. One channel per (ranks, purpose): groups of the same ranks (serving's shift and tp
+    groups at tp = 2) share it, which is safe because a rank runs its collectives one at a time, in
+    the same order as its peers."""
     if group.size == 1 or group.pg is None:
         return None
     key = (purpose, group.ranks)
-    if key in _channels and _channels[key].group.pg is group.pg:
+    if key in _channels:
         return _channels[key]
     module = _module()
     here = (_host_id(), module is not None and os.access(SHM_DIR, os.W_OK))
