@@ -66,6 +66,23 @@ def apply_rope_qk(
         and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
     )
     if not adjacent:
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    both = apply_rope(q.as_strided((*q.shape[:-2], heads + k.shape[-2], dim), q.stride()), cos, sin)
+        return _rope(q, cos, sin), _rope(k, cos, sin)
+    both = _rope(q.as_strided((*q.shape[:-2], heads + k.shape[-2], dim), q.stride()), cos, sin)
     return both[..., :heads, :], both[..., heads:, :]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope`, by the CPU kernel (one pass; 31 us instead of 1.74 ms for 512 tokens x 10 heads)
+    inside serving's no-grad forward where it is active and the layout fits: tokens [1, T, H, D] or
+    [T, H, D] with heads contiguous, cos/sin one row per token."""
+    from shiftlm.model.inference_linear import active_ops  # serving's kernels, if active on this thread
+
+    ops = active_ops(x)
+    if ops is None or not hasattr(ops, "rope") or x.requires_grad or x.dim() not in (3, 4):
+        return apply_rope(x, cos, sin)
+    tokens, dim = x.shape[-3], x.shape[-1]
+    rows = x[0] if x.dim() == 4 and x.shape[0] == 1 else x
+    if rows.dim() != 3 or rows.stride()[1:] != (dim, 1) or cos.numel() != tokens * dim:
+        return apply_rope(x, cos, sin)
+    out = ops.rope(rows, cos.reshape(tokens, dim), sin.reshape(tokens, dim))
+    return out.view(x.shape)

@@ -142,9 +142,41 @@ def test_fused_silu_mul_equals_torch(shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("tokens", [1, 33, 512])
+@pytest.mark.parametrize("batched", [False, True])
+def test_fused_rope_equals_apply_rope(tokens, batched):
+    """RoPE of the fused Q|K view (k's heads right after q's, rows strided by the QKV GEMM's width) and
+    of separate q and k, by the kernel inside the serving forward, equals `apply_rope`."""
+    from shiftlm.model.inference_linear import PackedWeights
+    from shiftlm.model.rope import apply_rope, apply_rope_qk, rope_cos_sin
+
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (8 + 2 * 2) * 64) * 3
+    q, k = qkv[:, :512].view(tokens, 8, 64), qkv[:, 512:640].view(tokens, 2, 64)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = (t.unsqueeze(-2) for t in rope_cos_sin(inv_freq, torch.arange(tokens) * 3 + 5, torch.float32))
+    if batched:
+        q, k, cos, sin = q[None], k[None], cos[None], sin[None]
+    calls = []
+
+    class Counting:
+        def rope(self, *args):
+            calls.append(args[0].shape)
+            return kernel.rope(*args)
+
+    with torch.no_grad(), PackedWeights(Counting()).active():
+        fused = apply_rope_qk(q, k, cos, sin)
+        separate = apply_rope_qk(q, k.clone(), cos, sin)  # not adjacent: q and k each
+    assert [tuple(shape) for shape in calls] == [(tokens, 10, 64), (tokens, 8, 64), (tokens, 2, 64)]
+    for got in (fused, separate):
+        torch.testing.assert_close(got[0], apply_rope(q, cos, sin), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], apply_rope(k, cos, sin), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
 def test_fused_ops_leave_the_models_forward_unchanged():
-    """The no-grad forward with the kernels active (packed GEMMs, fused RMSNorm and SwiGLU) gives the
-    logits of the plain forward."""
+    """The no-grad forward with the kernels active (packed GEMMs, fused RMSNorm, SwiGLU and RoPE) gives
+    the logits of the plain forward."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
     from shiftlm.model.inference_linear import PackedWeights

@@ -182,6 +182,52 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+namespace {
+
+template <typename T>
+void rope_rows(const T* xp, const T* cp, const T* sp, T* op, int64_t rows, int64_t H, int64_t D, int64_t row) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* c = cp + t * D;
+    const T* s = sp + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* xi = xp + t * row + h * D;
+      T* o = op + (t * H + h) * D;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = static_cast<float>(xi[i]) * static_cast<float>(c[i]);
+        const float b = -static_cast<float>(xi[i + half]) * static_cast<float>(s[i]);
+        o[i] = static_cast<T>(a + b);
+      }
+#pragma omp simd
+      for (int64_t i = half; i < D; ++i) {
+        const float a = static_cast<float>(xi[i]) * static_cast<float>(c[i]);
+        const float b = static_cast<float>(xi[i - half]) * static_cast<float>(s[i]);
+        o[i] = static_cast<T>(a + b);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Rotary embedding of x [T, H, D] (rows of stride x.stride(0), heads contiguous): out [T, H, D] =
+// x * cos + rotate_half(x) * sin, cos/sin [T, D] contiguous (model/rope.py's apply_rope, one pass
+// instead of eager's slices, negation, concatenation, two products and a sum: 1.74 ms -> see docs).
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: x [T, H, D], heads contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(), "rope: cos/sin [T, D] contiguous");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "rope: dtypes differ");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rope: odd head size");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                        out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0));
+  });
+  return out;
+}
+
 void register_shm(pybind11::module& m);  // shm_exchange.cpp: collectives through shared memory
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -192,5 +238,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("rms_norm", &rms_norm, "RMSNorm of contiguous rows (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a contiguous gate|up (CPU)", release());
+  m.def("rope", &rope, "rotary embedding x * cos + rotate_half(x) * sin of [T, H, D] rows (CPU)", release());
   register_shm(m);
 }
