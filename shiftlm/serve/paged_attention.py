@@ -172,6 +172,9 @@ class PagedAttention:
             return self._attend_decode(layer, q, self.batch.chunks[0]).unsqueeze(0)
         out = torch.zeros_like(q)
         for group in self.batch.chunks:
+            if self.cache.kernel is not None and group.query_pos is not None and group.rotation is None:
+                kernel_rows(self.cache, layer, q, out, group)  # reads q's rows, writes out's, no gather
+                continue
             attended = self._attend(layer, q[group.query_rows], group)  # [S, Q, Hq, D]
             if group.query_valid is None:
                 out[group.query_rows.flatten()] = attended.flatten(0, 1)
@@ -216,6 +219,30 @@ class PagedAttention:
         folded = q.view(seqs, queries, kv_heads, groups, d).transpose(1, 2).reshape(seqs, kv_heads, -1, d)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.folded_mask(groups))
         return out.view(seqs, kv_heads, queries, groups, d).transpose(1, 2).reshape(seqs, queries, heads, d)
+
+
+def kernel_rows(
+    cache: PagedKVCache, layer: int, q: torch.Tensor, out: torch.Tensor, group: AttentionGroup
+) -> None:
+    """The group's query rows of q [N, Hq, D] (a prefill chunk, or decode rows of a mixed step) attended
+    by the CPU kernel straight from the cache blocks into the same rows of `out` (query rows in tiles
+    of 16, each key block read once per tile: docs/serving.md "Paged KV cache and prefix caching")."""
+    rows = group.query_rows
+    if group.query_valid is not None:
+        rows = rows.masked_fill(~group.query_valid, -1)
+    seqs = rows.shape[0]
+    k, v = cache.slots(layer)
+    cache.kernel.paged_attention(
+        q.contiguous(),
+        k,
+        v,
+        group.block_index.view(seqs, -1),
+        rows.contiguous(),
+        group.query_pos.contiguous(),
+        out,
+        cache.block_size,
+        group.window,
+    )
 
 
 def kernel_decode(

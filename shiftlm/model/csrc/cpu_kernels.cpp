@@ -94,6 +94,149 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
   });
 }
 
+
+// The rows of a prefill chunk (several queries of one sequence): query rows in tiles of kTile, each
+// key block read once per tile and transposed, so a query's scores over the block are one vector
+// (no horizontal sums), and each value row is added to every query of the tile from L1. Same online
+// softmax and masking (position, window) as `attend`.
+constexpr int64_t kTile = 16;
+
+template <typename T, int64_t kDim>
+void attend_tiled(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* rows,
+                  const int64_t* pos, T* out, int64_t S, int64_t Q, int64_t B, int64_t Hq, int64_t Hkv,
+                  int64_t dim, int64_t block_size, int64_t window, float scale) {
+  const int64_t D = kDim > 0 ? kDim : dim;
+  const int64_t G = Hq / Hkv, bs = block_size;
+  const int64_t tiles = (Q + kTile - 1) / kTile;
+  at::parallel_for(0, S * Hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t vecs_max = kTile * G;
+    std::vector<float> qf(vecs_max * D), acc(vecs_max * D), kt(D * bs), sc(bs), m(vecs_max), l(vecs_max);
+    std::vector<int64_t> vrow(vecs_max), vpos(vecs_max), vfirst(vecs_max);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item % tiles, h = (item / tiles) % Hkv, s = item / (tiles * Hkv);
+      int64_t n_vec = 0, lo = std::numeric_limits<int64_t>::max(), hi = -1;
+      for (int64_t j = tile * kTile; j < std::min(Q, (tile + 1) * kTile); ++j) {
+        const int64_t row = rows[s * Q + j];
+        if (row < 0) continue;
+        const int64_t p = pos[s * Q + j];
+        const int64_t f = window > 0 ? std::max<int64_t>(0, p + 1 - window) : 0;
+        lo = std::min(lo, f);
+        hi = std::max(hi, p);
+        for (int64_t g = 0; g < G; ++g, ++n_vec) {
+          const T* qr = q + (row * Hq + h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[n_vec * D + d] = static_cast<float>(qr[d]) * scale;
+          vrow[n_vec] = row * Hq + h * G + g;
+          vpos[n_vec] = p;
+          vfirst[n_vec] = f;
+          m[n_vec] = kLowest;
+          l[n_vec] = 0.f;
+        }
+      }
+      if (n_vec == 0) continue;
+      std::fill(acc.begin(), acc.begin() + n_vec * D, 0.f);
+      const int64_t* table = tables + s * B;
+      for (int64_t start = lo - lo % bs; start <= hi; start += bs) {
+        const int64_t n = std::min(bs, hi - start + 1);
+        const int64_t base = table[start / bs] * bs;
+        for (int64_t j = 0; j < bs; ++j) {  // K block transposed: kt[d][j]
+          if (j < n) {
+            const T* kr = k + ((base + j) * Hkv + h) * D;
+            for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = static_cast<float>(kr[d]);
+          } else {
+            for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = 0.f;
+          }
+        }
+        for (int64_t i = 0; i < n_vec; ++i) {
+          const int64_t p = vpos[i], f = vfirst[i];
+          if (start > p || start + n - 1 < f) continue;  // no key of this block for this query
+          float* __restrict__ sg = sc.data();
+          const float* __restrict__ qi = qf.data() + i * D;
+          const float* __restrict__ ktp = kt.data();
+          if (bs == 16 && D % 4 == 0) {  // four independent sums (an FMA's latency, not its rate, bounds one)
+            float s0[16] = {0.f}, s1[16] = {0.f}, s2[16] = {0.f}, s3[16] = {0.f};
+            for (int64_t d = 0; d < D; d += 4) {
+              const float q0 = qi[d], q1 = qi[d + 1], q2 = qi[d + 2], q3 = qi[d + 3];
+              const float* kd = ktp + d * 16;
+#pragma omp simd
+              for (int64_t j = 0; j < 16; ++j) {
+                s0[j] += q0 * kd[j];
+                s1[j] += q1 * kd[16 + j];
+                s2[j] += q2 * kd[32 + j];
+                s3[j] += q3 * kd[48 + j];
+              }
+            }
+#pragma omp simd
+            for (int64_t j = 0; j < 16; ++j) sg[j] = (s0[j] + s1[j]) + (s2[j] + s3[j]);
+          } else {
+            std::fill(sg, sg + bs, 0.f);
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = qi[d];
+#pragma omp simd
+              for (int64_t j = 0; j < bs; ++j) sg[j] += qd * ktp[d * bs + j];
+            }
+          }
+          const int64_t j_lo = std::max<int64_t>(0, f - start), j_hi = std::min(n - 1, p - start);
+          float best = m[i];
+#pragma omp simd reduction(max : best)
+          for (int64_t j = 0; j < bs; ++j) {
+            sg[j] = (j >= j_lo && j <= j_hi) ? sg[j] : kLowest;
+            best = std::max(best, sg[j]);
+          }
+          const float rescale = std::exp(m[i] - best);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < bs; ++j) {
+            sg[j] = std::exp(sg[j] - best);
+            sum += sg[j];
+          }
+          float* __restrict__ ai = acc.data() + i * D;
+          m[i] = best;
+          l[i] = l[i] * rescale + sum;
+          if constexpr (kDim > 0) {  // the row's accumulator in registers over the block's keys
+            float a[kDim];
+#pragma omp simd
+            for (int64_t d = 0; d < kDim; ++d) a[d] = ai[d] * rescale;
+            float b[kDim] = {0.f};  // odd keys: a second chain of sums
+            int64_t j = j_lo;
+            for (; j + 1 <= j_hi; j += 2) {
+              const float w0 = sg[j], w1 = sg[j + 1];
+              const T* __restrict__ v0 = v + ((base + j) * Hkv + h) * kDim;
+              const T* __restrict__ v1 = v + ((base + j + 1) * Hkv + h) * kDim;
+#pragma omp simd
+              for (int64_t d = 0; d < kDim; ++d) {
+                a[d] += w0 * static_cast<float>(v0[d]);
+                b[d] += w1 * static_cast<float>(v1[d]);
+              }
+            }
+            if (j == j_hi) {
+              const float w0 = sg[j];
+              const T* __restrict__ v0 = v + ((base + j) * Hkv + h) * kDim;
+#pragma omp simd
+              for (int64_t d = 0; d < kDim; ++d) a[d] += w0 * static_cast<float>(v0[d]);
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < kDim; ++d) ai[d] = a[d] + b[d];
+          } else {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ai[d] *= rescale;
+            for (int64_t j = j_lo; j <= j_hi; ++j) {
+              const float w = sg[j];
+              const T* vr = v + ((base + j) * Hkv + h) * D;
+#pragma omp simd
+              for (int64_t d = 0; d < D; ++d) ai[d] += w * static_cast<float>(vr[d]);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < n_vec; ++i) {
+        T* o = out + vrow[i] * D;
+        const float inv = 1.f / l[i];
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[i * D + d] * inv);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -117,7 +260,11 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k, const torch
              out.data_ptr<scalar_t>(), rows.size(0), rows.size(1), tables.size(1), Hq, Hkv, D,
              block_size, window, scale);
     };
-    if (D == 64) run(attend<scalar_t, 64>);
+    if (rows.size(1) > 1) {  // prefill chunks: tiles of query rows
+      if (D == 64) run(attend_tiled<scalar_t, 64>);
+      else if (D == 128) run(attend_tiled<scalar_t, 128>);
+      else run(attend_tiled<scalar_t, 0>);
+    } else if (D == 64) run(attend<scalar_t, 64>);
     else if (D == 128) run(attend<scalar_t, 128>);
     else run(attend<scalar_t, 0>);
   });
