@@ -6,8 +6,8 @@ inside a serving step, and a 2-rank decode step was 22 ms of wall time for 4 ms 
 (docs/serving.md, "Shared-memory collectives"). vLLM's CPU backend sums its tensor-parallel
 partials through shared memory instead; this is the same idea: a `ShmChannel` maps one segment in
 /dev/shm on every rank of a group (all on one host), each rank writes its data into its own slot,
-publishes a generation number and waits, spinning briefly, then yielding the core, then napping,
-for every rank's (model/csrc/shm_exchange.cpp). The sum runs in rank order on every rank, so all
+publishes a generation number and waits, spinning briefly, then yielding the core, then sleeping on
+a futex the publisher wakes, for every rank's (model/csrc/shm_exchange.cpp). The sum runs in rank order on every rank, so all
 ranks get the same bits (and, for 2 ranks, gloo's).
 
 `enable(group)` (collective over the group) makes a channel where every rank of the group is on this
@@ -40,8 +40,9 @@ HEADER = 64
 
 @dataclass(frozen=True)
 class WaitPolicy:
-    """How a rank waits for the others: spin (`spin_s`), then yield its core until `yield_s`, then nap
-    (5 us growing to 1 ms); `timeout_s` > 0 raises after that long (0: wait for ever)."""
+    """How a rank waits for the others: spin (`spin_s`), then yield its core until `yield_s`, then sleep
+    on a futex in the segment until a peer publishes (checking every 10 ms that the peers live);
+    `timeout_s` > 0 raises after that long (0: wait for ever)."""
 
     spin_s: float = 20e-6
     yield_s: float = 2e-3

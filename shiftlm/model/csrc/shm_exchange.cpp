@@ -10,12 +10,15 @@
 // overwrites data another still reads. Larger tensors go in chunks, one generation each.
 //
 // Waiting: spin (pause) for `spin_s`, then yield the core (sched_yield: another thread or process of
-// this core runs) until `yield_s`, then sleep with a growing nap (5 us .. 1 ms), checking that the
-// ranks not yet there are alive (their pid) and the deadline (`timeout_s` > 0). The GIL is released.
+// this core runs) until `yield_s`, then sleep on a futex in the segment (shared between processes; the
+// publisher wakes sleepers, so an idle rank uses no CPU), waking every 10 ms to check that the ranks
+// not yet there are alive (their pid) and the deadline (`timeout_s` > 0). The GIL is released.
 #include <torch/extension.h>
 
 #include <errno.h>
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
@@ -30,8 +33,9 @@
 namespace {
 
 struct alignas(64) Header {
-  int64_t gen;
-  int64_t pid;
+  int64_t gen;      // the generation this rank published; its low 32 bits are the futex word
+  int64_t pid;      // this rank's process id (a peer that exited is named, not waited for)
+  int32_t waiters;  // ranks sleeping on this header's futex (the publisher wakes them only then)
 };
 
 constexpr int64_t kHeaderBytes = 64;
@@ -65,8 +69,25 @@ struct Policy {
   double spin_s, yield_s, timeout_s;
 };
 
+int32_t* futex_word(Header* h) { return reinterpret_cast<int32_t*>(&h->gen); }  // little-endian: low half
+
 void publish(const Segment& s, int64_t rank, int64_t gen) {
-  __atomic_store_n(&s.header(rank)->gen, gen, __ATOMIC_RELEASE);
+  Header* h = s.header(rank);
+  __atomic_store_n(&h->gen, gen, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&h->waiters, __ATOMIC_SEQ_CST) > 0) {  // a peer sleeps: wake it (shared futex)
+    syscall(SYS_futex, futex_word(h), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+}
+
+// Sleep until this header's generation word changes from `seen` (or 10 ms pass: the caller then checks
+// that the rank is alive and the deadline).
+void sleep_on(Header* h, int64_t seen) {
+  __atomic_add_fetch(&h->waiters, 1, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&h->gen, __ATOMIC_SEQ_CST) == seen) {
+    timespec nap{0, 10 * 1000 * 1000};
+    syscall(SYS_futex, futex_word(h), FUTEX_WAIT, static_cast<int32_t>(seen), &nap, nullptr, 0);
+  }
+  __atomic_sub_fetch(&h->waiters, 1, __ATOMIC_SEQ_CST);
 }
 
 // until every rank has published `gen`
@@ -75,8 +96,8 @@ void wait_all(const Segment& s, int64_t gen, const Policy& p) {
   const auto start = clock::now();
   for (int64_t j = 0; j < s.world; ++j) {
     Header* h = s.header(j);
-    int64_t nap_ns = 5000, polls = 0;
-    while (__atomic_load_n(&h->gen, __ATOMIC_ACQUIRE) < gen) {
+    int64_t polls = 0, seen;
+    while ((seen = __atomic_load_n(&h->gen, __ATOMIC_ACQUIRE)) < gen) {
       if ((++polls & 31) != 0) {
         cpu_relax();
         continue;
@@ -96,9 +117,7 @@ void wait_all(const Segment& s, int64_t gen, const Policy& p) {
           throw std::runtime_error("shm collective: local rank " + std::to_string(j) + " did not arrive within " +
                                    std::to_string(p.timeout_s) + " s");
         }
-        timespec nap{0, static_cast<long>(nap_ns)};
-        nanosleep(&nap, nullptr);
-        nap_ns = std::min<int64_t>(nap_ns * 2, 1000000);
+        sleep_on(h, seen);
       }
     }
   }
