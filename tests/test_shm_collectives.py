@@ -24,7 +24,7 @@ def _collectives(capacity: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = CommGroup("tp", tuple(range(world)), dist.new_group(list(range(world))), rank)
-    local = shm.enable(group, capacity=capacity)
+    local = shm.enable(group, kernels.load(), capacity=capacity)
     assert local is not None and shm.channel(group) is local
     out = {}
     for n in (0, 1, 513, 3 * capacity // 4 + 7):  # the last: several chunks

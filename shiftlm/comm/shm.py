@@ -62,7 +62,7 @@ class ShmChannel:
         if create:
             with open(path, "xb") as f:  # a new file of zeros (generation 0 everywhere)
                 f.truncate(size)
-        self.segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self.segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8, device="cpu")
         self.gen = 0
         module.shm_init(self.segment, group.rank, group.size, capacity)
 
@@ -117,19 +117,24 @@ def channel(group: CommGroup, purpose: str = "") -> ShmChannel | None:
 
 
 def enable(
-    group: CommGroup, purpose: str = "", policy: WaitPolicy | None = None, capacity: int = CAPACITY
+    group: CommGroup,
+    kernels,
+    purpose: str = "",
+    policy: WaitPolicy | None = None,
+    capacity: int = CAPACITY,
 ) -> ShmChannel | None:
     """Make (collectively, over `group.pg`) a shared-memory channel for the group, or None where one cannot
-    be made: a group of one, ranks on several hosts, no /dev/shm, no CPU kernels. Every rank gets the
-    same answer. One channel per (ranks, purpose): groups of the same ranks (serving's shift and tp
-    groups at tp = 2) share it, which is safe because a rank runs its collectives one at a time, in
-    the same order as its peers."""
+    be made: a group of one, ranks on several hosts, no /dev/shm, no C++ side. `kernels`: the built
+    extension with the collectives (`model.cpu_kernels.load()`, passed in: comm sits below model), or
+    None. Every rank gets the same answer. One channel per (ranks, purpose): groups of the same ranks
+    (serving's shift and tp groups at tp = 2) share it, which is safe because a rank runs its
+    collectives one at a time, in the same order as its peers."""
     if group.size == 1 or group.pg is None:
         return None
     key = (purpose, group.ranks)
     if key in _channels:
         return _channels[key]
-    module = _module()
+    module = kernels if kernels is not None and hasattr(kernels, "shm_all_reduce") else None
     here = (_host_id(), module is not None and os.access(SHM_DIR, os.W_OK))
     everyone: list = [None] * group.size
     dist.all_gather_object(everyone, here, group=group.pg)
@@ -164,13 +169,6 @@ def enable(
 def disable_all() -> None:
     """Forget every channel (tests; a process that rebuilds its groups)."""
     _channels.clear()
-
-
-def _module():
-    from shiftlm.model import cpu_kernels
-
-    module = cpu_kernels.load()
-    return module if module is not None and hasattr(module, "shm_all_reduce") else None
 
 
 def _host_id() -> str:

@@ -70,7 +70,9 @@ class PackedWeights:
         probe = PackedWeights()  # copies for the probe only: the forward may use other views
         with torch.no_grad():
             for rows in range(1, GEMV_ROWS + 1):
-                inputs = [torch.randn(rows, g[0].shape[1], dtype=g[0].dtype) for g in groups]
+                inputs = [
+                    torch.randn(rows, g[0].shape[1], dtype=g[0].dtype, device=g[0].device) for g in groups
+                ]
                 fused = [probe.get_fused(g, (None,) * len(g))[0] for g in groups]
                 runs = {
                     "mkl": lambda inputs=inputs: [F.linear(x, w) for x, g in zip(inputs, groups) for w in g],

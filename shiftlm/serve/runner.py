@@ -70,8 +70,11 @@ class ModelRunner:
         # through shared memory (comm/shm.py), not gloo's sockets; off with SHIFTLM_SHM_COLLECTIVES=0
         self._local = None
         if mesh.device.type == "cpu" and os.environ.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0":
+            from shiftlm.model import cpu_kernels
+
+            kernels = cpu_kernels.load() if group.size > 1 else None
             for each in (group, mesh.tp, mesh.sp):  # the same order on every rank (collective)
-                channel = shm.enable(each)
+                channel = shm.enable(each, kernels)
                 if each is group:
                     self._local = channel
 
