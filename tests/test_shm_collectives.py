@@ -101,3 +101,59 @@ def test_a_peer_that_never_comes_times_out(tmp_path):
     with pytest.raises(RuntimeError, match="local rank 1 did not arrive within 0.2"):
         channel.broadcast_(torch.ones(4), 0)
     assert 0.2 <= time.monotonic() - start < 5
+
+
+def _serving_step(model_dir: str, layout: tuple[int, int], shm_on: bool):
+    """A mixed serving step (prefill + decode rows) on this layout; with `shm_on`, gloo's collectives
+    are made to raise, so the step passes only if every one of its collectives went through shm."""
+    import torch.distributed as dist
+
+    from shiftlm.comm import shm
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+
+    previous = os.environ.get("SHIFTLM_SHM_COLLECTIVES")
+    os.environ["SHIFTLM_SHM_COLLECTIVES"] = "1" if shm_on else "0"
+    shm.disable_all()
+    names = ("all_reduce", "broadcast", "gather", "all_gather", "all_to_all")
+    saved = {name: getattr(dist, name) for name in names}
+    try:
+        tp, sp = layout
+        mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
+        runner = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=4)
+        assert (runner._local is not None) == shm_on and (shm.channel(mesh.shift) is not None) == shm_on
+        if shm_on:
+            for name in names:
+                setattr(dist, name, lambda *a, _name=name, **k: (_ for _ in ()).throw(AssertionError(_name)))
+        outs = []
+        for mode in (Mode.TP, Mode.SP_TP):
+            chunks = (
+                ScheduledChunk(0, (5, 17, 33, 2, 9, 100, 7, 11), 0, tuple(range(4)), True, row=0),
+                ScheduledChunk(1, (44, 3, 8, 19), 0, tuple(range(8, 12)), True, row=1),
+            )
+            outs.append(runner.run_step(StepPlan(0, mode, chunks)))
+        return outs
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        shm.disable_all()
+        if previous is None:
+            os.environ.pop("SHIFTLM_SHM_COLLECTIVES", None)
+        else:
+            os.environ["SHIFTLM_SHM_COLLECTIVES"] = previous
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "sp2-shift"])
+def test_a_serving_runner_steps_through_shm_with_gloos_results(ranks, tmp_path, layout):
+    """The serving runner of a 2-rank layout enables the channel, every collective of a step in both
+    modes goes through it (gloo's raise), and rank 0's logits equal the gloo runner's bit for bit."""
+    from shiftlm.model.tiny import make_tiny_checkpoint
+
+    model_dir = str(make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa"))
+    with_shm = ranks.run(2, _serving_step, model_dir, layout, True)[0]
+    with_gloo = ranks.run(2, _serving_step, model_dir, layout, False)[0]
+    for got, want in zip(with_shm, with_gloo):
+        assert torch.equal(got, want)
