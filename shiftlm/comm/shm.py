@@ -10,9 +10,9 @@ publishes a generation number and waits, spinning briefly, then yielding the cor
 a futex the publisher wakes, for every rank's (model/csrc/shm_exchange.cpp). The sum runs in rank order on every rank, so all
 ranks get the same bits (and, for 2 ranks, gloo's).
 
-`enable(group)` (collective over the group) makes a channel where every rank of the group is on this
-host and the CPU kernels build; `comm.ops.all_reduce` then sums fp32/fp64 CPU tensors through it, and
-the serving runner sends plans and gathers logits through channels of its own. A rank that exits is
+`enable(group, kernels)` (collective over the group) makes a channel where every rank of the group is
+on this host and the CPU kernels build; `comm.ops.all_reduce` (fp32/fp64 sums), `all_gather` and
+`all_to_all` then go through it, and so do the serving runner's plan broadcast and logits gather. A rank that exits is
 noticed by its peers (its pid is in the segment) and their collective raises; a rank that stops
 without exiting is the rank monitor's to find, as with gloo.
 """
@@ -49,7 +49,7 @@ class WaitPolicy:
     timeout_s: float = 0.0
 
 
-_channels: dict[tuple[str, tuple[int, ...]], ShmChannel] = {}
+_channels: dict[tuple[int, ...], ShmChannel] = {}  # by the group's ranks
 
 
 class ShmChannel:
@@ -87,13 +87,7 @@ class ShmChannel:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on all), in group-rank order, on every rank."""
-        g = self.group
-        tensor = tensor.contiguous()
-        out = tensor.new_empty((g.size, *tensor.shape))
-        self.gen = self.module.shm_gather(
-            self.segment, g.rank, g.size, self.gen, tensor, out, -1, *self._args()
-        )
-        return list(out.unbind(0))
+        return self._gather(tensor, receive=True)
 
     def all_to_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """`inputs[j]` goes to group rank j (same shapes on every rank); returns what rank j sent here."""
@@ -102,38 +96,39 @@ class ShmChannel:
 
     def gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape on all), in group-rank order, on group rank `dst`; None elsewhere."""
+        return self._gather(tensor, receive=self.group.rank == dst)
+
+    def _gather(self, tensor: torch.Tensor, receive: bool) -> list[torch.Tensor] | None:
         g = self.group
         tensor = tensor.contiguous()
-        out = tensor.new_empty((g.size, *tensor.shape)) if g.rank == dst else tensor.new_empty(0)
+        out = tensor.new_empty((g.size, *tensor.shape)) if receive else tensor.new_empty(0)
         self.gen = self.module.shm_gather(
             self.segment, g.rank, g.size, self.gen, tensor, out, -1, *self._args()
         )
-        return list(out.unbind(0)) if g.rank == dst else None
+        return list(out.unbind(0)) if receive else None
 
 
-def channel(group: CommGroup, purpose: str = "") -> ShmChannel | None:
-    """The channel `enable` made for this group (and purpose), or None."""
-    return _channels.get((purpose, group.ranks)) if group.size > 1 else None
+def channel(group: CommGroup) -> ShmChannel | None:
+    """The channel `enable` made for this group's ranks, or None."""
+    return _channels.get(group.ranks) if group.size > 1 else None
 
 
 def enable(
     group: CommGroup,
     kernels,
-    purpose: str = "",
     policy: WaitPolicy | None = None,
     capacity: int = CAPACITY,
 ) -> ShmChannel | None:
     """Make (collectively, over `group.pg`) a shared-memory channel for the group, or None where one cannot
     be made: a group of one, ranks on several hosts, no /dev/shm, no C++ side. `kernels`: the built
     extension with the collectives (`model.cpu_kernels.load()`, passed in: comm sits below model), or
-    None. Every rank gets the same answer. One channel per (ranks, purpose): groups of the same ranks
+    None. Every rank gets the same answer. One channel per set of ranks: groups of the same ranks
     (serving's shift and tp groups at tp = 2) share it, which is safe because a rank runs its
     collectives one at a time, in the same order as its peers."""
     if group.size == 1 or group.pg is None:
         return None
-    key = (purpose, group.ranks)
-    if key in _channels:
-        return _channels[key]
+    if group.ranks in _channels:
+        return _channels[group.ranks]
     module = kernels if kernels is not None and hasattr(kernels, "shm_all_reduce") else None
     here = (_host_id(), module is not None and os.access(SHM_DIR, os.W_OK))
     everyone: list = [None] * group.size
@@ -162,7 +157,7 @@ def enable(
     if failed:
         log.warning("shared-memory collectives for %s not available (%s); using gloo", group, failed[0])
         return None
-    _channels[key] = made
+    _channels[group.ranks] = made
     return made
 
 

@@ -62,7 +62,8 @@ class PackedWeights:
         on the packed (fused) copies is faster for inputs of 1 to `GEMV_ROWS` rows, and keep MKL for the
         row counts up to the first where it loses. `layers`: per layer, the weight groups of one input
         each (Q|K|V, O, gate|up, down). The two run alternately, `reps` times (fewer
-        past `budget_s` seconds: a big model), best of each compared; one log line. Returns (and sets) `gemv_rows`; the packed copies it made are kept (used later)."""
+        past `budget_s` seconds: a big model), best of each compared; one log line. Returns (and sets) `gemv_rows`; the
+        packed copies it times are its own and dropped after."""
         groups = [tuple(group) for layer in layers for group in layer]
         if not groups or not all(_onednn(g[0], g[0]) for g in groups):
             return self.gemv_rows

@@ -163,7 +163,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         help="CPU ranks > 0: seconds a collective is polled (yielding the core) before the rank sleeps "
-        "in it; only with a core of their own (default 0: never poll)",
+        "in it; only with a core of their own, and only where the shared-memory collectives are off "
+        "(SHIFTLM_SHM_COLLECTIVES=0 or ranks on several hosts; default 0: never poll)",
     )
     serve.set_defaults(func=_serve)
 

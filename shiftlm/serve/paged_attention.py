@@ -201,10 +201,6 @@ class PagedAttention:
     def _attend(self, layer: int, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
         """q: [S, Q, Hq, D] -> [S, Q, Hq, D] over the group's gathered context."""
         seqs, queries, heads, d = q.shape
-        if queries == 1 and self.cache.kernel is not None and group.query_pos is not None:
-            # the decode rows of a mixed step
-            out = kernel_decode(self.cache, layer, q[:, 0], group.block_index, group.query_pos, group.window)
-            return out.unsqueeze(1)
         k, v = self._context(layer, seqs, group)
         kv_heads = k.shape[1]
         groups = heads // kv_heads
