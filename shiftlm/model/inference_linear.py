@@ -9,7 +9,8 @@ Everything else falls back to `F.linear`: other devices, dtypes oneDNN lacks her
 most `GEMV_ROWS` rows (a 1-sequence decode step) where MKL's GEMV is the faster one: on an Intel Xeon
 (AVX-512) it skips oneDNN's ~11 us of fixed cost per call (hidden-512 model's 5 GEMMs a layer, 1 row,
 hot: 845 vs 987 us; from 4 rows on oneDNN wins, 998 vs 1626), while on an AMD EPYC MKL's GEMV takes
-about twice oneDNN's packed one (a whole 1-sequence decode step 4.47 vs 2.34 ms). Which one a
+about twice oneDNN's packed one (a whole 1-sequence decode step 4.76 vs 2.75 ms, `python
+bench/serve_kernels.py`). Which one a
 `PackedWeights` uses for small inputs is measured on the model's own weights when serving starts
 (`PackedWeights.choose_small_rows`), not assumed.
 """

@@ -73,7 +73,8 @@ def apply_rope_qk(
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope`, by the CPU kernel (one pass; 31 us instead of 1.74 ms for 512 tokens x 10 heads)
+    """`apply_rope`, by the CPU kernel (one pass; 512 tokens x 10 heads 44 us
+    against eager's 166, `python bench/serve_kernels.py`)
     inside serving's no-grad forward where it is active and the layout fits: tokens [1, T, H, D] or
     [T, H, D] with heads contiguous, cos/sin one row per token."""
     ops = active_ops(x)

@@ -360,7 +360,7 @@ void rope_rows(const T* xp, const T* cp, const T* sp, T* op, int64_t rows, int64
 
 // Rotary embedding of x [T, H, D] (rows of stride x.stride(0), heads contiguous): out [T, H, D] =
 // x * cos + rotate_half(x) * sin, cos/sin [T, D] contiguous (model/rope.py's apply_rope, one pass
-// instead of eager's slices, negation, concatenation, two products and a sum: 1.74 ms -> see docs).
+// instead of eager's slices, negation, concatenation, two products and a sum; bench/serve_kernels.py).
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: x [T, H, D], heads contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&

@@ -1,0 +1,235 @@
+"""The serving pieces of issue 11's 2026-11-26 work, each against what it replaced, on this machine:
+
+    python bench/serve_kernels.py [--checkpoint-dir DIR] [--json]
+
+1. shared-memory collectives (comm/shm.py) vs gloo: a 512-float all-reduce back to back on 2 ranks,
+   and an in-process tp2 decode step (1 and 32 sequences at context 160; ranks pinned to cores 0 and
+   1, rank 0 driving `runner.execute`, p50 wall of 60 steps), each variant in fresh processes;
+2. the small-rows linears: a 1- and 2-sequence tp1 decode step with MKL's GEMV (`gemv_rows=2`) and
+   with oneDNN's packed GEMM (`gemv_rows=0`), and what the startup probe chooses here;
+3. RoPE of the fused Q|K view: the CPU kernel vs eager `apply_rope_qk` (512 and 32 tokens);
+4. prefill attention per layer: the CPU kernel's tiles vs SDPA (causal from 0: `is_causal`; after
+   cached context: gathered blocks with a mask).
+The model is bench/vs_vllm.py's (hidden 512, 4 layers, 8/2 heads, fp32); one thread; times are
+minimum (or median where said) over repeats. Writes bench/results/serve_kernels.json.
+"""
+
+# ruff: noqa: B023 -- every timed closure runs at once, inside its own loop iteration
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _best(fn, reps: int = 30, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _decode_plan(seqs: int, context: int = 160):
+    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+
+    blocks = (context + 1) // 16 + 1
+    chunks = tuple(
+        ScheduledChunk(i, (5,), context, tuple(range(i * blocks, (i + 1) * blocks)), True, row=i)
+        for i in range(seqs)
+    )
+    return StepPlan(0, Mode.TP, chunks)
+
+
+def _allreduce_us() -> dict:
+    import torch.distributed as dist
+
+    from shiftlm.comm import shm
+    from shiftlm.comm.group import CommGroup
+    from shiftlm.model import cpu_kernels
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    group = CommGroup("tp", tuple(range(world)), dist.group.WORLD, rank)
+    local = shm.enable(group, cpu_kernels.load())
+    t = torch.randn(512)
+    out = {"gloo_us": 1e6 * _best(lambda: dist.all_reduce(t), reps=500, warm=20)}
+    if local is not None:
+        out["shm_us"] = 1e6 * _best(lambda: local.all_reduce_(t), reps=500, warm=20)
+    return out
+
+
+def _tp2_steps(model_dir: str, shm_on: bool) -> dict | None:
+    import torch.distributed as dist
+
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.serve.runner import ModelRunner
+
+    os.environ["SHIFTLM_SHM_COLLECTIVES"] = "1" if shm_on else "0"
+    rank = dist.get_rank()
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    runner = ModelRunner.load(
+        Path(model_dir), Mesh(ParallelConfig(tp=2)), num_blocks=64 * 12 + 16, block_size=16
+    )
+    if rank != 0:
+        runner.serve_steps()
+        return None
+    out = {}
+    for seqs in (1, 32):
+        plan = _decode_plan(seqs)
+        for _ in range(5):
+            runner.execute(plan)
+        walls = []
+        for _ in range(60):
+            start = time.perf_counter()
+            runner.execute(plan)
+            walls.append(time.perf_counter() - start)
+        out[f"{seqs} seqs p50 ms"] = 1e3 * sorted(walls)[len(walls) // 2]
+    runner.stop_workers()
+    return out
+
+
+def _tp1_steps(model_dir: Path) -> dict:
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.serve.runner import ModelRunner
+
+    out = {}
+    for gemv_rows in (2, 0, None):
+        runner = ModelRunner.load(
+            model_dir, Mesh(ParallelConfig()), num_blocks=64 * 12 + 16, block_size=16, gemv_rows=gemv_rows
+        )
+        if gemv_rows is None:
+            out["probe chooses gemv_rows"] = runner.shift_model.packed.gemv_rows
+            continue
+        for seqs in (1, 2, 32):
+            plan = _decode_plan(seqs)
+            out[f"gemv_rows={gemv_rows} {seqs} seqs ms"] = 1e3 * _best(lambda: runner.execute(plan))
+    return out
+
+
+def _rope_us() -> dict:
+    from shiftlm.model import cpu_kernels
+    from shiftlm.model.inference_linear import PackedWeights
+    from shiftlm.model.rope import apply_rope_qk, rope_cos_sin
+
+    kernels = cpu_kernels.load()
+    out = {}
+    for tokens in (512, 32):
+        qkv = torch.randn(1, tokens, 12 * 64)
+        q, k = qkv[..., :512].view(1, tokens, 8, 64), qkv[..., 512:640].view(1, tokens, 2, 64)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+        cos, sin = (
+            t.unsqueeze(-2) for t in rope_cos_sin(inv_freq, torch.arange(tokens)[None], torch.float32)
+        )
+        with torch.no_grad():
+            out[f"eager {tokens} tokens us"] = 1e6 * _best(lambda: apply_rope_qk(q, k, cos, sin), reps=200)
+            if kernels is not None:
+                with PackedWeights(kernels).active():
+                    out[f"kernel {tokens} tokens us"] = 1e6 * _best(
+                        lambda: apply_rope_qk(q, k, cos, sin), reps=200
+                    )
+    return out
+
+
+def _prefill_attention_ms() -> dict:
+    import torch.nn.functional as F
+
+    from shiftlm.model import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    out = {}
+    heads, kv_heads, d, block = 8, 2, 64, 16
+    for seqs, length, cached in ((4, 128, 0), (1, 512, 0), (2, 64, 100)):
+        total = cached + length
+        nb = total // block + 1
+        k, v = torch.randn(seqs * nb * block, kv_heads, d), torch.randn(seqs * nb * block, kv_heads, d)
+        q = torch.randn(seqs * length, heads, d)
+        tables = torch.randperm(seqs * nb).view(seqs, nb)
+        rows = torch.arange(seqs * length).view(seqs, length)
+        pos = (torch.arange(length) + cached).repeat(seqs, 1)
+        res = torch.empty_like(q)
+        name = f"{seqs}x{length} after {cached}"
+        if kernels is not None:
+            out[f"kernel {name} ms"] = 1e3 * _best(
+                lambda: kernels.paged_attention(q, k, v, tables, rows, pos, res, block, 0)
+            )
+        qq = q.view(seqs, length, heads, d).transpose(1, 2)
+        if cached == 0:
+            kc = (
+                k.view(-1, block, kv_heads, d)[tables]
+                .reshape(seqs, -1, kv_heads, d)[:, :length]
+                .transpose(1, 2)
+            )
+            vc = (
+                v.view(-1, block, kv_heads, d)[tables]
+                .reshape(seqs, -1, kv_heads, d)[:, :length]
+                .transpose(1, 2)
+            )
+            kc, vc = kc.contiguous(), vc.contiguous()
+            out[f"sdpa causal {name} ms"] = 1e3 * _best(
+                lambda: F.scaled_dot_product_attention(qq, kc, vc, is_causal=True, enable_gqa=True)
+            )
+        else:
+            mask = (torch.arange(nb * block)[None, :] <= pos[0][:, None])[None, None]
+
+            def gathered():
+                kk = k.view(-1, block, kv_heads, d)[tables].reshape(seqs, -1, kv_heads, d).transpose(1, 2)
+                vv = v.view(-1, block, kv_heads, d)[tables].reshape(seqs, -1, kv_heads, d).transpose(1, 2)
+                return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+
+            out[f"gather + sdpa {name} ms"] = 1e3 * _best(gathered)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", default=None, help="write (or reuse) the bench model here")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from vs_vllm import make_checkpoint
+
+    from shiftlm.launch import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.checkpoint_dir or Path(tmp) / "llama-h512")
+        if not (model / "config.json").exists():
+            make_checkpoint(model)
+        result = {"loadavg_before": os.getloadavg()}
+        stages = [
+            ("all_reduce 512 floats, 2 ranks", lambda: run_ranks(_allreduce_us, 2)),
+            ("tp2 decode step, shm", lambda: run_ranks(_tp2_steps, 2, str(model), True)),
+            ("tp2 decode step, gloo", lambda: run_ranks(_tp2_steps, 2, str(model), False)),
+            ("tp1 decode step by small-rows path", lambda: _tp1_steps(model)),
+            ("rope", _rope_us),
+            ("prefill attention per layer", _prefill_attention_ms),
+        ]
+        for name, run in stages:
+            result[name] = run()
+            if not args.json:
+                print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in result[name].items()})
+        result["loadavg_after"] = os.getloadavg()
+    out = Path(args.out) / "serve_kernels.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
