@@ -49,7 +49,9 @@ def _set_rank_env(rank: int, world_size: int, port: int, env: dict[str, str]) ->
     )
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str]) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, conn, env: dict[str, str], backend: str = "gloo"
+) -> None:
     _set_rank_env(rank, world_size, port, env)
     import datetime
 
@@ -57,7 +59,11 @@ def _worker_main(rank: int, world_size: int, port: int, conn, env: dict[str, str
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
     while True:
         message = conn.recv()
         if message is None:
@@ -85,9 +91,16 @@ def _subgroups() -> list:
 
 
 class LocalWorkers:
-    """A pool of `world_size` processes joined in one gloo process group."""
+    """A pool of `world_size` processes joined in one process group: gloo on the CPU, or `backend="nccl"`
+    with rank i on GPU i."""
 
-    def __init__(self, world_size: int, timeout: float = 300.0, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+        backend: str = "gloo",
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -101,7 +114,7 @@ class LocalWorkers:
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, port, child_conn, worker_env),
+                args=(rank, world_size, port, child_conn, worker_env, backend),
                 daemon=True,
             )
             proc.start()

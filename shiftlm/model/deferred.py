@@ -108,6 +108,7 @@ def accumulate_grad(param: torch.Tensor | None, grad: torch.Tensor | None) -> No
     then the parameter's post-accumulate-grad hooks, as autograd's own accumulation runs them (ZeRO-2/3's
     sharded gradients, `train/grad_shards.py`, take each gradient as it lands, deferred ones too)."""
     if param is not None and grad is not None:
+        grad = grad.to(param.dtype)  # a bf16 autocast GEMM's gradient lands on an fp32 master weight
         param.grad = grad if param.grad is None else param.grad + grad
         for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(param)
@@ -124,17 +125,20 @@ def _accumulate_weight_grads(
 ) -> None:
     """The W of one linear: weight.grad += dY^T X and bias.grad += sum dY, in place where a gradient
     exists (one addmm_, no temporary; `.grad` stays the tensor it was, e.g. a view of a trainer's
-    flat buffer), else a fresh tensor of our own."""
+    flat buffer), else a fresh tensor of our own. Under bf16 autocast the GEMM runs in bf16 and its
+    result is added to the fp32 gradient (what autocast's weight cast does in backward)."""
     rows = grad_out.reshape(-1, grad_out.shape[-1])
     if wants_weight:
         inputs = x.reshape(-1, x.shape[-1])
         if weight.grad is None:
-            weight.grad = rows.t() @ inputs
-        else:
+            weight.grad = (rows.t() @ inputs).to(weight.dtype)
+        elif weight.grad.dtype == rows.dtype:
             weight.grad.addmm_(rows.t(), inputs)
+        else:
+            weight.grad.add_(rows.t() @ inputs)
     if wants_bias and bias is not None:
         if bias.grad is None:
-            bias.grad = rows.sum(0)
+            bias.grad = rows.sum(0).to(bias.dtype)
         else:
             bias.grad.add_(rows.sum(0))
 
@@ -142,10 +146,15 @@ def _accumulate_weight_grads(
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight, bias)
         # the tensors to accumulate into: under activation checkpointing the saved `weight` comes back
         # as a detached alias, and a deferred gradient must land on the parameter itself
         ctx.params = (weight, bias)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as autocast runs F.linear: operands in its dtype, and
+            dtype = torch.get_autocast_dtype(device)  # the bf16 copies are what backward multiplies
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(x, weight, bias)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -154,7 +163,7 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         wants_weight = ctx.needs_input_grad[1]
         wants_bias = bias is not None and ctx.needs_input_grad[2]
-        if _deferring is None:
+        if _deferring is None:  # (autograd casts a bf16 gradient to its fp32 parameter's dtype)
             return grad_x, *_weight_grads(x, grad_out, wants_weight, wants_bias)
         if wants_weight or wants_bias:
             store, key = _deferring

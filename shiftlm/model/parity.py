@@ -54,8 +54,12 @@ def layout_outputs(
     seq_len: int = 16,
     param_grads: bool = False,
     cp: int = 1,
+    device: str | None = None,
+    autocast: bool = False,
 ) -> Outputs:
-    """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors."""
+    """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors (on
+    the CPU). `device`: where the rank computes (default: the process group's, see `Mesh`);
+    `autocast`: the forward in bf16 autocast over fp32 weights, as training runs on GPUs."""
     from shiftlm.model import build_model
     from shiftlm.model.grads import sync_tp_replicated_grads
     from shiftlm.model.ring_attention import sequence_indices, unzigzag
@@ -64,11 +68,11 @@ def layout_outputs(
     config = ModelConfig.from_hf(model_dir)
     parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=sequence_parallel)
     parallel.check_sequence(seq_len)
-    mesh = Mesh(parallel)
+    mesh = Mesh(parallel, device=device)
     model = build_model(config, mesh, checkpoint=model_dir)
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
     index = torch.from_numpy(sequence_indices(seq_len, cp, mesh.cp.rank, sp, mesh.sp.rank))
-    ids_local, targets_local = ids[:, index], targets[:, index]
+    ids_local, targets_local = ids[:, index].to(mesh.device), targets[:, index].to(mesh.device)
 
     captured = {}
 
@@ -77,9 +81,10 @@ def layout_outputs(
         captured["embedding"] = output
 
     model.model.embed_tokens.register_forward_hook(keep_embedding)
-    logits = model(ids_local)
+    with torch.autocast(mesh.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(ids_local)
     num_targets = int((targets != IGNORE_INDEX).sum())
-    loss = model.loss(logits, targets_local).sum() / num_targets
+    loss = model.loss(logits.float(), targets_local).sum() / num_targets
     loss.backward()
 
     with torch.no_grad():
@@ -91,29 +96,39 @@ def layout_outputs(
         grad = unzigzag(gather_replicated(gather_replicated(grad, mesh.sp, dim=1), mesh.cp, dim=1), cp)
     sync_tp_replicated_grads(model)
     grads = gather_full(model, grads=True) if param_grads else None
-    return Outputs(whole, grad, grads)
+    if grads is not None:
+        grads = {name: g.cpu() for name, g in grads.items()}
+    return Outputs(whole.detach().float().cpu(), grad.detach().float().cpu(), grads)
 
 
 def reference_outputs(
-    model_dir: str, batch: int = 2, seq_len: int = 16, param_grads: bool = False
+    model_dir: str,
+    batch: int = 2,
+    seq_len: int = 16,
+    param_grads: bool = False,
+    device: str = "cpu",
+    autocast: bool = False,
 ) -> Outputs:
-    """The same quantities from `transformers` (fp32, eager attention) on the same checkpoint."""
+    """The same quantities from `transformers` (fp32 weights, eager attention) on the same checkpoint,
+    on `device`, optionally in bf16 autocast; returned on the CPU."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch.float32, attn_implementation="eager"
-    )
+    ).to(device)
     config = ModelConfig.from_hf(model_dir)
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
+    ids, targets = ids.to(device), targets.to(device)
     embeddings = hf.get_input_embeddings()(ids).detach().requires_grad_(True)
-    logits = hf(inputs_embeds=embeddings).logits
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+        logits = hf(inputs_embeds=embeddings).logits
     per_token = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     (per_token / int((targets != IGNORE_INDEX).sum())).backward()
     grads = None
     if param_grads:
-        grads = {name: p.grad.detach().clone() for name, p in hf.named_parameters() if p.grad is not None}
+        grads = {name: p.grad.detach().cpu() for name, p in hf.named_parameters() if p.grad is not None}
         # the input embedding's own gradient flows through `embeddings` here, not the table
         grads.pop("model.embed_tokens.weight", None)
-    return Outputs(logits.detach(), embeddings.grad.detach(), grads)
+    return Outputs(logits.detach().float().cpu(), embeddings.grad.detach().float().cpu(), grads)

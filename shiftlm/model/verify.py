@@ -3,10 +3,15 @@
     shiftlm verify                                   # a tiny built-in llama (GQA), several layouts
     shiftlm verify --model ./my-llama --tp 1,2 --sp 1,2 --json
     shiftlm verify --cp 1,2 --sp 1,2                 # context parallelism (ring attention) with Ulysses
+    shiftlm verify --device cuda --dtype bfloat16    # on a GPU, in training's bf16 autocast
 
-For each layout it starts tp*sp*cp local gloo ranks on the CPU, runs a fixed batch forward and backward
-in fp32, and compares the logits and the loss gradient of the input embeddings with `transformers`
-on the same checkpoint. Exit code 1 if any layout is above the tolerance.
+For each layout it starts tp*sp*cp local ranks (gloo on the CPU; NCCL with one GPU per rank under
+--device cuda, a one-rank layout in this process), runs a fixed batch forward and backward, and compares
+the logits and the loss gradient of the input embeddings with `transformers` on the same checkpoint and
+device. In fp32 the relative error must be within --tolerance. In bf16 (autocast over fp32 weights, as
+training runs on GPUs) both shiftlm and `transformers` are compared with `transformers` in fp32, and
+shiftlm's error must be within --bf16-slack times transformers' own bf16 error. Exit code 1 if any
+layout fails.
 """
 
 from __future__ import annotations
@@ -49,6 +54,21 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--tolerance", type=float, default=1e-5, help="max relative error (max|diff| / max|ref|)"
     )
+    parser.add_argument(
+        "--device", default="auto", help="auto (a GPU when CUDA is visible, else the CPU), cuda or cpu"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="float32, or bfloat16 autocast over fp32 weights (training's GPU precision)",
+    )
+    parser.add_argument(
+        "--bf16-slack",
+        type=float,
+        default=2.0,
+        help="with --dtype bfloat16: shiftlm's error vs fp32 may be this many times transformers' own",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(func=run)
 
@@ -61,10 +81,12 @@ def _layouts(args) -> list[tuple[int, int, int]]:
 
 
 def run(args) -> int:
+    import torch
     import transformers
 
     from shiftlm.config import ModelConfig, ParallelConfig
     from shiftlm.launch import LocalWorkers, WorkerError
+    from shiftlm.mesh import check_dtype, choose_device
     from shiftlm.model.parity import layout_outputs, reference_outputs, relative_error
     from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.model.weights import check_checkpoint_files
@@ -78,62 +100,107 @@ def run(args) -> int:
     # user errors (ConfigError and its subclasses) reach `shiftlm.cli.main`: one line and their exit code
     config = ModelConfig.from_hf(model_dir)
     check_checkpoint_files(model_dir)
+    most_ranks = max(tp * sp * cp for tp, sp, cp in layouts)
+    device, backend = choose_device(args.device, local_world=most_ranks if args.device != "cpu" else None)
+    bf16 = args.dtype == "bfloat16"
+    if bf16:
+        check_dtype(device, torch.bfloat16)
     for tp, sp, cp in layouts:
         parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel)
         parallel.check_model(config)
         parallel.check_sequence(args.seq_len)
 
     log = sys.stderr if args.json else sys.stdout
-    print(f"reference: transformers {transformers.__version__} on {model_dir}", file=log)
-    reference = reference_outputs(model_dir, args.batch, args.seq_len)
+    where = _device_name(device)
+    print(
+        f"reference: transformers {transformers.__version__} on {model_dir} ({where}, {args.dtype})", file=log
+    )
+    reference = reference_outputs(model_dir, args.batch, args.seq_len, device=str(device))
+    # bf16: transformers' own bf16 error against its fp32 is the scale shiftlm's error is judged by
+    hf_bf16 = (
+        reference_outputs(model_dir, args.batch, args.seq_len, device=str(device), autocast=True)
+        if bf16
+        else None
+    )
     rows = []
     for tp, sp, cp in layouts:
         start = time.perf_counter()
         name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "")
+        kwargs = dict(
+            tp=tp,
+            sp=sp,
+            cp=cp,
+            sequence_parallel=args.sequence_parallel,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            autocast=bf16,
+        )
         try:
-            with LocalWorkers(tp * sp * cp) as workers:
-                ours = workers.run(
-                    layout_outputs,
-                    model_dir,
-                    tp=tp,
-                    sp=sp,
-                    cp=cp,
-                    sequence_parallel=args.sequence_parallel,
-                    batch=args.batch,
-                    seq_len=args.seq_len,
-                )[0]
+            if device.type == "cuda" and tp * sp * cp == 1:  # one GPU: this process, no process group
+                ours = layout_outputs(model_dir, device=str(device), **kwargs)
+            else:
+                with LocalWorkers(tp * sp * cp, backend=backend) as workers:
+                    ours = workers.run(layout_outputs, model_dir, **kwargs)[0]
         except WorkerError as err:
             print(f"shiftlm verify: layout {name} failed:\n{err}", file=sys.stderr)
             return 1
         logits_abs, logits_rel = relative_error(ours.logits, reference.logits)
         grad_abs, grad_rel = relative_error(ours.embedding_grad, reference.embedding_grad)
-        rows.append(
-            {
-                "tp": tp,
-                "sp": sp,
-                "cp": cp,
-                "ranks": tp * sp * cp,
-                "logits_max_abs": logits_abs,
-                "logits_max_rel": logits_rel,
-                "embedding_grad_max_abs": grad_abs,
-                "embedding_grad_max_rel": grad_rel,
-                "ok": max(logits_rel, grad_rel) <= args.tolerance,
-                "seconds": round(time.perf_counter() - start, 2),
-            }
-        )
-        row = rows[-1]
+        row = {
+            "tp": tp,
+            "sp": sp,
+            "cp": cp,
+            "ranks": tp * sp * cp,
+            "logits_max_abs": logits_abs,
+            "logits_max_rel": logits_rel,
+            "embedding_grad_max_abs": grad_abs,
+            "embedding_grad_max_rel": grad_rel,
+        }
+        if hf_bf16 is None:
+            row["ok"] = max(logits_rel, grad_rel) <= args.tolerance
+            judged = ""
+        else:
+            hf_logits = relative_error(hf_bf16.logits, reference.logits)[1]
+            hf_grad = relative_error(hf_bf16.embedding_grad, reference.embedding_grad)[1]
+            row["transformers_bf16_logits_max_rel"] = hf_logits
+            row["transformers_bf16_embedding_grad_max_rel"] = hf_grad
+            row["ok"] = logits_rel <= args.bf16_slack * hf_logits and grad_rel <= args.bf16_slack * hf_grad
+            judged = f" (transformers bf16: logits {hf_logits:.2e}, input-grad {hf_grad:.2e})"
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        rows.append(row)
         print(
             f"{name}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
-            f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e} | {'ok' if row['ok'] else 'FAIL'} "
+            f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e}{judged} | {'ok' if row['ok'] else 'FAIL'} "
             f"({row['seconds']}s)",
             file=log,
             flush=True,
         )
     passed = all(r["ok"] for r in rows)
+    rule = (
+        f"within {args.bf16_slack:g}x transformers' own bf16 error vs fp32"
+        if bf16
+        else f"tolerance {args.tolerance:g} relative"
+    )
     if args.json:
         print(
-            json.dumps({"model": model_dir, "tolerance": args.tolerance, "passed": passed, "layouts": rows})
+            json.dumps(
+                {
+                    "model": model_dir,
+                    "device": where,
+                    "dtype": args.dtype,
+                    "tolerance": args.tolerance,
+                    "rule": rule,
+                    "passed": passed,
+                    "layouts": rows,
+                }
+            )
         )
     else:
-        print(f"{'all layouts match' if passed else 'MISMATCH'} (tolerance {args.tolerance:g} relative)")
+        print(f"{'all layouts match' if passed else 'MISMATCH'} ({rule})")
     return 0 if passed else 1
+
+
+def _device_name(device) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -9,7 +9,7 @@ import torch
 
 from shiftlm.config import ModelConfig
 from shiftlm.model import build_model
-from shiftlm.model.deferred import Linear, WeightGradStore, linear
+from shiftlm.model.deferred import Linear, WeightGradStore, linear, plain_linears
 from shiftlm.model.layers import RMSNorm
 
 
@@ -60,6 +60,36 @@ def test_deferrable_linear_matches_torch_linear():
     torch_ = torch.autograd.grad(torch.nn.functional.linear(x, weight, bias).sin().sum(), [x, weight, bias])
     for a, b in zip(ours, torch_):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_bf16_autocast_gives_fp32_grads_as_autocast_linear_does(defer):
+    """Training's GPU precision (bf16 autocast over fp32 master weights), on the CPU's autocast: the
+    deferrable linear multiplies bf16 copies and lands fp32 gradients on the fp32 parameters, as
+    `F.linear` under autocast does, whether the weight gradient runs at once or from the store. Two
+    micro-batches, so the second accumulates into the first's fp32 gradients."""
+    module, store = _mlp(), WeightGradStore()
+    x = torch.randn(3, 4, 6)
+    reference = copy.deepcopy(module)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16), plain_linears():
+            out = reference(x).float().square().sum()
+        out.backward()
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x).float().square().sum()
+        if not defer:
+            out.backward()
+            continue
+        with store.deferring("mb"):
+            grads = torch.autograd.grad(out, list(module.parameters()), allow_unused=True)
+        for param, grad in zip(module.parameters(), grads):
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        store.flush("mb")
+    for (name, ours), theirs in zip(module.named_parameters(), reference.parameters()):
+        assert ours.grad.dtype == torch.float32, name
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=2e-2, atol=2e-2, msg=name)
 
 
 def test_transformer_weight_pass_gives_exactly_the_plain_backward_grads():

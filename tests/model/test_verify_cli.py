@@ -30,3 +30,18 @@ def test_verify_fails_loudly_on_a_tolerance_it_cannot_meet(tiny_checkpoints):
     result = _verify("--model", tiny_checkpoints["llama"], "--tp", "2", "--tolerance", "0", "--json")
     assert result.returncode == 1
     assert json.loads(result.stdout)["passed"] is False
+
+
+def test_verify_in_bf16_autocast_is_judged_against_transformers_own_bf16_error(tiny_checkpoints):
+    """`--dtype bfloat16` (training's GPU precision; CPU autocast here): both shiftlm and transformers are
+    compared with transformers in fp32, and shiftlm's error may be at most --bf16-slack times theirs."""
+    result = _verify("--model", tiny_checkpoints["llama"], "--tp", "1,2", "--dtype", "bfloat16", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] is True and report["dtype"] == "bfloat16"
+    for row in report["layouts"]:
+        assert 1e-4 < row["logits_max_rel"] <= 2 * row["transformers_bf16_logits_max_rel"]  # bf16, not fp32
+    tight = _verify(
+        "--model", tiny_checkpoints["llama"], "--tp", "1", "--dtype", "bfloat16", "--bf16-slack", "0.1"
+    )
+    assert tight.returncode == 1
