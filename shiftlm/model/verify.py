@@ -97,6 +97,10 @@ def run(args) -> int:
     if model_dir is None:
         model_dir = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="shiftlm-verify-"), "llama-gqa"))
     layouts = _layouts(args)
+    if args.tp is None and args.sp is None and args.cp is None and args.device != "cpu":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus:  # the default set, cut to the layouts this node's GPUs can run (one rank per GPU)
+            layouts = [layout for layout in layouts if layout[0] * layout[1] * layout[2] <= gpus]
     # user errors (ConfigError and its subclasses) reach `shiftlm.cli.main`: one line and their exit code
     config = ModelConfig.from_hf(model_dir)
     check_checkpoint_files(model_dir)

@@ -108,6 +108,7 @@ class CompiledDecode:
         """The model and layout this path covers (else the runner keeps the eager step)."""
         return (
             shift_size == 1
+            and model.head_weight.device.type == "cpu"  # built around MKL's GEMV; GPUs keep the eager step
             and model.with_embedding
             and model.with_head
             and model.model.norm.weight.dtype == torch.float32  # eager's RMSNorm is F.rms_norm in fp32 only

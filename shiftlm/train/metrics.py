@@ -71,12 +71,18 @@ class RunLog:
         self.records: list[StepRecord] = []
         self.bar = progress == "on" or (progress == "auto" and sys.stderr.isatty())
         self._started = time.perf_counter()
-        self.tensorboard = _tensorboard_writer(out_dir / "tensorboard", quiet)
+        # opened at the first step, not here: a fresh start with --overwrite clears log.dir (its old
+        # tensorboard/ included) after the log is made, and would delete an open writer's event file
+        self.tensorboard = None
+        self._tensorboard_opened = False
 
     def step(self, record: StepRecord, first_step: int) -> None:
         self.records.append(record)
         with open(self.metrics_file, "a") as handle:
             handle.write(json.dumps(asdict(record)) + "\n")
+        if not self._tensorboard_opened:
+            self._tensorboard_opened = True
+            self.tensorboard = _tensorboard_writer(self.out_dir / "tensorboard", self.quiet)
         if self.tensorboard is not None:
             for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "memory_gb", "mfu"):
                 value = getattr(record, key)

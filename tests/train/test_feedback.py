@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,6 +113,42 @@ def test_with_tensorboard_every_scalar_is_written(tmp_path, monkeypatch):
     log.finish()
     assert ("train/loss", 7.5, 1) in written and ("train/val_loss", 7.6, 1) in written
     assert {tag for tag, _, _ in written} >= {"train/lr", "train/grad_norm", "train/tokens_per_s"}
+
+
+def test_tensorboard_writer_survives_overwrite_clearing_the_run_dir(tmp_path, monkeypatch):
+    """A fresh start with --overwrite clears log.dir (its old tensorboard/ too) after the RunLog is made:
+    the writer, which keeps its event file open as SummaryWriter does, must be opened after that
+    (on a GPU machine with tensorboard installed, the first flush failed with the file deleted)."""
+    from shiftlm.train.checkpoint import clear_run
+
+    class Writer:
+        def __init__(self, log_dir):
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.events = Path(log_dir) / "events.out.tfevents"
+            self.events.write_text("")
+
+        def add_scalar(self, tag, value, step):
+            with open(self.events, "r+") as handle:  # as the event writer appends to its open file
+                handle.seek(0, 2)
+                handle.write(f"{tag} {value} {step}\n")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "old-run").write_text("x")
+    log = RunLog(tmp_path, 2)
+    clear_run(tmp_path)  # what prepare_run_dir does with --overwrite
+    log.step(_record(1), 1)
+    log.finish()
+    assert "train/loss 7.5 1" in (tmp_path / "tensorboard" / "events.out.tfevents").read_text()
+    assert not (tmp_path / "tensorboard" / "old-run").exists()
 
 
 @pytest.mark.parametrize("steps", ["--validation.steps=0"])

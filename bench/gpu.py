@@ -1,0 +1,531 @@
+"""shiftlm on one CUDA GPU: the checks a lent GPU runs (correctness, training, serving), one JSON each.
+
+    python bench/gpu.py --out bench/results/gpu            # every phase, each in its own process
+    python bench/gpu.py --phase verify --out DIR           # one phase
+
+Phases (each a subprocess with its own time limit, so one failure leaves the others' results):
+- env: the device, driver, torch / transformers versions, and a bf16 GEMM's rate (the ceiling).
+- verify: `shiftlm verify --device cuda` in fp32 (<= 1e-5 relative to transformers on the same GPU) and
+  in bf16 autocast (within 2x transformers' own bf16 error vs fp32), on the tiny llama-gqa, qwen2 and
+  mistral checkpoints and on a 1024-wide Llama at 512 tokens (SDPA's fused kernels apply there).
+- train_ab: a ~1.1B Llama (TinyLlama's shape) in bf16 autocast over fp32 weights, forward + backward +
+  the same torch AdamW step, shiftlm and transformers (eager, no torch.compile) alternating step by
+  step in one process: tokens/s, MFU against the catalog's peak (`hardware.device_peak_flops`), peak
+  memory, and which SDPA kernel ran (profiler kernel names).
+- train: `torchrun --nproc-per-node 1 -m shiftlm train` on that model (the user's command): its own
+  tokens/s, MFU and memory per step from metrics.jsonl.
+- serve: `shiftlm serve` on one GPU: greedy completions in fp32 equal transformers' `generate` on the
+  same GPU; then `shiftlm bench serve` replays the Azure conversation trace against the ~1.1B model in
+  bf16 (the default on GPUs).
+- serve_step: the engine's decode step in process (bf16, 1 / 8 / 32 / 64 sequences at 512 tokens of
+  context): ms per step, and for 32 sequences the GPU's kernel time against the step's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = {
+    "env": 60,
+    "verify": 200,
+    "train_ab": 170,
+    "train": 150,
+    "serve": 220,
+    "serve_step": 120,
+}  # seconds each
+# TinyLlama-1.1B's shape (Zhang et al. 2024)
+MODEL_1B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MODEL_MID = dict(
+    MODEL_1B, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16
+)
+
+
+# --smoke: every phase on the CPU with small shapes, to check this script without a GPU
+SMOKE = os.environ.get("SHIFTLM_GPU_SMOKE") == "1"
+DEVICE = "cpu" if SMOKE else "cuda"
+if SMOKE:
+    MODEL_1B = dict(
+        MODEL_1B,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4000,
+    )
+    MODEL_MID = dict(MODEL_1B)
+
+
+def work_dir(out: Path) -> Path:
+    path = Path(os.environ.get("SHIFTLM_GPU_WORK", "/tmp/shiftlm-gpu"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def checkpoint(path: Path, shape: dict, tokenizer: bool = True) -> Path:
+    """A random-weight Llama written by transformers (made on the GPU: a 1.1B init on the CPU is slow)."""
+    import torch
+    import transformers as tf
+
+    if (path / "config.json").exists():
+        return path
+    config = tf.LlamaConfig(**shape)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = tf.LlamaForCausalLM(config).float()
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        from shiftlm.serve.tokenizer import write_char_tokenizer
+
+        write_char_tokenizer(path, vocab_size=shape["vocab_size"])
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def phase_env(out: Path) -> dict:
+    import torch
+    import transformers
+
+    size = 1024 if SMOKE else 8192
+    name = "cpu" if SMOKE else torch.cuda.get_device_name(0)
+    a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    _sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    _sync()
+    tflops = 10 * 2 * size**3 / (time.perf_counter() - start) / 1e12
+    query = [
+        "nvidia-smi",
+        "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+        "--format=csv,noheader",
+    ]
+    smi = "" if SMOKE else subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    return {
+        "device": name,
+        "nvidia_smi": smi,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "bf16_gemm_8192_tflops": round(tflops, 1),
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+    }
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _verify(args: list[str]) -> dict:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shiftlm.cli",
+            "verify",
+            "--device",
+            DEVICE,
+            "--tp",
+            "1",
+            "--sp",
+            "1",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if result.returncode not in (0, 1) or not result.stdout.strip():
+        return {"args": args, "returncode": result.returncode, "stderr": result.stderr[-3000:]}
+    report = json.loads(result.stdout)
+    report["args"] = args
+    return report
+
+
+def phase_verify(out: Path) -> dict:
+    from shiftlm.model.tiny import make_tiny_checkpoint
+
+    work = work_dir(out)
+    runs = []
+    for family in ("llama-gqa", "qwen2", "mistral"):
+        model = str(make_tiny_checkpoint(work / f"tiny-{family}", family))
+        for dtype in ("float32", "bfloat16"):
+            runs.append(_verify(["--model", model, "--dtype", dtype]))
+    mid = str(checkpoint(work / "llama-mid", MODEL_MID, tokenizer=False))
+    for dtype in ("float32", "bfloat16"):
+        runs.append(
+            _verify(["--model", mid, "--dtype", dtype, "--batch", "2", "--seq-len", "64" if SMOKE else "512"])
+        )
+    return {"passed": all(r.get("passed") is True for r in runs), "runs": runs}
+
+
+def _sdpa_kernels(step) -> list[str]:
+    """The CUDA kernels of one step whose names say which attention implementation ran."""
+    import torch
+
+    activity = torch.profiler.ProfilerActivity.CPU if SMOKE else torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[activity]) as prof:
+        step()
+        _sync()
+    names = {e.key for e in prof.key_averages()}
+    keys = ("flash", "fmha", "attention", "efficient", "cudnn", "sdpa", "softmax")
+    return sorted(n[:120] for n in names if any(k in n.lower() for k in keys))
+
+
+def phase_train_ab(out: Path, steps: int = 8, batch: int = 4, seq: int = 2048) -> dict:
+    if SMOKE:
+        steps, batch, seq = 2, 2, 64
+    import torch
+    import transformers as tf
+
+    from shiftlm.config import ModelConfig, ParallelConfig
+    from shiftlm.hardware import device_peak_flops
+    from shiftlm.mesh import Mesh
+    from shiftlm.model import build_model
+
+    tf.logging.set_verbosity_error()
+    path = checkpoint(work_dir(out) / "llama-1b", MODEL_1B)
+    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu")
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
+    hf = hf.to(device).train()
+    config = ModelConfig.from_hf(path)
+    ours = build_model(config, Mesh(ParallelConfig(), device=device), checkpoint=path).train()
+    optimizers = {
+        "hf": torch.optim.AdamW(hf.parameters(), lr=1e-5, foreach=True),
+        "shiftlm": torch.optim.AdamW(ours.parameters(), lr=1e-5, foreach=True),
+    }
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
+    targets = torch.roll(ids, -1, dims=1)
+
+    def step(name: str) -> float:
+        model, optimizer = (hf, optimizers["hf"]) if name == "hf" else (ours, optimizers["shiftlm"])
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            if name == "hf":
+                logits = model(ids).logits
+            else:
+                logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    names = ("hf", "shiftlm")
+    losses = {name: step(name) for name in names}  # warm-up, and the first losses (same weights, batch)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    peak_mem: dict[str, float] = {}
+    for i in range(steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            _sync()
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            step(name)
+            _sync()
+            times[name].append(time.perf_counter() - start)
+            if DEVICE == "cuda":
+                peak_mem[name] = max(peak_mem.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        print(
+            f"step {i + 1}/{steps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in names),
+            flush=True,
+        )
+    kernels = {name: _sdpa_kernels(lambda name=name: step(name)) for name in names}
+    tokens = batch * seq
+    device_name = torch.cuda.get_device_name(device) if DEVICE == "cuda" else "cpu"
+    peak = device_peak_flops(device_name, "bf16")
+    flops_per_token = config.flops_per_token(seq, causal=True)
+    result = {
+        "device": device_name,
+        "model": {k: v for k, v in MODEL_1B.items() if not k.endswith("token_id")},
+        "parameters": sum(p.numel() for p in ours.parameters()),
+        "batch": batch,
+        "seq_len": seq,
+        "precision": "bf16 autocast, fp32 weights and AdamW state (torch.optim.AdamW foreach, both)",
+        "first_loss": losses,
+        "median_step_s": {n: statistics.median(times[n]) for n in names},
+        "tokens_per_s": {n: tokens / statistics.median(times[n]) for n in names},
+        "peak_memory_gib": peak_mem,
+        "flops_per_token": flops_per_token,
+        "peak_tflops_catalog": peak / 1e12 if peak else None,
+        "attention_kernels": kernels,
+    }
+    result["mfu"] = {
+        n: (tps * flops_per_token / peak if peak else None) for n, tps in result["tokens_per_s"].items()
+    }
+    result["shiftlm_over_hf"] = result["tokens_per_s"]["shiftlm"] / result["tokens_per_s"]["hf"]
+    return result
+
+
+def phase_train(out: Path, steps: int = 12) -> dict:
+    path = checkpoint(work_dir(out) / "llama-1b", MODEL_1B)
+    run_dir = work_dir(out) / "train-run"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "shiftlm",
+        "train",
+        f"--model.name={path}",
+        f"--train.seq_len={64 if SMOKE else 2048}",
+        "--train.micro_batch=4",
+        "--train.global_batch=8",
+        f"--train.steps={3 if SMOKE else steps}",
+        f"--train.device={DEVICE}",
+        "--optim.warmup_steps=2",
+        f"--log.dir={run_dir}",
+        "--log.progress=off",
+        "--checkpoint.resume=false",
+        "--checkpoint.overwrite=true",
+    ]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=PHASES["train"] - 10)
+    wall = time.perf_counter() - started
+    metrics = []
+    metrics_file = run_dir / "metrics.jsonl"
+    if metrics_file.exists():
+        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    return {
+        "command": " ".join(command[1:]),
+        "returncode": result.returncode,
+        "wall_s": round(wall, 1),
+        "stdout_tail": result.stdout[-4000:],
+        "stderr_tail": result.stderr[-4000:],
+        "metrics": metrics,
+    }
+
+
+def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> str:
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()["choices"][0]["text"]
+
+
+def phase_serve(out: Path) -> dict:
+    import torch
+    import transformers as tf
+
+    from shiftlm.serve.local_server import local_server
+    from shiftlm.serve.replay import first_model
+
+    tf.logging.set_verbosity_error()
+    work = work_dir(out)
+    result: dict = {}
+    # greedy parity in fp32: the server's tokens against transformers' generate on the same GPU
+    small = checkpoint(work / "llama-mid-tok", MODEL_MID)
+    hf = tf.AutoModelForCausalLM.from_pretrained(small, torch_dtype=torch.float32).to(DEVICE).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, MODEL_MID["vocab_size"], (n,), generator=g).tolist() for n in (5, 37, 130)]
+    tokenizer = tf.AutoTokenizer.from_pretrained(small)
+    want_ids, want = [], []  # the char tokenizer spells every id uniquely: equal text is equal tokens
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=DEVICE)
+        gen = hf.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0)
+        want_ids.append(gen[0, len(prompt) :].tolist())
+        want.append(tokenizer.decode(want_ids[-1], skip_special_tokens=True))
+    del hf
+    torch.cuda.empty_cache()
+    log = work / "serve-fp32.log"
+    started = time.perf_counter()
+    with local_server(
+        ["--model", str(small), "--dtype", "float32", "--device", DEVICE], log_path=str(log)
+    ) as server:
+        result["fp32_server_start_s"] = round(time.perf_counter() - started, 1)
+        served = first_model(server.url)
+        got = [_complete(server.url, served, prompt, 24) for prompt in prompts]
+    result["greedy_fp32"] = {
+        "hf_ids": want_ids,
+        "hf_text": want,
+        "server_text": got,
+        "identical": got == want,
+    }
+    result["fp32_server_log_tail"] = log.read_text()[-2000:]
+    # the Azure conversation trace against the ~1.1B model in bf16 (the GPU default)
+    big = checkpoint(work / "llama-1b", MODEL_1B)
+    trace = ROOT / "shiftlm" / "data" / "traces" / "azure_llm_2023_conv.csv.gz"
+    command = [
+        sys.executable,
+        "-m",
+        "shiftlm.cli",
+        "bench",
+        "serve",
+        "--trace",
+        str(trace),
+        "--model",
+        str(big),
+        "--max-requests",
+        "10" if SMOKE else "100",
+        "--max-input",
+        "1024",
+        "--max-output",
+        "256",
+        "--num-blocks",
+        "4096",
+        "--max-tokens-per-step",
+        "2048",
+        "--json",
+    ]
+    started = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True, timeout=150)
+    result["replay"] = {
+        "command": " ".join(command[3:]),
+        "returncode": run.returncode,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "summary": json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else None,
+        "stderr_tail": run.stderr[-3000:],
+    }
+    return result
+
+
+def phase_serve_step(out: Path, context: int = 512) -> dict:
+    """The serving engine's decode step on the GPU (one rank, bf16, in process): wall time per step by
+    batch, and for a 32-sequence step the GPU's busy time against the host's, so a host-bound step
+    shows as such."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.serve.runner import ModelRunner
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from serve_kernels import _decode_plan
+
+    path = checkpoint(work_dir(out) / "llama-1b", MODEL_1B)
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    mesh = Mesh(ParallelConfig(), device=torch.device(DEVICE))
+    runner = ModelRunner.load(path, mesh, num_blocks=64 * 34 + 16, block_size=16, dtype=dtype)
+
+    def step(plan) -> None:
+        runner.execute(plan).argmax(-1).tolist()  # greedy sampling's host copy ends the step
+
+    rows = {}
+    for seqs in (1, 8, 32, 64):
+        plan = _decode_plan(seqs, context)
+        for _ in range(3):
+            step(plan)
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            step(plan)
+            times.append(time.perf_counter() - start)
+        rows[seqs] = {"median_ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times)}
+        print(f"decode {seqs} seqs x {context} context: {rows[seqs]['median_ms']:.2f} ms", flush=True)
+    plan = _decode_plan(32, context)
+    reps = 5
+    activities = [ProfilerActivity.CPU] + ([] if SMOKE else [ProfilerActivity.CUDA])
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(reps):
+            step(plan)
+    wall_ms = 1e3 * (time.perf_counter() - start) / reps
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    gpu_busy_ms = sum(e.device_time for e in kernels) / 1e3 / reps if kernels else None
+    averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    top = [
+        {
+            "op": e.key[:80],
+            "count_per_step": e.count / reps,
+            "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / reps,
+        }
+        for e in averages[:20]
+    ]
+    return {
+        "device": "cpu" if SMOKE else torch.cuda.get_device_name(0),
+        "model": "llama-1.1b (TinyLlama shape), random weights",
+        "dtype": str(dtype),
+        "context": context,
+        "decode_step": rows,
+        "profile_32_seqs": {
+            "wall_ms_per_step_profiled": wall_ms,
+            "gpu_kernel_busy_ms_per_step": gpu_busy_ms,
+            "kernels_per_step": len(kernels) / reps,
+            "top_self_cpu_ops": top,
+        },
+    }
+
+
+def run_phase(name: str, out: Path) -> int:
+    started = time.perf_counter()
+    try:
+        result = globals()[f"phase_{name}"](out)
+        status = 0
+    except Exception:
+        result = {"error": traceback.format_exc()}
+        status = 1
+    result["phase_s"] = round(time.perf_counter() - started, 1)
+    (out / f"gpu_{name}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k in ("error", "phase_s", "device")}), flush=True)
+    return status
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu"))
+    parser.add_argument("--phase", action="append", choices=list(PHASES), help="run only these (repeatable)")
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke", action="store_true", help="every phase on the CPU, small (checks the script)"
+    )
+    args = parser.parse_args()
+    if args.smoke and not SMOKE:
+        os.environ["SHIFTLM_GPU_SMOKE"] = "1"
+        return subprocess.run([sys.executable, *sys.argv], check=False).returncode
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    phases = args.phase or list(PHASES)
+    if args.in_process:
+        return max(run_phase(name, out) for name in phases)
+    failed = []
+    for name in phases:
+        print(f"== {name} (limit {PHASES[name]} s)", flush=True)
+        try:
+            code = subprocess.run(
+                [sys.executable, __file__, "--in-process", "--phase", name, "--out", str(out)],
+                timeout=PHASES[name],
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+            print(f"== {name}: over its {PHASES[name]} s limit", flush=True)
+        if code:
+            failed.append(name)
+    print(f"done; failed: {failed or 'none'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
