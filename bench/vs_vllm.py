@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -100,7 +101,6 @@ class Server:
         self.url = ""
 
     def wait(self, url: str | None, timeout: float) -> None:
-        import re
         import urllib.request
 
         deadline = time.monotonic() + timeout
@@ -447,7 +447,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    rows, servers = [], {}
+    rows, servers, server_notes = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = Path(args.checkpoint_dir or Path(tmp) / "llama-h512")
         if not (model / "config.json").exists():
@@ -459,6 +459,13 @@ def main() -> int:
         for name in layouts:
             cores = single if name.startswith("tp1") and "sp2" not in name else double
             servers[name] = start_shiftlm(name, model, args, cores, Path(tmp))
+            startup = servers[name].log.read_text(errors="replace")
+            found = re.search(r"threshold=(\d+)", startup)  # a shift server's (measured) threshold
+            probe = re.search(r"shift threshold auto: (.*)", startup)
+            server_notes[name] = {
+                "shift_threshold": int(found.group(1)) if found else None,
+                "threshold_probe": probe.group(1).strip() if probe else None,
+            }
             stack.callback(servers[name].stop)
         names = list(servers)
         rng = random.Random(0)
@@ -501,6 +508,7 @@ def main() -> int:
         },
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
+        "servers": server_notes,
         "summary": table,
         "hf_generate": baseline,
         "decode_step_sweep": sweep,

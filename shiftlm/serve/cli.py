@@ -57,9 +57,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
     )
     parser.add_argument(
         "--shift-threshold",
-        type=int,
-        default=64,
-        help="full TP when a step schedules at most this many tokens, else SP x TP",
+        type=_threshold,
+        default="auto",
+        help="full TP when a step schedules at most this many tokens, else SP x TP; auto: measured at "
+        "startup on the model (the largest step size where full TP is still faster, ~1-3 s)",
     )
     parser.add_argument("--num-blocks", type=int, default=256, help="KV-cache blocks per rank")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -80,6 +81,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "fused RMSNorm and SwiGLU; first build ~25 s, cached), else PyTorch's ops (gather + SDPA); "
         "cpu-kernel insists on them; sdpa never uses them",
     )
+
+
+def _threshold(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or auto, got {text!r}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ class ServeOptions:
     tp: int = 1
     sp: int = 1
     mode: str = "shift"
-    shift_threshold: int = 64
+    shift_threshold: int | str = "auto"  # auto: measured at startup (serve/shift_probe.py)
     num_blocks: int = 256
     block_size: int = 16
     max_num_seqs: int = 64

@@ -16,6 +16,7 @@ so that a supervisor restarts the server (docs/serving.md, "Operations").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import logging
@@ -174,6 +175,22 @@ def _load_runner(options: ServeOptions):
     )
 
 
+def resolve_shift_threshold(runner, options: ServeOptions) -> ServeOptions:
+    """Rank 0, before the engine starts: `--shift-threshold auto` becomes a token count, measured on
+    every rank through the runner when a shift group has SP > 1 (serve/shift_probe.py); with SP = 1
+    both modes are the same computation and 64 stands."""
+    if options.shift_threshold != "auto":
+        return options
+    threshold = 64
+    if options.mode == "shift" and options.sp > 1:
+        from shiftlm.serve.shift_probe import measure_shift_threshold
+
+        threshold, _ = measure_shift_threshold(
+            runner.execute, options.max_tokens_per_step, options.block_size, options.num_blocks
+        )
+    return dataclasses.replace(options, shift_threshold=threshold)
+
+
 def build_engine(runner, options: ServeOptions, tokenizer, step_log=None):
     """The engine on rank 0, sized from the runner's cache and the model's context length."""
     from shiftlm.serve.engine import Engine
@@ -278,6 +295,7 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
             FAILED_HEALTH_SECONDS + options.shutdown_timeout + 10, _hard_exit, args=(workers,)
         ).start()
 
+    options = resolve_shift_threshold(runner, options)
     engine = AsyncEngine(
         build_engine(runner, options, tokenizer, step_log),
         max_pending=options.max_pending,
