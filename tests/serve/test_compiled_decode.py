@@ -85,3 +85,17 @@ def greedy_one_at_a_time_equals_hf(runner, model_dir) -> None:
         got.append(tokens)
     assert got == hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
     assert runner.shift_model.compiled.steps == steps + len(PROMPTS) * (NEW_TOKENS - 1)
+
+
+def test_compiled_decode_covers_cpu_models_only(tmp_path):
+    """The compiled decode is built around MKL's GEMV on the CPU; a model on another device (a GPU; the
+    meta device stands in here) keeps the eager step."""
+    from shiftlm.config import ModelConfig
+    from shiftlm.model import build_model
+    from shiftlm.serve.compiled_step import CompiledDecode
+
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
+    model = build_model(ModelConfig.from_hf(model_dir), checkpoint=model_dir).eval()
+    assert CompiledDecode.supports(model, 1)
+    assert not CompiledDecode.supports(model.to("meta"), 1)
+    assert not CompiledDecode.supports(model, 2)
