@@ -89,6 +89,14 @@ def test_without_tensorboard_one_info_line_and_metrics_still_written(capsys, tmp
     assert (tmp_path / "metrics.jsonl").read_text().count('"val_loss": 7.6') == 1
 
 
+def _install_summary_writer(monkeypatch, writer_class) -> None:
+    """`from torch.utils.tensorboard import SummaryWriter` gives `writer_class` (tensorboard is not a
+    test dependency)."""
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = writer_class
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+
+
 def test_with_tensorboard_every_scalar_is_written(tmp_path, monkeypatch):
     written: list[tuple[str, float, int]] = []
 
@@ -105,9 +113,7 @@ def test_with_tensorboard_every_scalar_is_written(tmp_path, monkeypatch):
         def close(self):
             pass
 
-    module = types.ModuleType("torch.utils.tensorboard")
-    module.SummaryWriter = Writer
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    _install_summary_writer(monkeypatch, Writer)
     log = RunLog(tmp_path, 2)
     log.step(_record(1), 1)
     log.finish()
@@ -138,9 +144,7 @@ def test_tensorboard_writer_survives_overwrite_clearing_the_run_dir(tmp_path, mo
         def close(self):
             pass
 
-    module = types.ModuleType("torch.utils.tensorboard")
-    module.SummaryWriter = Writer
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    _install_summary_writer(monkeypatch, Writer)
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "old-run").write_text("x")
     log = RunLog(tmp_path, 2)
