@@ -327,7 +327,8 @@ def step_sweep(model: Path, contexts: list[int], batches: list[int]) -> list[dic
 def loads(args: argparse.Namespace) -> list[tuple[str, int, float, int]]:
     """(label, concurrency, Poisson rate, requests) of every load of a round."""
     out = [("1 at a time", 1, 0.0, args.serial_requests)]
-    out.append((f"{args.concurrency} concurrent", args.concurrency, 0.0, 2 * args.concurrency))
+    count = args.concurrent_requests or 2 * args.concurrency
+    out.append((f"{args.concurrency} concurrent", args.concurrency, 0.0, count))
     out += [(f"poisson {rate:g}/s", 0, rate, args.poisson_requests) for rate in args.rates]
     return out
 
@@ -398,6 +399,13 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--serial-requests", type=int, default=4, help="requests of the 1-at-a-time load")
+    parser.add_argument(
+        "--concurrent-requests",
+        type=int,
+        default=0,
+        help="requests of the concurrent load (default 2 x --concurrency; more average over the "
+        "closed loop's staggered and wave regimes, docs/serving.md)",
+    )
     parser.add_argument(
         "--rates", type=float, nargs="*", default=[4.0, 8.0, 16.0], help="Poisson sweep, req/s"
     )
