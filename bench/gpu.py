@@ -75,7 +75,7 @@ if SMOKE:
     MODEL_MID = dict(MODEL_1B)
 
 
-def work_dir(out: Path) -> Path:
+def work_dir() -> Path:
     path = Path(os.environ.get("SHIFTLM_GPU_WORK", "/tmp/shiftlm-gpu"))
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -172,7 +172,7 @@ def _verify(args: list[str]) -> dict:
 def phase_verify(out: Path) -> dict:
     from shiftlm.model.tiny import make_tiny_checkpoint
 
-    work = work_dir(out)
+    work = work_dir()
     runs = []
     for family in ("llama-gqa", "qwen2", "mistral"):
         model = str(make_tiny_checkpoint(work / f"tiny-{family}", family))
@@ -211,7 +211,7 @@ def phase_train_ab(out: Path, steps: int = 8, batch: int = 4, seq: int = 2048) -
     from shiftlm.model import build_model
 
     tf.logging.set_verbosity_error()
-    path = checkpoint(work_dir(out) / "llama-1b", MODEL_1B)
+    path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
     device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu")
     hf = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
     hf = hf.to(device).train()
@@ -285,8 +285,8 @@ def phase_train_ab(out: Path, steps: int = 8, batch: int = 4, seq: int = 2048) -
 
 
 def phase_train(out: Path, steps: int = 12) -> dict:
-    path = checkpoint(work_dir(out) / "llama-1b", MODEL_1B)
-    run_dir = work_dir(out) / "train-run"
+    path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
+    run_dir = work_dir() / "train-run"
     command = [
         sys.executable,
         "-m",
@@ -342,7 +342,7 @@ def phase_serve(out: Path) -> dict:
     from shiftlm.serve.replay import first_model
 
     tf.logging.set_verbosity_error()
-    work = work_dir(out)
+    work = work_dir()
     result: dict = {}
     # greedy parity in fp32: the server's tokens against transformers' generate on the same GPU
     small = checkpoint(work / "llama-mid-tok", MODEL_MID)
@@ -425,7 +425,7 @@ def phase_serve_step(out: Path, context: int = 512) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
     from serve_kernels import _decode_plan
 
-    path = checkpoint(work_dir(out) / "llama-1b", MODEL_1B)
+    path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
     dtype = torch.float32 if SMOKE else torch.bfloat16
     mesh = Mesh(ParallelConfig(), device=torch.device(DEVICE))
     runner = ModelRunner.load(path, mesh, num_blocks=64 * 34 + 16, block_size=16, dtype=dtype)

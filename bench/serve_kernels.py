@@ -9,15 +9,22 @@
    with oneDNN's packed GEMM (`gemv_rows=0`), and what the startup probe chooses here;
 3. RoPE of the fused Q|K view: the CPU kernel vs eager `apply_rope_qk` (512 and 32 tokens);
 4. prefill attention per layer: the CPU kernel's tiles vs SDPA (causal from 0: `is_causal`; after
-   cached context: gathered blocks with a mask).
+   cached context: gathered blocks with a mask);
+5. the two 2-rank layouts' steps (2026-11-26, `--shift-threshold auto`): tp2 and the tp1·sp2 shift
+   runner in full TP, and the shift runner in SP x TP, on a 32-sequence decode step and on 32 decode
+   rows plus a 128-token prefill chunk (`shift_probe.probe_plan`), p50 of 40 interleaved;
+6. one thread's fp32 GEMM peak (bench/train.py's `cpu_peak_flops`, best 512^3), the roofline of the
+   1-rank servers' 32-concurrent load (docs/serving.md).
 The model is bench/vs_vllm.py's (hidden 512, 4 layers, 8/2 heads, fp32); one thread; times are
-minimum (or median where said) over repeats. Writes bench/results/serve_kernels.json.
+minimum (or median where said) over repeats. Writes bench/results/serve_kernels.json; `--stages`
+runs some of them and updates only their entries there (each entry says when it was measured).
 """
 
 # ruff: noqa: B023 -- every timed closure runs at once, inside its own loop iteration
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -121,6 +128,51 @@ def _tp1_steps(model_dir: Path) -> dict:
     return out
 
 
+def _two_rank_steps(model_dir: str, tp: int, sp: int) -> dict | None:
+    import random
+
+    import torch.distributed as dist
+
+    from shiftlm.config import ParallelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.scheduler import Mode
+    from shiftlm.serve.shift_probe import probe_plan
+
+    rank = dist.get_rank()
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    runner = ModelRunner.load(
+        Path(model_dir), Mesh(ParallelConfig(tp=tp, sp=sp)), num_blocks=64 * 12 + 64, block_size=16
+    )
+    if rank != 0:
+        runner.serve_steps()
+        return None
+    modes = (Mode.TP, Mode.SP_TP) if sp > 1 else (Mode.TP,)
+    plans = {}
+    for mode in modes:
+        plans[f"32 decode, {mode.value}"] = dataclasses.replace(_decode_plan(32), mode=mode)
+        plans[f"32 decode + 128 prefill, {mode.value}"] = probe_plan(160, mode, 16, 64 * 12 + 64)
+    for plan in plans.values():
+        for _ in range(3):
+            runner.execute(plan)
+    walls = {name: [] for name in plans}
+    for _ in range(40):
+        names = list(plans)
+        random.shuffle(names)
+        for name in names:
+            start = time.perf_counter()
+            runner.execute(plans[name])
+            walls[name].append(time.perf_counter() - start)
+    runner.stop_workers()
+    return {f"{name} p50 ms": 1e3 * sorted(w)[len(w) // 2] for name, w in walls.items()}
+
+
+def _gemm_peak() -> dict:
+    from train import cpu_peak_flops
+
+    return {"one thread fp32 GEMM 512^3 best GFLOP/s": cpu_peak_flops() / 1e9}
+
+
 def _rope_us() -> dict:
     from shiftlm.model import cpu_kernels
     from shiftlm.model.inference_linear import PackedWeights
@@ -200,6 +252,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", default=None, help="write (or reuse) the bench model here")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--stages", nargs="+", type=int, help="run only these (1-6, the docstring's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from vs_vllm import make_checkpoint
@@ -210,21 +263,34 @@ def main() -> int:
         model = Path(args.checkpoint_dir or Path(tmp) / "llama-h512")
         if not (model / "config.json").exists():
             make_checkpoint(model)
-        result = {"loadavg_before": os.getloadavg()}
-        stages = [
-            ("all_reduce 512 floats, 2 ranks", lambda: run_ranks(_allreduce_us, 2)),
-            ("tp2 decode step, shm", lambda: run_ranks(_tp2_steps, 2, str(model), True)),
-            ("tp2 decode step, gloo", lambda: run_ranks(_tp2_steps, 2, str(model), False)),
-            ("tp1 decode step by small-rows path", lambda: _tp1_steps(model)),
-            ("rope", _rope_us),
-            ("prefill attention per layer", _prefill_attention_ms),
+        stages = [  # (docstring item, name, run)
+            (1, "all_reduce 512 floats, 2 ranks", lambda: run_ranks(_allreduce_us, 2)),
+            (1, "tp2 decode step, shm", lambda: run_ranks(_tp2_steps, 2, str(model), True)),
+            (1, "tp2 decode step, gloo", lambda: run_ranks(_tp2_steps, 2, str(model), False)),
+            (2, "tp1 decode step by small-rows path", lambda: _tp1_steps(model)),
+            (3, "rope", _rope_us),
+            (4, "prefill attention per layer", _prefill_attention_ms),
+            (5, "2-rank steps, tp2", lambda: run_ranks(_two_rank_steps, 2, str(model), 2, 1)),
+            (
+                5,
+                "2-rank steps, tp1 sp2 shift runner",
+                lambda: run_ranks(_two_rank_steps, 2, str(model), 1, 2),
+            ),
+            (6, "gemm peak", _gemm_peak),
         ]
-        for name, run in stages:
-            result[name] = run()
+        out = Path(args.out) / "serve_kernels.json"
+        result = json.loads(out.read_text()) if args.stages and out.exists() else {}
+        for item, name, run in stages:
+            if args.stages and item not in args.stages:
+                continue
+            loadavg = os.getloadavg()
+            result[name] = {
+                **run(),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "loadavg_before": loadavg,
+            }
             if not args.json:
                 print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in result[name].items()})
-        result["loadavg_after"] = os.getloadavg()
-    out = Path(args.out) / "serve_kernels.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result) if args.json else f"wrote {out}")

@@ -89,7 +89,7 @@ def choose_device(requested: str = "auto", local_world: int | None = None) -> tu
             )
         index = torch.cuda.current_device() if kind == "cuda" else None
         return torch.device(kind, index), dist.get_backend()
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = visible_gpus()
     if requested == "cpu" or (requested == "auto" and not visible):
         return torch.device("cpu"), "gloo"
     if not visible:
@@ -108,6 +108,16 @@ def choose_device(requested: str = "auto", local_world: int | None = None) -> tu
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank), "nccl"
+
+
+def visible_gpus() -> int:
+    """How many CUDA GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (the hardware catalog's key for its peak), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def check_dtype(device: torch.device, dtype: torch.dtype) -> None:

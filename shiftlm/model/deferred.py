@@ -108,7 +108,6 @@ def accumulate_grad(param: torch.Tensor | None, grad: torch.Tensor | None) -> No
     then the parameter's post-accumulate-grad hooks, as autograd's own accumulation runs them (ZeRO-2/3's
     sharded gradients, `train/grad_shards.py`, take each gradient as it lands, deferred ones too)."""
     if param is not None and grad is not None:
-        grad = grad.to(param.dtype)  # a bf16 autocast GEMM's gradient lands on an fp32 master weight
         param.grad = grad if param.grad is None else param.grad + grad
         for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(param)

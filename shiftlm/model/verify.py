@@ -86,7 +86,7 @@ def run(args) -> int:
 
     from shiftlm.config import ModelConfig, ParallelConfig
     from shiftlm.launch import LocalWorkers, WorkerError
-    from shiftlm.mesh import check_dtype, choose_device
+    from shiftlm.mesh import check_dtype, choose_device, device_name, visible_gpus
     from shiftlm.model.parity import layout_outputs, reference_outputs, relative_error
     from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.model.weights import check_checkpoint_files
@@ -97,10 +97,9 @@ def run(args) -> int:
     if model_dir is None:
         model_dir = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="shiftlm-verify-"), "llama-gqa"))
     layouts = _layouts(args)
-    if args.tp is None and args.sp is None and args.cp is None and args.device != "cpu":
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus:  # the default set, cut to the layouts this node's GPUs can run (one rank per GPU)
-            layouts = [layout for layout in layouts if layout[0] * layout[1] * layout[2] <= gpus]
+    if args.tp is None and args.sp is None and args.cp is None and args.device != "cpu" and visible_gpus():
+        # the default set, cut to the layouts this node's GPUs can run (one rank per GPU)
+        layouts = [layout for layout in layouts if layout[0] * layout[1] * layout[2] <= visible_gpus()]
     # user errors (ConfigError and its subclasses) reach `shiftlm.cli.main`: one line and their exit code
     config = ModelConfig.from_hf(model_dir)
     check_checkpoint_files(model_dir)
@@ -115,7 +114,7 @@ def run(args) -> int:
         parallel.check_sequence(args.seq_len)
 
     log = sys.stderr if args.json else sys.stdout
-    where = _device_name(device)
+    where = device_name(device)
     print(
         f"reference: transformers {transformers.__version__} on {model_dir} ({where}, {args.dtype})", file=log
     )
@@ -202,9 +201,3 @@ def run(args) -> int:
     else:
         print(f"{'all layouts match' if passed else 'MISMATCH'} ({rule})")
     return 0 if passed else 1
-
-
-def _device_name(device) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

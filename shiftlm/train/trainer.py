@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from shiftlm.comm import all_reduce
 from shiftlm.hardware import device_peak_flops
-from shiftlm.mesh import Mesh, choose_device
+from shiftlm.mesh import Mesh, choose_device, device_name
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import source_name
@@ -233,9 +233,8 @@ class Trainer(RunCheckpoints):
         elif self.resumed_from is not None and self.log is not None and not self.log.quiet:
             print(f"resumed from step {self.start_step} ({self.resumed_from})", flush=True)
         device = self.mesh.device
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = self.config.log.peak_tflops * 1e12 or device_peak_flops(
-            device_name, "bf16" if self.runner.autocast_dtype else "fp32"
+            device_name(device), "bf16" if self.runner.autocast_dtype else "fp32"
         )
         started = time.perf_counter()
         for step in range(self.start_step, cfg.steps):
