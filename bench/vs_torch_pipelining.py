@@ -10,10 +10,15 @@ PyTorch's class): every schedule both have, plus BitPipe against DualPipeV (both
 traffic both ways) and our DualPipeV against PyTorch's. Both sides get the same loss function and no
 gradient scaling pass (PyTorch `scale_grads=False`, the loss divided by m on both).
 
+Transports: our executor sends its messages through shared memory between local ranks
+(`comm/shm_p2p.py`, its default for CPU ranks on one host); PyTorch's goes through gloo, its only CPU
+backend. So that the executor and the transport can be told apart, a third side runs our executor
+with gloo's point-to-point (`shm_p2p=False`), and the table shows both ratios.
+
 Timing: a step is `barrier; step; barrier`, timed on every rank, the slowest rank counting. Each
-round runs, for every pair, alternately one of our steps and one of PyTorch's (A/B/A/B...), so a burst
-of load elsewhere on a shared machine hits both sides alike; the ratio of a pair is PyTorch's median
-step time over ours, over every round. Writes bench/results/vs_torch_pipelining.{json,png}.
+round runs, for every pair, the three sides' steps in turn (the order rotating step by step), so a
+burst of load elsewhere on a shared machine hits every side alike; the ratio of a pair is PyTorch's
+median step time over ours, over every round. Writes bench/results/vs_torch_pipelining.{json,png}.
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ def _data(width: int, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
 
 class _Ours:
-    def __init__(self, name: str, chunks: int | None, width: int, rows: int):
+    def __init__(self, name: str, chunks: int | None, width: int, rows: int, shm_p2p: bool | None = None):
         import torch.distributed as dist
 
         rank = dist.get_rank()
@@ -95,7 +100,7 @@ class _Ours:
         copies = [full] + [copy.deepcopy(full) for _ in range(replicas - 1)]
         self.held = {key: copies[key[1]][key[0]] for key in self.schedule.placement.stages_of(rank)}
         self.inputs, self.targets = _data(width, rows)
-        self.executor = PipelineExecutor(self.schedule, self.held, rank=rank, loss_fn=_loss)
+        self.executor = PipelineExecutor(self.schedule, self.held, rank=rank, loss_fn=_loss, shm_p2p=shm_p2p)
 
     def step(self) -> torch.Tensor | None:
         return self.executor.step(self.inputs, self.targets)
@@ -159,6 +164,7 @@ def run_pair(pair: str, width: int, rows: int, steps: int, check: bool) -> dict:
 
     name, chunks, class_name, stages_per_rank = PAIRS[pair]
     ours, theirs = _Ours(name, chunks, width, rows), _Torch(class_name, stages_per_rank, width, rows)
+    ours_gloo = _Ours(name, chunks, width, rows, shm_p2p=False)
     result: dict = {}
     if check:
         _zero_grads(ours.held.values()), _zero_grads(theirs.modules.values())
@@ -174,10 +180,11 @@ def run_pair(pair: str, width: int, rows: int, steps: int, check: bool) -> dict:
         result["loss_torch"] = 0.0 if loss_theirs is None else float(loss_theirs.detach())
     else:
         ours.step(), theirs.step()  # warm-up: PyTorch infers shapes and builds buffers on its first step
-    timings: dict[str, list[float]] = {"ours": [], "torch": []}
-    sides = [("ours", ours), ("torch", theirs)]
+    ours_gloo.step()
+    timings: dict[str, list[float]] = {"ours": [], "ours_gloo": [], "torch": []}
+    sides = [("ours", ours), ("torch", theirs), ("ours_gloo", ours_gloo)]
     for k in range(steps):
-        for label, side in sides if k % 2 == 0 else sides[::-1]:
+        for label, side in sides[k % 3 :] + sides[: k % 3]:
             dist.barrier()
             start = time.perf_counter()
             side.step()
@@ -202,7 +209,7 @@ def main() -> None:
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
         raise SystemExit(f"unknown pair(s) {unknown}; choose from {', '.join(PAIRS)}")
-    times: dict[str, dict[str, list[float]]] = {p: {"ours": [], "torch": []} for p in pairs}
+    times: dict[str, dict[str, list[float]]] = {p: {"ours": [], "ours_gloo": [], "torch": []} for p in pairs}
     checks: dict[str, dict] = {}
     with LocalWorkers(PP, timeout=600) as workers:
         for round_index in range(rounds):
@@ -211,11 +218,12 @@ def main() -> None:
                 print(f"round {round_index + 1}/{rounds} {pair} done", file=sys.stderr, flush=True)
                 if round_index == 0:
                     checks[pair] = _merge_checks(per_rank)
-                for side in ("ours", "torch"):  # the slowest rank of each step
+                for side in ("ours", "ours_gloo", "torch"):  # the slowest rank of each step
                     times[pair][side] += [max(ts) for ts in zip(*(r["timings"][side] for r in per_rank))]
     rows_out = []
     for pair in pairs:
         ours_s, torch_s = statistics.median(times[pair]["ours"]), statistics.median(times[pair]["torch"])
+        gloo_s = statistics.median(times[pair]["ours_gloo"])
         name, chunks, class_name, _ = PAIRS[pair]
         rows_out.append(
             {
@@ -227,11 +235,14 @@ def main() -> None:
                 "ours_min_s": min(times[pair]["ours"]),
                 "torch_min_s": min(times[pair]["torch"]),
                 "speedup": torch_s / ours_s,
+                "ours_gloo_median_s": gloo_s,
+                "speedup_ours_over_gloo": torch_s / gloo_s,
                 "samples": len(times[pair]["ours"]),
                 **checks[pair],
             }
         )
     geomean = math.exp(statistics.mean(math.log(r["speedup"]) for r in rows_out))
+    geomean_gloo = math.exp(statistics.mean(math.log(r["speedup_ours_over_gloo"]) for r in rows_out))
     conditions = {
         "pp": PP,
         "microbatches": MICROBATCHES,
@@ -245,25 +256,36 @@ def main() -> None:
         "loadavg_at_end": os.getloadavg(),
         "machine": platform.processor() or platform.machine(),
         "note": "2 gloo ranks, 1 thread each, on a machine shared with other jobs: ratios, not absolute times",
+        "transports": "ours: shared-memory p2p (comm/shm_p2p.py); ours_gloo: our executor on gloo; torch: gloo",
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"conditions": conditions, "pairs": rows_out, "geomean_speedup": geomean}
+    payload = {
+        "conditions": conditions,
+        "pairs": rows_out,
+        "geomean_speedup": geomean,
+        "geomean_speedup_ours_over_gloo": geomean_gloo,
+    }
     out = RESULTS / ("vs_torch_pipelining_quick.json" if args.quick else "vs_torch_pipelining.json")
     out.write_text(json.dumps(payload, indent=2))
     if not args.quick:
-        _plot(rows_out, geomean, RESULTS / "vs_torch_pipelining.png")
+        _plot(rows_out, geomean, geomean_gloo, RESULTS / "vs_torch_pipelining.png")
     if args.json:
         print(json.dumps(payload, indent=2))
         return
     print(
-        f"\n{'ours':17s} {'torch.distributed.pipelining':30s} {'ours ms':>8s} {'torch ms':>9s} {'speedup':>8s} {'grad diff':>10s}"
+        f"\n{'ours':17s} {'torch.distributed.pipelining':30s} {'ours ms':>8s} {'torch ms':>9s} {'speedup':>8s}"
+        f" {'ours/gloo ms':>13s} {'speedup':>8s} {'grad diff':>10s}"
     )
     for r in rows_out:
         print(
             f"{r['ours']:17s} {r['torch']:30s} {r['ours_median_s'] * 1e3:8.1f} {r['torch_median_s'] * 1e3:9.1f} "
-            f"{r['speedup']:7.2f}x {r['grad_max_abs_diff']:10.1e}"
+            f"{r['speedup']:7.2f}x {r['ours_gloo_median_s'] * 1e3:13.1f} {r['speedup_ours_over_gloo']:7.2f}x"
+            f" {r['grad_max_abs_diff']:10.1e}"
         )
-    print(f"geomean speedup {geomean:.2f}x  (load average at the end: {conditions['loadavg_at_end'][0]:.1f})")
+    print(
+        f"geomean speedup {geomean:.2f}x (ours on gloo: {geomean_gloo:.2f}x)"
+        f"  (load average at the end: {conditions['loadavg_at_end'][0]:.1f})"
+    )
 
 
 def _merge_checks(per_rank: list[dict]) -> dict:
@@ -280,7 +302,7 @@ def _merge_checks(per_rank: list[dict]) -> dict:
     return merged
 
 
-def _plot(rows: list[dict], geomean: float, path: Path) -> None:
+def _plot(rows: list[dict], geomean: float, geomean_gloo: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,12 +310,21 @@ def _plot(rows: list[dict], geomean: float, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     names = [f"{r['ours']}\nvs {r['torch'].removeprefix('Schedule')}" for r in rows]
-    ax.bar(range(len(rows)), [r["speedup"] for r in rows], color="tab:blue")
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["speedup"] for r in rows], 0.4, color="tab:blue", label="ours (shm p2p)")
+    ax.bar(
+        [i + 0.2 for i in x],
+        [r["speedup_ours_over_gloo"] for r in rows],
+        0.4,
+        color="tab:gray",
+        label="ours on gloo",
+    )
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.axhline(geomean, color="tab:green", linestyle="--", label=f"geomean {geomean:.2f}x")
+    ax.axhline(geomean, color="tab:blue", linestyle="--", label=f"geomean {geomean:.2f}x")
+    ax.axhline(geomean_gloo, color="tab:gray", linestyle=":", label=f"geomean on gloo {geomean_gloo:.2f}x")
     ax.set_xticks(range(len(rows)), names, fontsize=8)
     ax.set_ylabel("PyTorch step time / shiftlm step time")
-    ax.set_title(f"pp={PP}, m={MICROBATCHES}, {LAYERS}-layer MLP, 2 gloo ranks (shared CPU)")
+    ax.set_title(f"pp={PP}, m={MICROBATCHES}, {LAYERS}-layer MLP, 2 CPU ranks; PyTorch on gloo")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

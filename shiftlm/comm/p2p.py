@@ -10,6 +10,8 @@ until the peer's receive runs. So every caller follows two rules, which make it 
   time) are started by one `exchange` call: on NCCL one `batch_isend_irecv` group, on gloo plain
   `isend` / `irecv` (gloo's sends never wait for the receive, and its `batch_isend_irecv` can hang).
 `tests/pipeline/test_p2p_posting_order.py` records what every caller posts and checks both rules.
+On a group with a shared-memory channel (`comm/shm_p2p.py`, ranks of one host, CPU tensors) the
+operations go through its rings instead, matched by posting order as on NCCL.
 While the collective ledger is on they return a `TrackedWork` (same `wait()`), whose wait records
 the exit time.
 """
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm import shm_p2p
 from shiftlm.comm.group import CommGroup, counters
 from shiftlm.comm.ledger import TrackedWork, ledger
 
@@ -34,7 +37,13 @@ def _post(ops: Sequence[Op], group: CommGroup) -> list[dist.Work | TrackedWork]:
         nbytes = tensor.numel() * tensor.element_size()
         counters.record(op, group, nbytes)
         records.append(ledger.enter(op, group, nbytes, peer=peer, tag=tag, async_op=True))
-    if len(ops) > 1 and dist.get_backend(group.pg) == "nccl":
+    local = shm_p2p.channel(group)
+    if local is not None and all(tensor.device.type == "cpu" for _, tensor, _, _ in ops):
+        works = [
+            local.isend(tensor, peer, tag) if op == "send" else local.irecv(tensor, peer, tag)
+            for op, tensor, peer, tag in ops
+        ]
+    elif len(ops) > 1 and dist.get_backend(group.pg) == "nccl":
         works = dist.batch_isend_irecv(
             [
                 dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer, group.pg, tag)

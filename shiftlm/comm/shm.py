@@ -130,7 +130,24 @@ def enable(
     if group.ranks in _channels:
         return _channels[group.ranks]
     module = kernels if kernels is not None and hasattr(kernels, "shm_all_reduce") else None
-    here = (_host_id(), module is not None and os.access(SHM_DIR, os.W_OK))
+    made = open_collectively(
+        group,
+        module is not None,
+        lambda path, create: ShmChannel(group, path, module, policy or WaitPolicy(), capacity, create=create),
+        "shared-memory collectives",
+    )
+    if made is not None:
+        _channels[group.ranks] = made
+    return made
+
+
+def open_collectively(group: CommGroup, usable: bool, opener, what: str):
+    """Collectively over `group.pg`: a segment in /dev/shm that every rank maps, made by
+    `opener(path, create)` (rank 0 creates the file, then the others map it), or None on every rank
+    where one cannot be made (ranks on several hosts, `usable` false anywhere, no /dev/shm, an error
+    while creating or mapping it: logged once, `what` names the feature). The file is unlinked once
+    every rank has mapped it, so nothing stays in /dev/shm."""
+    here = (_host_id(), usable and os.access(SHM_DIR, os.W_OK))
     everyone: list = [None] * group.size
     dist.all_gather_object(everyone, here, group=group.pg)
     usable = all(entry == everyone[0] for entry in everyone) and everyone[0][1]
@@ -139,12 +156,12 @@ def enable(
     if not name[0]:
         return None
     path = SHM_DIR / name[0]
-    made: ShmChannel | None = None
+    made = None
     for creator in (True, False):  # rank 0 makes the file, then the others map it; all agree on errors
         error = ""
         if (group.rank == 0) == creator:
             try:
-                made = ShmChannel(group, path, module, policy or WaitPolicy(), capacity, create=creator)
+                made = opener(path, creator)
             except (OSError, RuntimeError) as err:  # e.g. /dev/shm full: every rank falls back together
                 error = f"{type(err).__name__}: {err}"
         errors: list = [None] * group.size
@@ -155,9 +172,8 @@ def enable(
     if group.rank == 0:
         path.unlink(missing_ok=True)  # every rank has mapped it (or gave up): nothing stays in /dev/shm
     if failed:
-        log.warning("shared-memory collectives for %s not available (%s); using gloo", group, failed[0])
+        log.warning("%s for %s not available (%s); using gloo", what, group, failed[0])
         return None
-    _channels[group.ranks] = made
     return made
 
 

@@ -68,9 +68,13 @@ class PipelineExecutor(PairMessaging):
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
         on_stage_grads_ready: Callable[[tuple[int, int]], None] | None = None,
         device: torch.device | str | None = None,
+        shm_p2p: bool | None = None,
     ):
         """`device`: where received activations, gradients and shape headers are allocated (the
-        stages' device; NCCL moves CUDA tensors only); None is torch's default device."""
+        stages' device; NCCL moves CUDA tensors only); None is torch's default device.
+        `shm_p2p`: send the pipeline's messages through shared memory (`comm/shm_p2p.py`) where every
+        pp rank is on this host; None (default) does so for CPU stages on gloo. With it on, the
+        constructor is collective over the pp group (every pp rank constructs its executor)."""
         self.device = device
         self.schedule = lower(schedule)
         self.rank = rank
@@ -113,6 +117,7 @@ class PipelineExecutor(PairMessaging):
         self._params_of = {
             key: [p for p in module.parameters() if p.requires_grad] for key, module in self.modules.items()
         }
+        self._shm = shared_memory_p2p(self.group, device, shm_p2p)
 
     @property
     def synced_stages(self) -> list[tuple[int, int]]:
@@ -143,11 +148,13 @@ class PipelineExecutor(PairMessaging):
         self._cursor = dict.fromkeys(self._pair_ops, 0)
         for peer in self._pair_ops:
             self._advance(peer)
-        ready = self.on_stage_grads_ready
+        ready, shm = self.on_stage_grads_ready, self._shm
         for run, action, ready_key in self._program:
             run(action)
             if ready_key is not None and ready is not None:
                 ready(ready_key)
+            if shm is not None and shm.pending:  # move what waits (a send larger than the ring's room)
+                shm.poll()
         for peer, operations in self._pair_ops.items():  # what is left: gradient sums to receive
             if self._cursor[peer] < len(operations):
                 self._advance(peer, through=operations[-1][1])
@@ -304,9 +311,29 @@ class PipelineExecutor(PairMessaging):
 
 
 def _as_comm_group(group: CommGroup | dist.ProcessGroup | None, pp_ranks: Sequence[int]) -> CommGroup:
-    """The pipeline's peers as a named `CommGroup` (a bare ProcessGroup or None is wrapped)."""
+    """The pipeline's peers as a named `CommGroup` (a bare ProcessGroup or None is wrapped; None is
+    the default group, which must then be the pp ranks' when there are several)."""
     if isinstance(group, CommGroup):
         return group
-    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else pp_ranks[0]
+    initialized = dist.is_available() and dist.is_initialized()
+    me = dist.get_rank() if initialized else pp_ranks[0]
     ranks = tuple(sorted(pp_ranks)) if me in pp_ranks else (me,)
+    if group is None and initialized and len(ranks) > 1 and dist.get_world_size() == len(ranks):
+        group = dist.group.WORLD
     return CommGroup("pp", ranks, group, me)
+
+
+def shared_memory_p2p(group: CommGroup, device, wanted: bool | None):
+    """The pp group's shared-memory p2p channel (collective), or None: off, one rank, not CPU/gloo."""
+    if wanted is False or group.size == 1 or group.pg is None:
+        return None
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if wanted is None and not (on_cpu and dist.get_backend(group.pg) == "gloo"):
+        return None
+    from shiftlm.comm import shm_p2p
+    from shiftlm.model import cpu_kernels
+
+    made = shm_p2p.enable(group, cpu_kernels.load())
+    if made is None and wanted:
+        raise RuntimeError(f"shm_p2p=True but no shared-memory channel could be made for {group}")
+    return made

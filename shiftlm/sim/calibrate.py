@@ -18,10 +18,11 @@ processes share the cores' caches and memory bus, so a rank's matmul is slower t
 - gloo all-reduce time by message size (the median of repeats, robust to a preempted run), fitted to
   the alpha-beta model `t = 2 alpha + bytes / bandwidth` that `collectives.all_reduce_time` uses for 2
   ranks, on relative error so small messages set alpha.
-- gloo send/recv by message size (ping-pong, half the round trip), fitted to `t = alpha + bytes / bw`:
-  gloo's p2p is a rendezvous (data moves once the receive is posted), with its own latency, which
-  `extra["p2p_latency"]`, `extra["p2p_bandwidth"]` carry; and the process CPU time per byte at each
-  end of a transfer, `extra["p2p_cpu_per_byte"]` (gloo copies through the cores that compute).
+- send/recv by message size (ping-pong, half the round trip) through the pipeline executor's transport
+  (`comm/shm_p2p.py`'s shared-memory rings between local ranks where they can be made, else gloo's
+  rendezvous), fitted to `t = alpha + bytes / bw`: `extra["p2p_latency"]`, `extra["p2p_bandwidth"]`;
+  and the process CPU time per byte at each end of a transfer, `extra["p2p_cpu_per_byte"]` (either
+  transport copies through the cores that compute); `extra["p2p_shared_memory"]` is 1 for shm.
 - The pipeline hand-off latency while the sender computes, `extra["handoff_latency"]` (`time_handoff`),
   which `collectives.p2p_links` gives pipeline sends.
 - The fixed CPU cost of one eager op (dispatch, a 1-element add): `extra["op_overhead"]`, the
@@ -114,7 +115,8 @@ def time_compute() -> dict[str, object]:
     passes = {
         (role, m, k, n): _gemm_pass(role, m, *layers[k, n]) for role in GEMM_ROLES for m, k, n in GEMM_SHAPES
     } | {
-        (INFERENCE_ROLE, m, k, n): _gemm_pass(INFERENCE_ROLE, m, *layers[k, n]) for m, k, n in INFERENCE_SHAPES
+        (INFERENCE_ROLE, m, k, n): _gemm_pass(INFERENCE_ROLE, m, *layers[k, n])
+        for m, k, n in INFERENCE_SHAPES
     }
     spent = dict.fromkeys(passes, 0.0)
     runs = dict.fromkeys(passes, 0)
@@ -164,13 +166,29 @@ def time_all_reduce(sizes: list[int], repeats: int = 7) -> list[float]:
     return times
 
 
-def time_send_recv(sizes: list[int], repeats: int = 7) -> dict[str, list[float]]:
+def _pipeline_group():
+    """The 2 ranks as the pipeline executor sees them: a `CommGroup` whose point-to-point goes through
+    shared memory where the executor's would (`comm/shm_p2p.py`), and the transport's name."""
+    import torch.distributed as dist
+
+    from shiftlm.comm import CommGroup
+    from shiftlm.pipeline.executor import shared_memory_p2p
+
+    group = CommGroup("pp", tuple(range(dist.get_world_size())), dist.group.WORLD, dist.get_rank())
+    return group, ("shm" if shared_memory_p2p(group, None, None) is not None else "gloo")
+
+
+def time_send_recv(sizes: list[int], repeats: int = 7) -> dict:
     """Runs on 2 ranks: per message size, the median one-way send time (half a ping-pong round trip)
     and the CPU time the whole process (gloo's threads included) spends per one-way message: on this
-    host a transfer is copied by the cores that also compute, so it takes time from them."""
+    host a transfer is copied by the cores that also compute, so it takes time from them. Through the
+    transport the pipeline executor uses (shared memory between local ranks, else gloo)."""
     import torch
     import torch.distributed as dist
 
+    from shiftlm.comm import irecv, isend
+
+    group, transport = _pipeline_group()
     rank, wall, cpu = dist.get_rank(), [], []
     peer = 1 - rank
     for nbytes in sizes:
@@ -178,9 +196,9 @@ def time_send_recv(sizes: list[int], repeats: int = 7) -> dict[str, list[float]]
 
         def ping_pong(tensor: torch.Tensor = tensor) -> None:
             if rank == 0:
-                dist.send(tensor, peer), dist.recv(tensor, peer)
+                isend(tensor, peer, group).wait(), irecv(tensor, peer, group).wait()
             else:
-                dist.recv(tensor, peer), dist.send(tensor, peer)
+                irecv(tensor, peer, group).wait(), isend(tensor, peer, group).wait()
 
         dist.barrier()
         ping_pong()  # warm up
@@ -191,18 +209,22 @@ def time_send_recv(sizes: list[int], repeats: int = 7) -> dict[str, list[float]]
             samples.append((time.perf_counter() - start) / 2)
         wall.append(statistics.median(samples))
         cpu.append((time.process_time() - cpu_start) / (2 * repeats))
-    return {"wall": wall, "cpu": cpu}
+    return {"wall": wall, "cpu": cpu, "transport": transport}
 
 
 def time_handoff(samples: int = HANDOFF_SAMPLES) -> list[float]:
     """Runs on 2 ranks: seconds from rank 0 posting a pipeline hand-off (the executor's header, then
     a HANDOFF_BYTES activation) to rank 1, which waits for it, holding it; rank 0 computes before and
-    after the send, as a pipeline stage does. Returns rank 1's delays (rank 0 returns []). On this
-    host the delay is bimodal: ~0.6 ms when the sender's gloo thread gets a core at once, ~3-6 ms
-    (a scheduler time slice) when it queues behind the computing thread, so the mean is taken."""
+    after the send, as a pipeline stage does. Returns rank 1's delays (rank 0 returns []). Over gloo
+    the delay is bimodal on this host: ~0.6 ms when the sender's gloo thread gets a core at once,
+    ~3-6 ms (a scheduler time slice) when it queues behind the computing thread, so the mean is taken.
+    Through the executor's transport (shared memory between local ranks, else gloo)."""
     import torch
     import torch.distributed as dist
 
+    from shiftlm.comm import irecv, isend
+
+    group, _ = _pipeline_group()
     rank = dist.get_rank()
     x, w = torch.randn(128, 1024), torch.randn(1024, 1024)
 
@@ -214,21 +236,22 @@ def time_handoff(samples: int = HANDOFF_SAMPLES) -> list[float]:
     delays = []
     for sample in range(samples):
         header, data = torch.zeros(10, dtype=torch.int64), torch.zeros(HANDOFF_BYTES // 4)
-        tags = (2 * sample, 2 * sample + 1)
+        sent = torch.zeros(1, dtype=torch.float64)
+        tags = (3 * sample, 3 * sample + 1, 3 * sample + 2)
         dist.barrier()
         if rank == 0:
             compute(0.002)
-            sent = torch.tensor([time.time()], dtype=torch.float64)
-            works = [dist.isend(header, 1, tag=tags[0]), dist.isend(data, 1, tag=tags[1])]
+            sent.fill_(time.time())
+            works = [isend(header, 1, group, tag=tags[0]), isend(data, 1, group, tag=tags[1])]
             compute(0.006)
             for work in works:
                 work.wait()
-            dist.send(sent, 1, tag=10**6 + sample)
+            isend(sent, 1, group, tag=tags[2]).wait()
         elif rank == 1:
-            dist.irecv(header, 0, tag=tags[0]).wait()
-            dist.irecv(data, 0, tag=tags[1]).wait()
-            landed, sent = time.time(), torch.zeros(1, dtype=torch.float64)
-            dist.recv(sent, 0, tag=10**6 + sample)
+            irecv(header, 0, group, tag=tags[0]).wait()
+            irecv(data, 0, group, tag=tags[1]).wait()
+            landed = time.time()
+            irecv(sent, 0, group, tag=tags[2]).wait()
             delays.append(landed - float(sent))
     return delays
 
@@ -253,10 +276,10 @@ def fit_alpha_beta(sizes: list[int], times: list[float], latency_steps: int = 2)
 
 
 def _fit_and_log(
-    name: str, times: list[float], steps: int, log: Callable[[str], None]
+    name: str, times: list[float], steps: int, log: Callable[[str], None], transport: str = "gloo"
 ) -> tuple[float, float]:
     for nbytes, seconds in zip(MESSAGE_BYTES, times):
-        log(f"calibrate: gloo {name} 2 ranks {nbytes / 1024:8.0f} KiB: {seconds * 1e6:9.1f} us")
+        log(f"calibrate: {transport} {name} 2 ranks {nbytes / 1024:8.0f} KiB: {seconds * 1e6:9.1f} us")
     latency, bandwidth = fit_alpha_beta(MESSAGE_BYTES, times, steps)
     log(
         f"calibrate: {name} fit: latency {latency * 1e6:.1f} us per step, bandwidth {bandwidth / 1e9:.2f} GB/s"
@@ -299,7 +322,8 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
     log(f"calibrate: memory copy, 2 ranks at once: {memory_bandwidth / 1e9:.1f} GB/s per rank")
     log(f"calibrate: eager op overhead: {op_overhead * 1e6:.1f} us")
     latency, bandwidth = _fit_and_log("all-reduce", all_reduce, 2, log)
-    p2p_latency, p2p_bandwidth = _fit_and_log("send/recv", send, 1, log)
+    transport = send_runs[0]["transport"]
+    p2p_latency, p2p_bandwidth = _fit_and_log("send/recv", send, 1, log, transport)
     log(f"calibrate: send/recv CPU per endpoint: {cpu_per_byte * 2**20 * 1e3:.2f} ms per MiB")
     handoff = statistics.fmean(handoffs)
     handoff_latency = max(handoff - HANDOFF_BYTES / p2p_bandwidth, p2p_latency)
@@ -327,6 +351,7 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
             "op_overhead": op_overhead,
             "p2p_cpu_per_byte": cpu_per_byte,
             "handoff_latency": handoff_latency,
+            "p2p_shared_memory": float(transport == "shm"),
         },
         gemm_table=table,
     )

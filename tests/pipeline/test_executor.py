@@ -57,7 +57,11 @@ def _max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
 
-def run_schedule(name: str, pp: int, microbatches: int, chunks: int | None = None):
+def run_schedule(
+    name: str, pp: int, microbatches: int, chunks: int | None = None, transport: str = "default"
+):
+    """`transport`: "default" (shared memory where it can be made), "gloo" (`shm_p2p=False`), or
+    "shm-only" (shared memory required, and gloo's point-to-point made to raise during the steps)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -66,14 +70,27 @@ def run_schedule(name: str, pp: int, microbatches: int, chunks: int | None = Non
     held = {key: copy.deepcopy(full[key[0]]) for key in schedule.placement.stages_of(rank)}
     inputs, targets = _data(full, microbatches)
     executor = PipelineExecutor(
-        schedule, held, rank=rank, pp_group=None, pp_ranks=list(range(pp)), loss_fn=_loss_fn(microbatches)
+        schedule,
+        held,
+        rank=rank,
+        pp_group=None,
+        pp_ranks=list(range(pp)),
+        loss_fn=_loss_fn(microbatches),
+        shm_p2p={"default": None, "gloo": False, "shm-only": True}[transport],
     )
-    # a first step on other data (activation shapes travel in headers), then the checked one (no headers:
-    # receives posted ahead with the shapes learned on the first step)
-    executor.step(*_data(full, microbatches, seed=7))
-    for module in held.values():
-        module.zero_grad(set_to_none=True)
-    loss = executor.step(inputs, targets)
+    assert (executor._shm is None) == (transport == "gloo")
+    saved = dist.isend, dist.irecv
+    if transport == "shm-only":
+        dist.isend = dist.irecv = lambda *a, **k: (_ for _ in ()).throw(AssertionError("gloo p2p"))
+    try:
+        # a first step on other data (activation shapes travel in headers), then the checked one (no
+        # headers: receives posted ahead with the shapes learned on the first step)
+        executor.step(*_data(full, microbatches, seed=7))
+        for module in held.values():
+            module.zero_grad(set_to_none=True)
+        loss = executor.step(inputs, targets)
+    finally:
+        dist.isend, dist.irecv = saved
     reference_loss = _reference(full, inputs, targets)
     errors = [
         _max_relative_error(mine.grad, want.grad)
@@ -94,6 +111,14 @@ def _check(results):
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_two_rank_pipeline_matches_one_rank(ranks, name):
     _check(ranks.run(2, run_schedule, name, 2, 4))
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm-only"])
+@pytest.mark.parametrize("name", ["1f1b", "zb_v", "bitpipe"])
+def test_pipeline_messages_through_either_transport(ranks, name, transport):
+    """The shared-memory rings carry every message of a step (gloo's p2p raises) and gloo alone still
+    works: both give the one-rank loss and gradients."""
+    _check(ranks.run(2, run_schedule, name, 2, 4, None, transport))
 
 
 @pytest.mark.parametrize(

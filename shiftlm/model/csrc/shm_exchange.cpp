@@ -29,6 +29,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -199,9 +200,160 @@ int64_t shm_gather(const torch::Tensor& seg, int64_t rank, int64_t world, int64_
   return gen;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Point-to-point rings (shiftlm/comm/shm_p2p.py): one single-producer, single-consumer byte ring per
+// ordered pair of ranks that talk, and one doorbell per rank. A ring's header holds `head` (bytes ever
+// written, by the sender only) and `tail` (bytes ever read, by the receiver only), each on its own cache
+// line; the data area of `capacity` bytes follows. `ring_put` / `ring_get` never block: they move what
+// fits now and return the byte count, then ring the other side's doorbell (a counter and futex word in
+// that rank's 64-byte header: the ring's receiver after a put, its sender after a get), waking it only
+// when it sleeps. Message framing, matching and progress live in Python; a waiting rank reads its
+// doorbell, makes what progress it can, and sleeps with `doorbell_wait` until the value moves.
+
+namespace {
+
+struct alignas(64) Doorbell {
+  int32_t bell;     // futex word: bumped by a peer after it put data for us or took data we put
+  int32_t waiters;  // this rank sleeps on it (the peer wakes only then)
+  int64_t pid;      // this rank's process id
+};
+
+struct RingHeader {
+  alignas(64) int64_t head;
+  alignas(64) int64_t tail;
+};
+
+constexpr int64_t kRingHeaderBytes = 128;
+
+char* seg_base(const torch::Tensor& seg) {
+  TORCH_CHECK(seg.is_contiguous() && seg.scalar_type() == at::kByte, "shm p2p: a contiguous uint8 segment");
+  return reinterpret_cast<char*>(seg.data_ptr<uint8_t>());
+}
+
+Doorbell* doorbell_of(char* base, int64_t rank) { return reinterpret_cast<Doorbell*>(base + rank * 64); }
+
+void ring_bell(Doorbell* d) {
+  __atomic_add_fetch(&d->bell, 1, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&d->waiters, __ATOMIC_SEQ_CST) > 0) {
+    syscall(SYS_futex, &d->bell, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+}
+
+char* byte_ptr(const torch::Tensor& t, int64_t offset, int64_t nbytes) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "shm p2p: a contiguous CPU tensor");
+  TORCH_CHECK(offset >= 0 && offset + nbytes <= t.numel() * t.element_size(), "shm p2p: bytes out of range");
+  return nbytes == 0 ? nullptr : reinterpret_cast<char*>(t.data_ptr()) + offset;
+}
+
+}  // namespace
+
+void p2p_init(const torch::Tensor& seg, int64_t rank) {
+  Doorbell* d = doorbell_of(seg_base(seg), rank);
+  __atomic_store_n(&d->pid, static_cast<int64_t>(getpid()), __ATOMIC_RELEASE);
+}
+
+// Copy up to `nbytes` of `src` (from byte `offset`) into the ring at `ring` (byte offset in the segment);
+// returns how many fit now, and rings `bell_rank`'s doorbell if any did.
+int64_t ring_put(const torch::Tensor& seg, int64_t ring, int64_t capacity, const torch::Tensor& src, int64_t offset,
+                 int64_t nbytes, int64_t bell_rank) {
+  char* base = seg_base(seg);
+  auto* h = reinterpret_cast<RingHeader*>(base + ring);
+  char* data = base + ring + kRingHeaderBytes;
+  const int64_t head = h->head;  // only this side writes it
+  const int64_t tail = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
+  const int64_t n = std::min(nbytes, capacity - (head - tail));
+  if (n <= 0) return 0;
+  const char* from = byte_ptr(src, offset, n);
+  const int64_t at = head % capacity, first = std::min(n, capacity - at);
+  std::memcpy(data + at, from, first);
+  if (n > first) std::memcpy(data, from + first, n - first);
+  __atomic_store_n(&h->head, head + n, __ATOMIC_RELEASE);
+  ring_bell(doorbell_of(base, bell_rank));
+  return n;
+}
+
+// Copy up to `nbytes` out of the ring into `dst` (from byte `offset`); returns how many were there, and
+// rings `bell_rank`'s doorbell (the sender's: space was freed) if any were.
+int64_t ring_get(const torch::Tensor& seg, int64_t ring, int64_t capacity, const torch::Tensor& dst, int64_t offset,
+                 int64_t nbytes, int64_t bell_rank) {
+  char* base = seg_base(seg);
+  auto* h = reinterpret_cast<RingHeader*>(base + ring);
+  const char* data = base + ring + kRingHeaderBytes;
+  const int64_t tail = h->tail;  // only this side writes it
+  const int64_t head = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
+  const int64_t n = std::min(nbytes, head - tail);
+  if (n <= 0) return 0;
+  char* to = byte_ptr(dst, offset, n);
+  const int64_t at = tail % capacity, first = std::min(n, capacity - at);
+  std::memcpy(to, data + at, first);
+  if (n > first) std::memcpy(to + first, data, n - first);
+  __atomic_store_n(&h->tail, tail + n, __ATOMIC_RELEASE);
+  ring_bell(doorbell_of(base, bell_rank));
+  return n;
+}
+
+// Bytes waiting in the ring (written, not yet read).
+int64_t ring_pending(const torch::Tensor& seg, int64_t ring) {
+  auto* h = reinterpret_cast<RingHeader*>(seg_base(seg) + ring);
+  return __atomic_load_n(&h->head, __ATOMIC_ACQUIRE) - __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
+}
+
+int64_t doorbell_read(const torch::Tensor& seg, int64_t rank) {
+  return __atomic_load_n(&doorbell_of(seg_base(seg), rank)->bell, __ATOMIC_ACQUIRE);
+}
+
+// Wait until this rank's doorbell differs from `seen` (spin, then yield, then sleep on its futex); every
+// 10 ms of sleep, check that the ranks in `peers` live and the deadline (`timeout_s` > 0, counted from
+// `started_s` ago). Returns the doorbell's new value.
+int64_t doorbell_wait(const torch::Tensor& seg, int64_t rank, int64_t seen, std::vector<int64_t> peers,
+                      double waited_s, double spin_s, double yield_s, double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  char* base = seg_base(seg);
+  Doorbell* d = doorbell_of(base, rank);
+  const auto start = clock::now();
+  int64_t polls = 0;
+  for (;;) {
+    const int32_t now = __atomic_load_n(&d->bell, __ATOMIC_ACQUIRE);
+    if (now != static_cast<int32_t>(seen)) return now;
+    if ((++polls & 31) != 0) {
+      cpu_relax();
+      continue;
+    }
+    const double waited = waited_s + std::chrono::duration<double>(clock::now() - start).count();
+    if (waited < spin_s) {
+      cpu_relax();
+    } else if (waited < yield_s) {
+      sched_yield();
+    } else {
+      for (int64_t peer : peers) {
+        const int64_t pid = __atomic_load_n(&doorbell_of(base, peer)->pid, __ATOMIC_ACQUIRE);
+        if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+          throw std::runtime_error("shm p2p: local rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+                                   ") exited");
+        }
+      }
+      if (timeout_s > 0 && waited > timeout_s) {
+        throw std::runtime_error("shm p2p: no message from local ranks within " + std::to_string(timeout_s) + " s");
+      }
+      __atomic_add_fetch(&d->waiters, 1, __ATOMIC_SEQ_CST);
+      if (__atomic_load_n(&d->bell, __ATOMIC_SEQ_CST) == static_cast<int32_t>(seen)) {
+        timespec nap{0, 10 * 1000 * 1000};
+        syscall(SYS_futex, &d->bell, FUTEX_WAIT, static_cast<int32_t>(seen), &nap, nullptr, 0);
+      }
+      __atomic_sub_fetch(&d->waiters, 1, __ATOMIC_SEQ_CST);
+    }
+  }
+}
+
 void register_shm(pybind11::module& m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("shm_init", &shm_init, "publish this rank's pid and generation 0 in a shm segment", release());
   m.def("shm_all_reduce", &shm_all_reduce, "in-place sum over the local ranks of a shm segment", release());
   m.def("shm_gather", &shm_gather, "gather / broadcast through a shm segment", release());
+  m.def("p2p_init", &p2p_init, "publish this rank's pid in a shm p2p segment", release());
+  m.def("ring_put", &ring_put, "copy what fits into a shm p2p ring (never blocks)", release());
+  m.def("ring_get", &ring_get, "copy what is there out of a shm p2p ring (never blocks)", release());
+  m.def("ring_pending", &ring_pending, "bytes waiting in a shm p2p ring", release());
+  m.def("doorbell_read", &doorbell_read, "a rank's shm p2p doorbell", release());
+  m.def("doorbell_wait", &doorbell_wait, "sleep until a rank's shm p2p doorbell moves", release());
 }
