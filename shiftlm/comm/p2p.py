@@ -30,14 +30,18 @@ from shiftlm.comm.ledger import TrackedWork, ledger
 Op = tuple[str, torch.Tensor, int, int]  # ("send" | "recv", tensor, global peer rank, tag)
 
 
-def _post(ops: Sequence[Op], group: CommGroup) -> list[dist.Work | TrackedWork]:
-    """Start `ops` together (one NCCL group when there are several on NCCL); one handle each."""
+def _post(ops: Sequence[Op], group: CommGroup, shm: bool | None = None) -> list[dist.Work | TrackedWork]:
+    """Start `ops` together (one NCCL group when there are several on NCCL); one handle each.
+    `shm`: None uses the group's shared-memory channel for CPU tensors where one was enabled, False
+    never does (gloo / NCCL), True requires it."""
     records = []
     for op, tensor, peer, tag in ops:
         nbytes = tensor.numel() * tensor.element_size()
         counters.record(op, group, nbytes)
         records.append(ledger.enter(op, group, nbytes, peer=peer, tag=tag, async_op=True))
-    local = shm_p2p.channel(group)
+    local = None if shm is False else shm_p2p.channel(group)
+    if shm and local is None:
+        raise RuntimeError(f"no shared-memory point-to-point channel was enabled for {group}")
     if local is not None and all(tensor.device.type == "cpu" for _, tensor, _, _ in ops):
         works = [
             local.isend(tensor, peer, tag) if op == "send" else local.irecv(tensor, peer, tag)
@@ -63,14 +67,19 @@ def _post(ops: Sequence[Op], group: CommGroup) -> list[dist.Work | TrackedWork]:
     ]
 
 
-def isend(tensor: torch.Tensor, dst: int, group: CommGroup, tag: int = 0) -> dist.Work | TrackedWork:
-    """Start sending `tensor` to global rank `dst`; wait on the returned handle before reusing it."""
-    return _post([("send", tensor.contiguous(), dst, tag)], group)[0]
+def isend(
+    tensor: torch.Tensor, dst: int, group: CommGroup, tag: int = 0, shm: bool | None = None
+) -> dist.Work | TrackedWork:
+    """Start sending `tensor` to global rank `dst`; wait on the returned handle before reusing it.
+    `shm`: the transport (see `_post`)."""
+    return _post([("send", tensor.contiguous(), dst, tag)], group, shm)[0]
 
 
-def irecv(tensor: torch.Tensor, src: int, group: CommGroup, tag: int = 0) -> dist.Work | TrackedWork:
+def irecv(
+    tensor: torch.Tensor, src: int, group: CommGroup, tag: int = 0, shm: bool | None = None
+) -> dist.Work | TrackedWork:
     """Start receiving into `tensor` from global rank `src`."""
-    return _post([("recv", tensor, src, tag)], group)[0]
+    return _post([("recv", tensor, src, tag)], group, shm)[0]
 
 
 def exchange(

@@ -40,7 +40,7 @@ class PairMessaging:
         return ((kind * 2 + replica) * s.num_stages + stage) * (s.microbatches + 1) + microbatch
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
-        self._sends.append((isend(tensor, peer, self.group, tag=tag), tensor))
+        self._sends.append((isend(tensor, peer, self.group, tag=tag, shm=self._shm is not None), tensor))
 
     def _irecv(
         self, shape: Sequence[int], dtype: torch.dtype, peer: int, tag: int, keep: tuple | None = None
@@ -53,7 +53,7 @@ class PairMessaging:
             buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
             if keep is not None:
                 self._buffers[keep] = buffer
-        return irecv(buffer, peer, self.group, tag=tag), buffer
+        return irecv(buffer, peer, self.group, tag=tag, shm=self._shm is not None), buffer
 
     def _advance(self, peer: int, through: Message | None = None) -> None:
         """Post, in the pair's order, the receives from pipeline rank `peer` that come next: as many as
@@ -85,7 +85,8 @@ class PairMessaging:
                 numel, dtype = sum(p.numel() for p in params), params[0].dtype
                 buffer = self._sync_buffers[mine] = torch.empty(numel, dtype=dtype, device=self.device)
             tag = self._tag(3, message.stage, 0, message.replica)
-            self._sync_recvs.append((mine, irecv(buffer, peer, self.group, tag=tag), buffer))
+            work = irecv(buffer, peer, self.group, tag=tag, shm=self._shm is not None)
+            self._sync_recvs.append((mine, work, buffer))
             return True
         if message.kind == "grad":
             if key not in self._out_shapes:

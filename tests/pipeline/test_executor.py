@@ -79,9 +79,14 @@ def run_schedule(
         shm_p2p={"default": None, "gloo": False, "shm-only": True}[transport],
     )
     assert (executor._shm is None) == (transport == "gloo")
-    saved = dist.isend, dist.irecv
+    from shiftlm.comm.shm_p2p import P2PChannel
+
+    saved = dist.isend, dist.irecv, P2PChannel.isend, P2PChannel.irecv
+    forbid = lambda *a, **k: (_ for _ in ()).throw(AssertionError(f"{transport}: the other transport"))  # noqa: E731
     if transport == "shm-only":
-        dist.isend = dist.irecv = lambda *a, **k: (_ for _ in ()).throw(AssertionError("gloo p2p"))
+        dist.isend = dist.irecv = forbid
+    elif transport == "gloo":  # a channel another test enabled on these ranks must not be used either
+        P2PChannel.isend = P2PChannel.irecv = forbid
     try:
         # a first step on other data (activation shapes travel in headers), then the checked one (no
         # headers: receives posted ahead with the shapes learned on the first step)
@@ -90,7 +95,7 @@ def run_schedule(
             module.zero_grad(set_to_none=True)
         loss = executor.step(inputs, targets)
     finally:
-        dist.isend, dist.irecv = saved
+        dist.isend, dist.irecv, P2PChannel.isend, P2PChannel.irecv = saved
     reference_loss = _reference(full, inputs, targets)
     errors = [
         _max_relative_error(mine.grad, want.grad)
@@ -117,7 +122,9 @@ def test_two_rank_pipeline_matches_one_rank(ranks, name):
 @pytest.mark.parametrize("name", ["1f1b", "zb_v", "bitpipe"])
 def test_pipeline_messages_through_either_transport(ranks, name, transport):
     """The shared-memory rings carry every message of a step (gloo's p2p raises) and gloo alone still
-    works: both give the one-rank loss and gradients."""
+    works (the rings raise, even where another executor enabled them on these ranks): both give the
+    one-rank loss and gradients."""
+    _check(ranks.run(2, run_schedule, name, 2, 4, None, "default"))
     _check(ranks.run(2, run_schedule, name, 2, 4, None, transport))
 
 
