@@ -18,7 +18,8 @@ rank posts for a peer takes the k-th message that peer sent it, and a header tha
 `comm/p2p.py`). Sends never block: what does not fit in the ring waits in the sender's queue and is
 written whenever the sender waits for anything (or calls `poll()`), so two ranks sending each other
 large messages cannot deadlock. A rank that exits is named by its waiting peers (its pid is in the
-segment); one that hangs raises after `WaitPolicy.timeout_s`.
+segment); one that hangs raises after the process group's timeout (what a gloo receive would wait;
+`SHIFTLM_SHM_P2P_TIMEOUT` overrides it).
 
 `enable(group, kernels)` (collective over the group) makes the channel where every rank is on this
 host and the C++ side builds; `comm.p2p.isend` / `irecv` / `exchange` of CPU tensors on that group
@@ -61,7 +62,7 @@ class _Op:
             tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
         )
         self.nbytes, self.peer, self.tag = self.bytes.numel(), peer, tag
-        self.header = torch.tensor([tag, self.nbytes], dtype=torch.int64)
+        self.header = torch.tensor([tag, self.nbytes], dtype=torch.int64, device="cpu")
         self.done = -_HEADER_BYTES  # bytes moved, counting from the payload's start (the header first)
         self.complete = False
 
@@ -156,7 +157,7 @@ class P2PChannel:
             op = queue[0]
             if op.done < 0:
                 if op.done == -_HEADER_BYTES:
-                    op.header = torch.empty(2, dtype=torch.int64)  # what the sender says it sent
+                    op.header = torch.empty(2, dtype=torch.int64, device="cpu")  # what the sender sent
                 n = get(seg, ring, cap, op.header, _HEADER_BYTES + op.done, -op.done, peer)
                 op.done += n
                 moved |= n > 0
@@ -228,7 +229,7 @@ def enable(group: CommGroup, kernels, policy: WaitPolicy | None = None) -> P2PCh
         return _channels[key]
     module = kernels if kernels is not None and hasattr(kernels, "ring_put") else None
     usable = module is not None and os.environ.get("SHIFTLM_SHM_P2P", "1") != "0"
-    policy = policy or WaitPolicy(timeout_s=float(os.environ.get("SHIFTLM_SHM_P2P_TIMEOUT", "600")))
+    policy = policy or WaitPolicy(timeout_s=_timeout_s(group))
     capacity = ring_capacity(group.size)
     made = open_collectively(
         group,
@@ -239,6 +240,17 @@ def enable(group: CommGroup, kernels, policy: WaitPolicy | None = None) -> P2PCh
     if made is not None:
         _channels[key] = made
     return made
+
+
+def _timeout_s(group: CommGroup) -> float:
+    """How long a receive waits for a live peer: `SHIFTLM_SHM_P2P_TIMEOUT` (seconds), else the process
+    group's own timeout (what a gloo receive would wait), else 600 s."""
+    if "SHIFTLM_SHM_P2P_TIMEOUT" in os.environ:
+        return float(os.environ["SHIFTLM_SHM_P2P_TIMEOUT"])
+    try:  # a private accessor of torch's: only the default depends on it
+        return group.pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:
+        return 600.0
 
 
 def disable_all() -> None:
