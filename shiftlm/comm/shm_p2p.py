@@ -127,18 +127,31 @@ class P2PChannel:
 
     def _push(self, peer: int) -> bool:
         """Write what fits of the queued sends to `peer`; True if any byte moved."""
-        queue, ring, moved = self.sends[peer], self.ring[(self.me, peer)], False
-        put, seg, cap = self.module.ring_put, self.segment, self.capacity
+        return self._move(self.sends[peer], self.ring[(self.me, peer)], self.module.ring_put, peer, False)
+
+    def _pull(self, peer: int) -> bool:
+        """Read what has arrived from `peer` into the receives posted for it, in order; True if any
+        byte moved."""
+        return self._move(self.recvs[peer], self.ring[(peer, self.me)], self.module.ring_get, peer, True)
+
+    def _move(self, queue: deque[_Op], ring: int, move, peer: int, receiving: bool) -> bool:
+        """Move the operations of `queue` through `ring` in order (each its header, then its bytes)
+        with `move` (ring_put or ring_get), until one cannot finish now; True if any byte moved."""
+        seg, cap, moved = self.segment, self.capacity, False
         while queue:
             op = queue[0]
             if op.done < 0:
-                n = put(seg, ring, cap, op.header, _HEADER_BYTES + op.done, -op.done, peer)
+                if receiving and op.done == -_HEADER_BYTES:
+                    op.header = torch.empty(2, dtype=torch.int64, device="cpu")  # what the sender sent
+                n = move(seg, ring, cap, op.header, _HEADER_BYTES + op.done, -op.done, peer)
                 op.done += n
                 moved |= n > 0
                 if op.done < 0:
                     return moved
+                if receiving:
+                    self._check_header(op, peer)
             if op.done < op.nbytes:
-                n = put(seg, ring, cap, op.bytes, op.done, op.nbytes - op.done, peer)
+                n = move(seg, ring, cap, op.bytes, op.done, op.nbytes - op.done, peer)
                 op.done += n
                 moved |= n > 0
                 if op.done < op.nbytes:
@@ -148,38 +161,14 @@ class P2PChannel:
             self._busy -= 1
         return moved
 
-    def _pull(self, peer: int) -> bool:
-        """Read what has arrived from `peer` into the receives posted for it, in order; True if any
-        byte moved."""
-        queue, ring, moved = self.recvs[peer], self.ring[(peer, self.me)], False
-        get, seg, cap = self.module.ring_get, self.segment, self.capacity
-        while queue:
-            op = queue[0]
-            if op.done < 0:
-                if op.done == -_HEADER_BYTES:
-                    op.header = torch.empty(2, dtype=torch.int64, device="cpu")  # what the sender sent
-                n = get(seg, ring, cap, op.header, _HEADER_BYTES + op.done, -op.done, peer)
-                op.done += n
-                moved |= n > 0
-                if op.done < 0:
-                    return moved
-                tag, nbytes = op.header.tolist()
-                if tag != op.tag or nbytes != op.nbytes:
-                    raise RuntimeError(
-                        f"shm p2p on {self.group}: rank {self.group.ranks[peer]} sent a message with tag {tag} "
-                        f"({nbytes} bytes) where this rank's next receive expects tag {op.tag} ({op.nbytes} "
-                        "bytes): the two ranks posted their operations in different orders"
-                    )
-            if op.done < op.nbytes:
-                n = get(seg, ring, cap, op.bytes, op.done, op.nbytes - op.done, peer)
-                op.done += n
-                moved |= n > 0
-                if op.done < op.nbytes:
-                    return moved
-            queue.popleft()
-            op.complete = True
-            self._busy -= 1
-        return moved
+    def _check_header(self, op: _Op, peer: int) -> None:
+        tag, nbytes = op.header.tolist()
+        if tag != op.tag or nbytes != op.nbytes:
+            raise RuntimeError(
+                f"shm p2p on {self.group}: rank {self.group.ranks[peer]} sent a message with tag {tag} "
+                f"({nbytes} bytes) where this rank's next receive expects tag {op.tag} ({op.nbytes} "
+                "bytes): the two ranks posted their operations in different orders"
+            )
 
     def poll(self) -> bool:
         """Move what can move now (queued sends out, arrived messages in); True if anything did."""
