@@ -69,11 +69,14 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
                 "--probe-only",
                 "--engine-out",
                 str(engine),
+                "--step-log-dir",
+                str(out / "probe_steps"),
             ],
         ),
         (
             "serve_modes",
-            [py, str(BENCH / "serve_modes.py"), "--out", str(out)] + (QUICK_SERVE if quick else []),
+            [py, str(BENCH / "serve_modes.py"), "--out", str(out), "--step-log-dir", str(out / "serve_steps")]
+            + (QUICK_SERVE if quick else []),
         ),
         (
             "serve_sim",

@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "sim_vs_measured_serve.json")
     parser.add_argument("--engine-out", type=Path, default=RESULTS / "sim_vs_measured_engine.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--step-log-dir", type=Path, help="keep the probe servers' step logs here")
     args = parser.parse_args()
     hardware = load_profile(args.hardware)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,7 +115,15 @@ def main() -> None:
             engine = EngineProfile.load(args.engine_profile)
         else:
             log = (lambda _: None) if args.json else print
-            engine = profile_engine(model_dir, 1, 2, engine_setup(model_dir, hardware), SERVE_ARGS, log)
+            engine = profile_engine(
+                model_dir,
+                1,
+                2,
+                engine_setup(model_dir, hardware),
+                SERVE_ARGS,
+                log,
+                step_log_dir=args.step_log_dir,
+            )
             engine.save(args.engine_out)
             if args.probe_only:
                 print(f"wrote {args.engine_out}")
@@ -157,7 +166,9 @@ def main() -> None:
         "step_mape_pct": 100 * sum(step_errors) / len(step_errors) if step_errors else None,
         # weighted by measured steps: the error of the engine's total step time
         "step_weighted_mape_pct": (
-            100 * sum(abs(r["error"]) * r["measured_steps"] for r in steps) / sum(r["measured_steps"] for r in steps)
+            100
+            * sum(abs(r["error"]) * r["measured_steps"] for r in steps)
+            / sum(r["measured_steps"] for r in steps)
             if steps
             else None
         ),
@@ -178,7 +189,9 @@ def main() -> None:
             f"{r['ttft_error']:+6.1%} {r['tpot_measured_ms']:9.1f} {r['tpot_simulated_ms']:7.1f} {r['tpot_error']:+6.1%}"
         )
     print(f"MAPE {report['mape_pct']:.1f}%, max |error| {report['max_abs_error_pct']:.1f}%")
-    print(f"\n{'server':6s} {'step':5s} {'tokens':>7s} {'steps':>5s} {'mean ms meas':>12s} {'sim':>7s} {'err':>6s}")
+    print(
+        f"\n{'server':6s} {'step':5s} {'tokens':>7s} {'steps':>5s} {'mean ms meas':>12s} {'sim':>7s} {'err':>6s}"
+    )
     for r in steps:
         print(
             f"{r['server']:6s} {r['step_mode']:5s} {r['tokens']:>7s} {r['measured_steps']:5d} "

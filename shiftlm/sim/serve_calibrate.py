@@ -223,9 +223,11 @@ def profile_engine(
     log: Callable[[str], None] = print,
     rounds: int = PROBE_ROUNDS,
     probes: tuple[list[TraceRequest], list[TraceRequest]] | None = None,
+    step_log_dir: Path | None = None,
 ) -> EngineProfile:
     """Start one server per mode on `model_dir` (tp x sp ranks), run the probes `rounds` times,
-    alternating the servers so that load elsewhere on the machine falls on both, and fit (module doc)."""
+    alternating the servers so that load elsewhere on the machine falls on both, and fit (module doc).
+    `step_log_dir`: keep each server's step log there (steps_MODE.jsonl, warm-up included)."""
     from shiftlm.serve.local_server import local_server
     from shiftlm.serve.replay import bench_url, steps_so_far
 
@@ -255,6 +257,10 @@ def profile_engine(
                 results = bench_url(urls[mode], busy, replay_args, first_id=33 + 40 * round_)[1]
                 busy_results[mode] += [r.ttft for r in results[background:] if r.ok]
         servers.close()  # flushes the step logs
+        if step_log_dir is not None:
+            step_log_dir.mkdir(parents=True, exist_ok=True)
+            for mode in modes:
+                (step_log_dir / logs[mode].name).write_text(logs[mode].read_text())
         steps = {mode: [s for s in _read_steps(logs[mode]) if s["step"] >= first[mode]] for mode in modes}
     host, request_overheads = {}, []
     for mode in modes:
