@@ -60,7 +60,7 @@ def step_rows(measured: list[dict], simulated: dict[str, list[dict]], engine: En
         executed[server] = []
         for step in log:
             gap = (engine.loop_gap or {}).get(step["mode"])
-            off = gap.per_step + gap.per_chunk_layer * step["chunks"] * layers if gap else 0.0
+            off = gap.seconds(step["chunks"], step["tokens"], step["prefills"], layers) if gap else 0.0
             executed[server].append({**step, "seconds": step["seconds"] - off})
     simulated_rows = {(r["server"], r["step_mode"], r["tokens"]): r for r in step_table(executed)}
     rows = []
