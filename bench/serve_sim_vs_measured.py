@@ -11,10 +11,12 @@ Nothing of bench/serve_modes.py's run is used but its settings (rates, request c
 shift threshold) and its measured means, which are what is compared. The prediction:
 1. The engine profile: `shiftlm.sim.serve_calibrate.profile_engine` (what
    `shiftlm calibrate --serve-model` runs) starts one server per step mode on the same tiny model and
-   layout (tp=1, sp=2) and times *probes*, not the trace: isolated prompts of 4-224 tokens and
-   decode batches of 1-16 sequences. Fitted on them: each mode's host work over the kernel model
-   (per step, per chunk-layer, per token, with the engine loop's gap between steps) and the request
-   path outside the engine.
+   layout (tp=1, sp=2) and times *probes*, not the trace: isolated prompts of 4-224 tokens, decode
+   batches of 1-16 sequences, prompts sent while a batch decodes, and open-loop Poisson load at 3 and
+   8 req/s with synthetic lengths. Fitted on them: each mode's host work over the kernel model (per
+   step, per sequence chunk, per prompt chunk, per token, after idle; with the engine loop's gap
+   between steps) and the request path outside the engine. The kernel model times the step's
+   collectives at the shared-memory channel's calibrated latency (`serve_runner.serving_links`).
 2. `simulate_serving`, the real `Scheduler` and shift policy, with the calibrated hardware profile's
    kernel times plus that engine profile, replays the same trace slice (Azure code rows 0..N-1, the
    same caps) at each rate in each mode.

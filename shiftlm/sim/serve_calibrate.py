@@ -3,8 +3,8 @@ simulator can predict shiftlm's own servers here (Vidur, Agrawal et al. 2024, pr
 operators per model the same way before simulating traces).
 
 A CPU engine's step is mostly host work that no kernel model sees: Python and autograd-free eager
-dispatch per layer and per sequence (paged attention loops over sequences), the plan broadcast and
-the logits gather, then the engine loop's scheduling and sampling between steps, and around every
+dispatch per layer, the plan's encode and broadcast and the logits gather, the wake-up of ranks that
+slept while the engine idled, then the engine loop's sampling and scheduling between steps, and around every
 request the HTTP, tokenizing and streaming path. All three are measured with *probes*, never with
 the trace the simulator will replay:
 
@@ -13,12 +13,16 @@ the trace the simulator will replay:
 2. Prefill probes: one request at a time (nothing else in flight), prompts of PREFILL_LENGTHS tokens,
    one output token. Decode probes: B requests sent together (B in DECODE_BATCHES), 8-token prompts,
    DECODE_TOKENS outputs each, so the engine runs back-to-back steps of B sequences. Busy probes:
-   prompts sent while a background batch decodes.
+   prompts sent while a background batch decodes. Load probes: open-loop Poisson arrivals at
+   LOAD_RATES with synthetic lengths (`load_requests`, no trace's), which put the engine in the
+   state a sparse trace does: steps after idle, short runs of decodes, prompts joining them.
 3. Fits, per mode, on the probes' step log:
-   - the step's residual over the kernel cost model (`StepCostModel` on the calibrated hardware
-     profile) as `HostOverhead(per_step, per_chunk_layer, per_token)` by least squares;
-   - the engine loop's gap between back-to-back steps (schedule, sample, hand outputs to the HTTP
-     side) as `per_step_gap + per_chunk_gap x sequences`, folded into the same HostOverhead;
+   - the step's execution residual over the kernel cost model (`StepCostModel` on the calibrated
+     hardware profile) as `HostOverhead` terms with a physical meaning (per step, per sequence
+     chunk, per prompt chunk, per token, and once after the engine idled: the ranks asleep on the
+     shared-memory futex), by non-negative least squares, steps slowed by preemption left out;
+   - the engine loop's gap between back-to-back steps (sample, stream the tokens, schedule) on
+     [1, sequences], the same way, folded into the same HostOverhead and kept alone as `loop_gap`;
    `per_request`: a prefill probe's client-side TTFT minus its logged step (median over probes);
    and `per_request_busy`, the same path while the engine steps (the HTTP side shares the host and
    rank 0's interpreter with the engine loop), fitted by replaying the busy probes' workload in

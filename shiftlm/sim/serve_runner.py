@@ -143,13 +143,24 @@ def _group_links(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
     return per_node, math.ceil(size / per_node)
 
 
+def serving_links(hardware: Hardware, efficiency: Efficiency) -> Links:
+    """The links a serving step's collectives take: a profile that measured the shared-memory
+    channel (`shiftlm calibrate`: `extra["shm_latency"]`, `extra["shm_bandwidth"]`) is a CPU host
+    whose serving ranks sum, broadcast and gather through it (serve/runner.py, comm/shm.py), not
+    through gloo; any other profile, its own links."""
+    if "shm_latency" in hardware.extra and "shm_bandwidth" in hardware.extra:
+        latency, bandwidth = hardware.extra["shm_latency"], hardware.extra["shm_bandwidth"]
+        return Links(bandwidth, bandwidth, latency, latency)
+    return Links.of(hardware, efficiency)
+
+
 class StepCostModel:
     """Seconds for one engine step of a plan on one replica of `layout`."""
 
     def __init__(self, setup: ServeHardware, layout: ServeLayout):
         self.setup = setup
         self.layout = layout
-        self.links = Links.of(setup.hardware, setup.efficiency)
+        self.links = serving_links(setup.hardware, setup.efficiency)
         ranks = layout.gpus_per_replica
         model = setup.model
         self.heads_per_rank = model.num_heads / ranks

@@ -24,7 +24,14 @@ from shiftlm.sim.serve_calibrate import (
     profile_engine,
     step_plan,
 )
-from shiftlm.sim.serve_runner import IDLE_WAKE_S, HostOverhead, ServeLayout, StepCostModel, prefill_chunks
+from shiftlm.sim.serve_runner import (
+    IDLE_WAKE_S,
+    HostOverhead,
+    ServeLayout,
+    StepCostModel,
+    prefill_chunks,
+    serving_links,
+)
 from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
 
 LAYOUT = ServeLayout(dp=1, tp=1, sp=2, threshold=0)
@@ -124,6 +131,22 @@ def test_step_plan_follows_the_logged_decode_rows():
             {"start": 5e-3, "seconds": 1e-3},
         ]
     ) == [True, False, True]
+
+
+def test_serving_collectives_take_the_shared_memory_links_a_profile_measured(tiny, tmp_path):
+    """A profile with the shared-memory all-reduce (calibrate's `shm_latency`, `shm_bandwidth`) times
+    a serving step's collectives with it, not with the gloo links: a full-TP decode step (two
+    all-reduces a layer) gets faster by about 4 x 2 x (gloo - shm latency); without the keys the
+    step is timed as before."""
+    gloo = replace(_this(tmp_path), intra_node_latency=200e-6, inter_node_latency=200e-6)
+    shm = replace(gloo, extra={**gloo.extra, "shm_latency": 1e-6, "shm_bandwidth": 10e9})
+    assert serving_links(shm, engine_setup(tiny, shm).efficiency).intra_latency == 1e-6
+    plan = step_plan({"step": 0, "mode": "tp", "tokens": 1, "seqs": 1})
+    full_tp = replace(LAYOUT, threshold=math.inf)
+    on_gloo = StepCostModel(engine_setup(tiny, gloo), full_tp).step_time(plan)
+    on_shm = StepCostModel(engine_setup(tiny, shm), full_tp).step_time(plan)
+    layers = engine_setup(tiny, gloo).model.num_layers
+    assert on_gloo - on_shm == pytest.approx(layers * 2 * 2 * (200e-6 - 1e-6), rel=0.05)
 
 
 def test_idle_threshold_is_the_shared_memory_wait_before_the_futex():
