@@ -208,9 +208,9 @@ def test_request_path_delays_the_first_token_of_an_idle_engine_by_exactly_itself
 
 
 def test_profile_engine_probes_real_servers_and_fits_both_modes(tiny, tmp_path):
-    """A small probe set against two real `shiftlm serve` servers (tp=1, sp=2 on gloo): every fitted
-    term is finite, the per-step host time is positive (a CPU engine's step is mostly host work) and
-    the request path outside the engine is positive."""
+    """A small probe set against two real `shiftlm serve` servers (tp=1, sp=2): every fitted term is
+    finite and non-negative, a one-sequence decode step has positive host time (a CPU engine's step
+    is mostly host work) and the request path outside the engine is positive."""
     hardware = _this(tmp_path)
     probes = (
         [TraceRequest(0.2 * i, length, 1) for i, length in enumerate((8, 48, 96))],
@@ -222,8 +222,12 @@ def test_profile_engine_probes_real_servers_and_fits_both_modes(tiny, tmp_path):
         tiny, 1, 2, engine_setup(tiny, hardware), ["--num-blocks", "64"], logs.append, 1, probes, load=load
     )
     assert set(profile.host) == {"tp", "sp_tp"} and profile.probe_steps > 10
+    one_decode = step_plan({"step": 0, "mode": "tp", "tokens": 1, "seqs": 1})
     for overhead in profile.host.values():
-        assert overhead.per_step > 0 and all(abs(v) < 1.0 for v in vars(overhead).values())
+        # the terms are non-negative, so with this small a probe set the split between per step and
+        # per chunk is loose (a busy machine can put it all in either): their sum is the claim
+        assert overhead.time(one_decode, 2) > 0, profile
+        assert all(0 <= v < 1.0 for v in vars(overhead).values()), profile
     assert 0 < profile.per_request < 1.0 and 0 <= profile.per_request_busy < 1.0
     assert any("request path" in line for line in logs)
 
