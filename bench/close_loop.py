@@ -12,7 +12,8 @@ file written under `--out-dir`:
 4. `bench/serve_sim_vs_measured.py --probe-only`                the serving engine's probes -> engine.json
 5. `bench/serve_modes.py --out DIR`                             the serving trace, measured
 6. `bench/serve_sim_vs_measured.py --engine-profile engine.json` the serving steps predicted -> serve_sim.json
-Prints one line per stage (its wall time and headline), then one summary: per-schedule pipeline
+The probe servers' step logs land in DIR/probe_steps (with probes.json, the step span of every probe
+replay) and the measured servers' in DIR/serve_steps. Prints one line per stage (its wall time and headline), then one summary: per-schedule pipeline
 error, serving TTFT/TPOT and per-step MAPE, and the goal flags (every schedule within 10%, per-step
 MAPE <= 15%), with the load average before and after; `--json` prints the summary as JSON (also
 written to DIR/summary.json). Timings on a shared machine are only as quiet as the machine: compare
@@ -69,11 +70,14 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
                 "--probe-only",
                 "--engine-out",
                 str(engine),
+                "--step-log-dir",
+                str(out / "probe_steps"),
             ],
         ),
         (
             "serve_modes",
-            [py, str(BENCH / "serve_modes.py"), "--out", str(out)] + (QUICK_SERVE if quick else []),
+            [py, str(BENCH / "serve_modes.py"), "--out", str(out), "--step-log-dir", str(out / "serve_steps")]
+            + (QUICK_SERVE if quick else []),
         ),
         (
             "serve_sim",

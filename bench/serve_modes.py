@@ -151,6 +151,11 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=16)
     parser.add_argument("--shift-threshold", type=int, default=32)
     parser.add_argument("--switch-repeats", type=int, default=60, help="timed pairs per (mode, mode)")
+    parser.add_argument(
+        "--step-log-dir",
+        type=Path,
+        help="keep each server's step log here (steps_MODE.jsonl, warm-up included)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,6 +202,10 @@ def main() -> None:
                 )
         servers.close()  # flushes the step logs
         logs = {mode: [json.loads(line) for line in step_logs[mode].open()] for mode in MODES}
+        if args.step_log_dir is not None:
+            args.step_log_dir.mkdir(parents=True, exist_ok=True)
+            for mode in MODES:
+                (args.step_log_dir / f"steps_{mode}.jsonl").write_text(step_logs[mode].read_text())
         steps = step_table(
             {mode: [s for s in log if s["step"] >= warmup_steps[mode]] for mode, log in logs.items()}
         )
@@ -216,7 +225,12 @@ def main() -> None:
     print("\ndecode step (8 seqs) median ms, by the previous step's mode:")
     for key, ms in switches.items():
         print(f"  {key:16s} {ms:6.2f}")
-    results = {"args": vars(args), "summary": summary, "step_times": steps, "switch_cost_ms": switches}
+    results = {
+        "args": {**vars(args), "step_log_dir": args.step_log_dir and str(args.step_log_dir)},
+        "summary": summary,
+        "step_times": steps,
+        "switch_cost_ms": switches,
+    }
     (out / "serve_modes.json").write_text(json.dumps({**results, "runs": rows}, indent=1))
     plot(summary, steps, out / "serve_modes.png")
     print(f"wrote {out / 'serve_modes.json'} and {out / 'serve_modes.png'}")

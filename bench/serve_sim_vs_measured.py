@@ -11,10 +11,12 @@ Nothing of bench/serve_modes.py's run is used but its settings (rates, request c
 shift threshold) and its measured means, which are what is compared. The prediction:
 1. The engine profile: `shiftlm.sim.serve_calibrate.profile_engine` (what
    `shiftlm calibrate --serve-model` runs) starts one server per step mode on the same tiny model and
-   layout (tp=1, sp=2) and times *probes*, not the trace: isolated prompts of 4-224 tokens and
-   decode batches of 1-16 sequences. Fitted on them: each mode's host work over the kernel model
-   (per step, per chunk-layer, per token, with the engine loop's gap between steps) and the request
-   path outside the engine.
+   layout (tp=1, sp=2) and times *probes*, not the trace: isolated prompts of 4-224 tokens, decode
+   batches of 1-16 sequences, prompts sent while a batch decodes, and open-loop Poisson load at 3 and
+   8 req/s with synthetic lengths. Fitted on them: each mode's host work over the kernel model (per
+   step, per sequence chunk, per prompt chunk, per token, after idle; with the engine loop's gap
+   between steps) and the request path outside the engine. The kernel model times the step's
+   collectives at the shared-memory channel's calibrated latency (`serve_runner.serving_links`).
 2. `simulate_serving`, the real `Scheduler` and shift policy, with the calibrated hardware profile's
    kernel times plus that engine profile, replays the same trace slice (Azure code rows 0..N-1, the
    same caps) at each rate in each mode.
@@ -60,7 +62,7 @@ def step_rows(measured: list[dict], simulated: dict[str, list[dict]], engine: En
         executed[server] = []
         for step in log:
             gap = (engine.loop_gap or {}).get(step["mode"])
-            off = gap.per_step + gap.per_chunk_layer * step["chunks"] * layers if gap else 0.0
+            off = gap.seconds(step["chunks"], step["tokens"], step["prefills"], layers) if gap else 0.0
             executed[server].append({**step, "seconds": step["seconds"] - off})
     simulated_rows = {(r["server"], r["step_mode"], r["tokens"]): r for r in step_table(executed)}
     rows = []
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "sim_vs_measured_serve.json")
     parser.add_argument("--engine-out", type=Path, default=RESULTS / "sim_vs_measured_engine.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--step-log-dir", type=Path, help="keep the probe servers' step logs here")
     args = parser.parse_args()
     hardware = load_profile(args.hardware)
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,7 +117,15 @@ def main() -> None:
             engine = EngineProfile.load(args.engine_profile)
         else:
             log = (lambda _: None) if args.json else print
-            engine = profile_engine(model_dir, 1, 2, engine_setup(model_dir, hardware), SERVE_ARGS, log)
+            engine = profile_engine(
+                model_dir,
+                1,
+                2,
+                engine_setup(model_dir, hardware),
+                SERVE_ARGS,
+                log,
+                step_log_dir=args.step_log_dir,
+            )
             engine.save(args.engine_out)
             if args.probe_only:
                 print(f"wrote {args.engine_out}")
@@ -157,7 +168,9 @@ def main() -> None:
         "step_mape_pct": 100 * sum(step_errors) / len(step_errors) if step_errors else None,
         # weighted by measured steps: the error of the engine's total step time
         "step_weighted_mape_pct": (
-            100 * sum(abs(r["error"]) * r["measured_steps"] for r in steps) / sum(r["measured_steps"] for r in steps)
+            100
+            * sum(abs(r["error"]) * r["measured_steps"] for r in steps)
+            / sum(r["measured_steps"] for r in steps)
             if steps
             else None
         ),
@@ -178,7 +191,9 @@ def main() -> None:
             f"{r['ttft_error']:+6.1%} {r['tpot_measured_ms']:9.1f} {r['tpot_simulated_ms']:7.1f} {r['tpot_error']:+6.1%}"
         )
     print(f"MAPE {report['mape_pct']:.1f}%, max |error| {report['max_abs_error_pct']:.1f}%")
-    print(f"\n{'server':6s} {'step':5s} {'tokens':>7s} {'steps':>5s} {'mean ms meas':>12s} {'sim':>7s} {'err':>6s}")
+    print(
+        f"\n{'server':6s} {'step':5s} {'tokens':>7s} {'steps':>5s} {'mean ms meas':>12s} {'sim':>7s} {'err':>6s}"
+    )
     for r in steps:
         print(
             f"{r['server']:6s} {r['step_mode']:5s} {r['tokens']:>7s} {r['measured_steps']:5d} "

@@ -105,7 +105,9 @@ class Engine:
         self.vocab_size = vocab_size
         self.clock = clock
         self.metrics = ServingMetrics()
-        self.step_log = step_log  # one JSON line per step: mode, tokens, sequences, model seconds
+        self.step_log = (
+            step_log  # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
+        )
         self._requests: dict[str, _Request] = {}
         self.streams = StreamRequests(self)  # multi-stream requests (serve/streams.py)
 
@@ -271,7 +273,11 @@ class Engine:
         if self.step_log is not None:
             record = {"step": plan.step, "mode": plan.mode.value, "tokens": plan.num_tokens}
             # start: time.perf_counter() (the host's monotonic clock, comparable across processes)
-            record.update(seqs=len(plan.chunks), start=round(started, 6), seconds=round(seconds, 6))
+            # decodes: the one-token chunks (decode rows); the other chunks are prompt chunks
+            decodes = sum(len(chunk.token_ids) == 1 for chunk in plan.chunks)
+            record.update(
+                seqs=len(plan.chunks), decodes=decodes, start=round(started, 6), seconds=round(seconds, 6)
+            )
             self.step_log.write(json.dumps(record) + "\n")
 
     def _fork(

@@ -27,6 +27,11 @@ processes share the cores' caches and memory bus, so a rank's matmul is slower t
   which `collectives.p2p_links` gives pipeline sends.
 - The fixed CPU cost of one eager op (dispatch, a 1-element add): `extra["op_overhead"]`, the
   per-kernel overhead of this machine.
+- The shared-memory all-reduce (comm/shm.py, what the serving runner's CPU ranks on one host sum,
+  broadcast and gather through instead of gloo) by message size, SHM_BYTES, fitted to the same
+  alpha-beta model into `extra["shm_latency"]` and `extra["shm_bandwidth"]`: the serving cost model
+  times the step's collectives with them (`serve_runner.serving_links`). Left out where the C++
+  side does not build (the engine then uses gloo, and so does the model).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ STACK_DEPTH = 4  # distinct weights per timed pass
 GEMM_ROUNDS, GEMM_ROUND_BUDGET = 6, 0.03  # passes over the table; seconds per (role, shape) per round
 HANDOFF_BYTES, HANDOFF_SAMPLES = 512 * 1024, 60  # a 128 x 1024 fp32 activation
 MESSAGE_BYTES = [2**k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
+SHM_BYTES = [2**k for k in range(8, 21, 2)]  # 256 B .. 1 MiB: a serving step's sums and all-to-alls
 
 
 def _mean_time(fn: Callable[[], object], repeats: int, budget: float | None = None) -> float:
@@ -178,6 +184,38 @@ def _pipeline_group():
     return group, ("shm" if shared_memory_p2p(group, None, None) is not None else "gloo")
 
 
+def time_shm_all_reduce(sizes: list[int], repeats: int = 50) -> list[float] | None:
+    """Runs on every rank of a LocalWorkers pool: median all-reduce time per message size through a
+    shared-memory channel over all ranks (comm/shm.py, as the serving runner makes one), or None
+    where no channel can be made (no C++ side)."""
+    import torch
+    import torch.distributed as dist
+
+    from shiftlm.comm import shm
+    from shiftlm.comm.group import CommGroup
+    from shiftlm.model import cpu_kernels
+
+    ranks = tuple(range(dist.get_world_size()))
+    channel = shm.enable(CommGroup("calibrate", ranks, dist.group.WORLD, dist.get_rank()), cpu_kernels.load())
+    if channel is None:
+        return None
+    times = []
+    try:
+        for nbytes in sizes:
+            tensor = torch.zeros(nbytes // 4)
+            for _ in range(5):  # warm up
+                channel.all_reduce_(tensor)
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                channel.all_reduce_(tensor)
+                samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples))
+    finally:
+        shm.disable_all()
+    return times
+
+
 def time_send_recv(sizes: list[int], repeats: int = 7) -> dict:
     """Runs on 2 ranks: per message size, the median one-way send time (half a ping-pong round trip)
     and the CPU time the whole process (gloo's threads included) spends per one-way message: on this
@@ -297,6 +335,7 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
         all_reduce = max(workers.run(time_all_reduce, MESSAGE_BYTES), key=sum)
         send_runs = workers.run(time_send_recv, MESSAGE_BYTES)
         handoffs = workers.run(time_handoff)[1]
+        shm_runs = workers.run(time_shm_all_reduce, SHM_BYTES)
     send = max((r["wall"] for r in send_runs), key=sum)
     # CPU seconds per byte at one end of a transfer: the slope between the smallest and the largest
     # message of >= 1 MiB, mean over the 2 ranks (each sent and received every message)
@@ -332,6 +371,19 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
         f"{handoff * 1e3:.2f} ms, median {statistics.median(handoffs) * 1e3:.2f} ms over {len(handoffs)}"
         f" -> latency {handoff_latency * 1e6:.0f} us"
     )
+    shm_links = {}
+    if all(run is not None for run in shm_runs):
+        shm_times = max(shm_runs, key=sum)
+        for nbytes, seconds in zip(SHM_BYTES, shm_times):
+            log(
+                f"calibrate: shared-memory all-reduce 2 ranks {nbytes / 1024:8.2f} KiB: {seconds * 1e6:9.1f} us"
+            )
+        shm_latency, shm_bandwidth = fit_alpha_beta(SHM_BYTES, shm_times, 2)
+        log(
+            f"calibrate: shared-memory all-reduce fit: latency {shm_latency * 1e6:.2f} us per step, "
+            f"bandwidth {shm_bandwidth / 1e9:.2f} GB/s"
+        )
+        shm_links = {"shm_latency": shm_latency, "shm_bandwidth": shm_bandwidth}
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     return Hardware(
@@ -352,6 +404,7 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
             "p2p_cpu_per_byte": cpu_per_byte,
             "handoff_latency": handoff_latency,
             "p2p_shared_memory": float(transport == "shm"),
+            **shm_links,
         },
         gemm_table=table,
     )

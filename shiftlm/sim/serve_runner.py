@@ -23,7 +23,7 @@ token. Activations and communication are bf16, as in FP8 (W8A8) serving with a b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
@@ -63,21 +63,64 @@ class ServeLayout(ParallelConfig):
         return f"{dp}{kind} sp{self.sp} x tp{self.tp}"
 
 
+# A step that starts this long after the previous one ended finds the engine's other ranks asleep: a
+# rank waiting in a shared-memory collective spins, then yields its core for `WaitPolicy.yield_s`
+# (comm/shm.py, 2 ms), then sleeps on a futex, so the step's first collective waits for wake-ups
+# (and the step runs on cold caches). `HostOverhead.after_idle` is that step's extra cost.
+IDLE_WAKE_S = 2e-3
+
+
 @dataclass(frozen=True)
 class HostOverhead:
     """Seconds of host (CPU) work in one step of one mode that no kernel or collective of the cost
-    model accounts for: a fixed part (plan broadcast, batch building, logits gather), one per
-    sequence chunk per layer (an eager engine's per-sequence attention loop) and one per token. Zero
-    for an engine whose host work hides behind the device (CUDA graphs, async scheduling); measured
-    for the CPU engine by bench/serve_sim_vs_measured.py."""
+    model accounts for. Zero for an engine whose host work hides behind the device (CUDA graphs,
+    async scheduling); measured for the CPU engine by `shiftlm calibrate --serve-model` (probes):
+
+    - `per_step`: every step once: the plan's encode, broadcast and decode, each layer's fixed eager
+      dispatch (norms, projections, RoPE, the attention kernel call, the row-parallel sums), the LM
+      head and the logits gather;
+    - `per_chunk`: per sequence chunk in the plan: its plan entry (encoded in Python on rank 0), its
+      attention rows and its sampled logits row;
+    - `per_prefill`: per prompt chunk (a chunk of more than one token): the prefill attention group
+      that a decode-only step does not build (positions, gather index, per-layer kernel call);
+    - `per_token`: per token of the step, what the kernel model misses (elementwise work, copies);
+    - `after_idle`: once, on a step that starts after the engine idled for at least `IDLE_WAKE_S`;
+    - `per_chunk_layer`: per chunk per layer, an eager per-sequence attention loop; the engine has
+      none since attention is batched (serve/paged_attention.py); kept for older profiles (0 when
+      fitted now).
+
+    As the engine loop's gap between steps (`EngineProfile.loop_gap`, folded into `host`), `per_step`
+    is the loop's fixed work (scheduling, handing outputs over) and `per_chunk` its work per sequence
+    (sampling, detokenizing, streaming its token)."""
 
     per_step: float = 0.0
     per_chunk_layer: float = 0.0
     per_token: float = 0.0
+    per_chunk: float = 0.0
+    per_prefill: float = 0.0
+    after_idle: float = 0.0
 
-    def time(self, plan: StepPlan, layers: int) -> float:
-        chunks = len(plan.chunks)
-        return self.per_step + self.per_chunk_layer * chunks * layers + self.per_token * plan.num_tokens
+    def seconds(self, chunks: int, tokens: int, prefills: int, layers: int, idle: bool = False) -> float:
+        """A step of `chunks` sequence chunks (`prefills` of them prompt chunks) and `tokens` tokens;
+        `idle`: it starts after the engine idled (at least IDLE_WAKE_S since the previous step)."""
+        return (
+            self.per_step
+            + (self.per_chunk + self.per_chunk_layer * layers) * chunks
+            + self.per_prefill * prefills
+            + self.per_token * tokens
+            + (self.after_idle if idle else 0.0)
+        )
+
+    def time(self, plan: StepPlan, layers: int, idle: bool = False) -> float:
+        return self.seconds(len(plan.chunks), plan.num_tokens, prefill_chunks(plan), layers, idle)
+
+    def __add__(self, other: HostOverhead) -> HostOverhead:
+        return HostOverhead(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+def prefill_chunks(plan: StepPlan) -> int:
+    """Chunks of more than one token: prompt chunks (a decode row, or a one-token prompt, has one)."""
+    return sum(len(chunk.token_ids) > 1 for chunk in plan.chunks)
 
 
 @dataclass(frozen=True)
@@ -100,25 +143,41 @@ def _group_links(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
     return per_node, math.ceil(size / per_node)
 
 
+def serving_links(hardware: Hardware, efficiency: Efficiency) -> Links:
+    """The links a serving step's collectives take: a profile that measured the shared-memory
+    channel (`shiftlm calibrate`: `extra["shm_latency"]`, `extra["shm_bandwidth"]`) is a CPU host
+    whose serving ranks sum, broadcast and gather through it (serve/runner.py, comm/shm.py), not
+    through gloo; any other profile, its own links."""
+    if "shm_latency" in hardware.extra and "shm_bandwidth" in hardware.extra:
+        latency, bandwidth = hardware.extra["shm_latency"], hardware.extra["shm_bandwidth"]
+        return Links(bandwidth, bandwidth, latency, latency)
+    return Links.of(hardware, efficiency)
+
+
 class StepCostModel:
     """Seconds for one engine step of a plan on one replica of `layout`."""
 
     def __init__(self, setup: ServeHardware, layout: ServeLayout):
         self.setup = setup
         self.layout = layout
-        self.links = Links.of(setup.hardware, setup.efficiency)
+        self.links = serving_links(setup.hardware, setup.efficiency)
         ranks = layout.gpus_per_replica
         model = setup.model
         self.heads_per_rank = model.num_heads / ranks
         self.kv_heads_per_rank = max(1.0, model.num_kv_heads / ranks)
         self._dense_cache: dict[tuple[Mode, int, int], float] = {}  # steps repeat the same sizes
 
-    def step_time(self, plan: StepPlan) -> float:
+    def step_time(self, plan: StepPlan, idle: bool = False) -> float:
+        """`idle`: the step starts after the engine idled (`HostOverhead.after_idle`)."""
         contexts = tuple((chunk.start, len(chunk.token_ids)) for chunk in plan.chunks)
         key = (plan.mode, plan.num_tokens, plan.num_samples)
         if key not in self._dense_cache:
             self._dense_cache[key] = self._dense_time(*key)
-        host = self.setup.host[plan.mode].time(plan, self.setup.model.num_layers) if self.setup.host else 0.0
+        host = (
+            self.setup.host[plan.mode].time(plan, self.setup.model.num_layers, idle)
+            if self.setup.host
+            else 0.0
+        )
         return self._dense_cache[key] + self._attention_time(contexts) + host
 
     def _shard(self, mode: Mode, dtype_bytes: int) -> Shard:
@@ -135,7 +194,9 @@ class StepCostModel:
         dense = [
             op for op in forward_ops(setup.model, 1, padded, padded, shard) if op.name != "flash_attention"
         ]
-        layer = kernels_time(serving_gemms(dense, setup.hardware), setup.hardware, setup.efficiency, setup.dtype)
+        layer = kernels_time(
+            serving_gemms(dense, setup.hardware), setup.hardware, setup.efficiency, setup.dtype
+        )
         comm_shard = self._shard(mode, DTYPE_BYTES[ACTIVATION_DTYPE])
         gpn = setup.hardware.gpus_per_node
         tp_links = _group_links(comm_shard.tp, 1, gpn)

@@ -27,7 +27,14 @@ import numpy as np
 from shiftlm.serve.scheduler import Scheduler, SchedulerConfig, ShiftPolicy
 from shiftlm.serve.sequence import FinishReason, SamplingParams, Sequence
 from shiftlm.serve.trace import TraceRequest
-from shiftlm.sim.serve_runner import ServeHardware, ServeLayout, StepCostModel, kv_capacity
+from shiftlm.sim.serve_runner import (
+    IDLE_WAKE_S,
+    ServeHardware,
+    ServeLayout,
+    StepCostModel,
+    kv_capacity,
+    prefill_chunks,
+)
 
 ROUTINGS = ("least_loaded", "round_robin")
 
@@ -87,6 +94,7 @@ class _Replica:
     cost: StepCostModel
     clock: float = 0.0
     outstanding: int = 0
+    idle_for: float = math.inf  # seconds the engine idled before its next step (0 while it steps)
 
 
 @dataclass
@@ -189,7 +197,8 @@ def simulate_serving(
     step_log: list[dict] | None = None,
 ) -> ServeRun:
     """Replay `requests` (arrivals in seconds, sorted) on `layout`; every request runs to completion.
-    With `step_log`, every step appends {"mode", "tokens", "chunks", "seconds"} to it."""
+    With `step_log`, every step appends {"mode", "tokens", "chunks", "prefills", "idle", "seconds"}
+    to it (`idle`: it started after the engine idled, `HostOverhead.after_idle`)."""
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     config = scheduler_config(setup, layout, requests, limits)
@@ -232,7 +241,9 @@ def _admit(
 ) -> None:
     request = timing.request
     if not replica.scheduler.has_work():  # an idle engine starts when work reaches it
-        replica.clock = max(replica.clock, request.arrival + path_delay)
+        reached = request.arrival + path_delay
+        replica.idle_for = math.inf if replica.idle_for == math.inf else max(0.0, reached - replica.clock)
+        replica.clock = max(replica.clock, reached)
     params = SamplingParams(max_tokens=request.output_len, ignore_eos=True)
     seq = TraceSequence(f"r{index}", [0] * request.input_len, params, arrival_time=request.arrival)
     owners[seq.seq_id] = timing
@@ -245,11 +256,20 @@ def _step(replica: _Replica, owners: dict[int, _Timing], step_log: list[dict] | 
     plan = replica.scheduler.schedule()
     if plan is None:
         raise RuntimeError("the scheduler has work but scheduled nothing; the KV cache is too small")
-    seconds = replica.cost.step_time(plan)
+    idle = replica.idle_for >= IDLE_WAKE_S
+    replica.idle_for = 0.0
+    seconds = replica.cost.step_time(plan, idle)
     replica.clock += seconds
     if step_log is not None:
         step_log.append(
-            {"mode": plan.mode.value, "tokens": plan.num_tokens, "chunks": len(plan.chunks), "seconds": seconds}
+            {
+                "mode": plan.mode.value,
+                "tokens": plan.num_tokens,
+                "chunks": len(plan.chunks),
+                "prefills": prefill_chunks(plan),
+                "idle": idle,
+                "seconds": seconds,
+            }
         )
     for seq in replica.scheduler.complete_step(plan):
         timing = owners[seq.seq_id]

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from shiftlm.cli import main
-from shiftlm.sim.calibrate import fit_alpha_beta, time_all_reduce, time_handoff, time_send_recv
+from shiftlm.sim.calibrate import (
+    fit_alpha_beta,
+    time_all_reduce,
+    time_handoff,
+    time_send_recv,
+    time_shm_all_reduce,
+)
 
 
 def test_simulate_train_json_is_one_object(capsys):
@@ -72,6 +78,16 @@ def test_all_reduce_timing_runs_on_two_gloo_ranks(ranks):
     assert len(per_rank) == 2 and all(len(times) == 2 and min(times) > 0 for times in per_rank)
 
 
+def test_shared_memory_all_reduce_timing_runs_on_two_ranks(ranks):
+    """Where the C++ side builds, both ranks time every size through a shared-memory channel; where
+    it does not, both say so (None) and calibrate leaves the keys out."""
+    per_rank = ranks.run(2, time_shm_all_reduce, [256, 65536], 3)
+    assert len(per_rank) == 2
+    assert all(times is None for times in per_rank) or all(
+        len(times) == 2 and min(times) > 0 for times in per_rank
+    )
+
+
 def test_handoff_timing_runs_on_two_gloo_ranks(ranks):
     sender, receiver = ranks.run(2, time_handoff, 3)
     assert sender == [] and len(receiver) == 3 and all(0 < delay < 5 for delay in receiver)
@@ -81,7 +97,6 @@ def test_send_recv_timing_reports_wall_and_process_cpu(ranks):
     for result in ranks.run(2, time_send_recv, [4096, 2**20], 2):
         assert len(result["wall"]) == len(result["cpu"]) == 2
         assert min(result["wall"]) > 0 and result["cpu"][1] > 0
-
 
 
 def test_inference_gemm_probe_runs_the_serving_engines_own_linear(monkeypatch):
