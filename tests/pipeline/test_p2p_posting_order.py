@@ -24,7 +24,7 @@ def _recording(fn, *args):
     posted = []
     post = p2p._post
 
-    def recording(ops, group):
+    def recording(ops, group, shm=None):
         me = dist.get_rank()
         posted.append(
             [
@@ -32,7 +32,7 @@ def _recording(fn, *args):
                 for op, t, peer, tag in ops
             ]
         )
-        return post(ops, group)
+        return post(ops, group, shm)
 
     p2p._post = recording
     try:
