@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"config", "comm", "mesh", "model"},
     "serve": BASE | {"comm", "mesh", "monitor", "launch", "model"},
     "train": BASE | {"comm", "mesh", "monitor", "launch", "model", "pipeline"},
-    # sim/calibrate.py times point-to-point and the shared-memory collectives through comm (with
+    # sim/calibrate_comm.py times point-to-point and the shared-memory collectives through comm (with
     # model.cpu_kernels, their C++ side), as the pipeline executor and the serving runner use them
     "sim": BASE | {"comm", "model", "launch", "pipeline", "serve", "train"},
     "cli": {"config"},

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shiftlm.cli import main
-from shiftlm.sim.calibrate import (
+from shiftlm.sim.calibrate_comm import (
     fit_alpha_beta,
     time_all_reduce,
     time_handoff,
