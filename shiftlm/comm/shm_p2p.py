@@ -62,6 +62,7 @@ class _Op:
             tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0, dtype=torch.uint8)
         )
         self.nbytes, self.peer, self.tag = self.bytes.numel(), peer, tag
+        # a send's header; a receive's expected one, overwritten by what the sender sent
         self.header = torch.tensor([tag, self.nbytes], dtype=torch.int64, device="cpu")
         self.done = -_HEADER_BYTES  # bytes moved, counting from the payload's start (the header first)
         self.complete = False
@@ -141,8 +142,6 @@ class P2PChannel:
         while queue:
             op = queue[0]
             if op.done < 0:
-                if receiving and op.done == -_HEADER_BYTES:
-                    op.header = torch.empty(2, dtype=torch.int64, device="cpu")  # what the sender sent
                 n = move(seg, ring, cap, op.header, _HEADER_BYTES + op.done, -op.done, peer)
                 op.done += n
                 moved |= n > 0
