@@ -58,12 +58,20 @@ def decode_step(
         (1, 6, 32, [30, 7, 12], 5),  # one KV head, a sliding window cutting mid-block, generic size
     ],
 )
-def test_kernel_equals_gather_and_sdpa(kv_heads, heads, head_dim, contexts, window):
+@pytest.mark.parametrize("threads", ["one", "more than sequences"])
+def test_kernel_equals_gather_and_sdpa(kv_heads, heads, head_dim, contexts, window, threads):
+    """Both decode kernels: one sequence per work item (as many sequences as threads or more) and one
+    (sequence, KV head) per item (fewer sequences than threads)."""
     outputs = {}
-    for name, module in (("sdpa", None), ("kernel", kernel)):
-        cache, batch, q, k, v = decode_step(kv_heads, heads, head_dim, contexts, window, torch.float32)
-        cache.kernel = module
-        outputs[name] = PagedAttention(cache, batch)(0, q, k, v)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if threads == "one" else len(contexts) + 1)
+    try:
+        for name, module in (("sdpa", None), ("kernel", kernel)):
+            cache, batch, q, k, v = decode_step(kv_heads, heads, head_dim, contexts, window, torch.float32)
+            cache.kernel = module
+            outputs[name] = PagedAttention(cache, batch)(0, q, k, v)
+    finally:
+        torch.set_num_threads(before)
     scale = outputs["sdpa"].abs().max()
     assert (outputs["kernel"] - outputs["sdpa"]).abs().max() <= 1e-5 * scale
 
