@@ -54,6 +54,7 @@ def decode_step(
     ("kv_heads", "heads", "head_dim", "contexts", "window"),
     [
         (2, 8, 64, [1, 4, 5, 17, 160], 0),  # GQA, contexts inside, at and across block edges
+        (2, 8, 64, [1100, 3], 0),  # longer than the 512 keys one sequence's rows are touched at a time
         (4, 4, 128, [3, 9, 33], 0),  # MHA, head size 128
         (1, 6, 32, [30, 7, 12], 5),  # one KV head, a sliding window cutting mid-block, generic size
     ],
