@@ -13,8 +13,9 @@
 5. the two 2-rank layouts' steps (2026-11-26, `--shift-threshold auto`): tp2 and the tp1·sp2 shift
    runner in full TP, and the shift runner in SP x TP, on a 32-sequence decode step and on 32 decode
    rows plus a 128-token prefill chunk (`shift_probe.probe_plan`), p50 of 40 interleaved;
-6. one thread's fp32 GEMM peak (bench/train.py's `cpu_peak_flops`, best 512^3), the roofline of the
-   1-rank servers' 32-concurrent load (docs/serving.md).
+6. one thread's fp32 GEMM rate: MKL's best 512^3 (bench/train.py's `cpu_peak_flops`) and oneDNN's
+   packed GEMM on the model's shapes at 32 and 160 rows, hot and with a whole step's weights streamed;
+7. the decode attention kernel of one layer (32 sequences x 160 keys), cache hot and cold.
 The model is bench/vs_vllm.py's (hidden 512, 4 layers, 8/2 heads, fp32); one thread; times are
 minimum (or median where said) over repeats. Writes bench/results/serve_kernels.json; `--stages`
 runs some of them and updates only their entries there (each entry says when it was measured).
@@ -168,9 +169,57 @@ def _two_rank_steps(model_dir: str, tp: int, sp: int) -> dict | None:
 
 
 def _gemm_peak() -> dict:
+    """MKL's square GEMM (bench/train.py's `cpu_peak_flops`), and oneDNN's packed GEMM (what the
+    serving linears run) on the bench model's shapes: each weight alone, repeated (hot in cache), and a
+    whole step's 17 GEMMs in order (61 MB of weights, more than L3: streamed from memory)."""
     from train import cpu_peak_flops
 
-    return {"one thread fp32 GEMM 512^3 best GFLOP/s": cpu_peak_flops() / 1e9}
+    from shiftlm.model.inference_linear import PACK_ROWS
+
+    shapes = [(768, 512), (512, 512), (2816, 512), (512, 1408)] * 4 + [(8000, 512)]  # Q|K|V, O, gate|up, down; head
+    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), PACK_ROWS) for n, k in shapes]
+    out = {"one thread fp32 GEMM 512^3 best GFLOP/s (MKL)": cpu_peak_flops() / 1e9}
+    for rows in (32, 160):
+        inputs = {k: torch.randn(rows, k) for _, k in shapes}
+        flops = [2 * rows * n * k for n, k in shapes]
+
+        def gemm(i):
+            return torch.ops.mkldnn._linear_pointwise(inputs[shapes[i][1]], packed[i], None, "none", [], "")
+
+        hot = sum(_best(lambda i=i: gemm(i), reps=30) for i in range(len(shapes)))
+        step = _best(lambda: [gemm(i) for i in range(len(shapes))], reps=30)
+        out[f"oneDNN packed, {rows} rows, each weight hot GFLOP/s"] = sum(flops) / hot / 1e9
+        out[f"oneDNN packed, {rows} rows, a step's weights streamed GFLOP/s"] = sum(flops) / step / 1e9
+    return out
+
+
+def _decode_attention_ms() -> dict:
+    """The decode kernel of one layer, 32 sequences x 160 keys in scattered blocks (the bench model's
+    heads): cache hot (repeated) and cold (128 MB written between calls, as a step's GEMM weights do)."""
+    from shiftlm.model import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        return {"skipped": "the CPU kernels could not be built"}
+    seqs, context, block = 32, 160, 16
+    storage = torch.randn(2, 8192 * block, 2, 64)
+    blocks = -(-context // block)
+    tables = torch.randperm(8192)[: seqs * blocks].view(seqs, blocks).contiguous()
+    q, out = torch.randn(seqs, 8, 64), torch.empty(seqs, 8, 64)
+    rows, pos = torch.arange(seqs).view(seqs, 1), torch.full((seqs, 1), context - 1)
+    evict = torch.ones(32 * 1024 * 1024)
+
+    def attend():
+        kernels.paged_attention(q, storage[0], storage[1], tables, rows, pos, out, block, 0)
+
+    def cold():
+        evict.mul_(1.0)
+        start = time.perf_counter()
+        attend()
+        return time.perf_counter() - start
+
+    hot = _best(attend, reps=40)
+    return {"32 x 160 hot ms": 1e3 * hot, "32 x 160 cold ms": 1e3 * sorted(cold() for _ in range(41))[20]}
 
 
 def _rope_us() -> dict:
@@ -252,7 +301,7 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", default=None, help="write (or reuse) the bench model here")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    parser.add_argument("--stages", nargs="+", type=int, help="run only these (1-6, the docstring's)")
+    parser.add_argument("--stages", nargs="+", type=int, help="run only these (1-7, the docstring's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from vs_vllm import make_checkpoint
@@ -277,6 +326,7 @@ def main() -> int:
                 lambda: run_ranks(_two_rank_steps, 2, str(model), 1, 2),
             ),
             (6, "gemm peak", _gemm_peak),
+            (7, "decode attention per layer", _decode_attention_ms),
         ]
         out = Path(args.out) / "serve_kernels.json"
         result = json.loads(out.read_text()) if args.stages and out.exists() else {}
