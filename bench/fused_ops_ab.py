@@ -40,8 +40,15 @@ def main() -> int:
     if kernel is None:
         print("error: the CPU kernels could not be built here (no C++ compiler?); nothing to compare")
         return 2
-    config = ModelConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_layers=4,
-                         num_heads=8, num_kv_heads=2, head_dim=64)
+    config = ModelConfig(
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+    )
     model = build_model(config, seed=0).eval()
     load_before = os.getloadavg()[0]
     result = {"rounds": args.rounds, "cases": {}}
@@ -61,8 +68,10 @@ def main() -> int:
         result["cases"][name] = {f"{way}_ms": round(ms, 3) for way, ms in best.items()}
         result["cases"][name]["fused_over_pytorch"] = round(best["fused"] / best["pytorch_ops"], 3)
         if not args.json:
-            print(f"{name:>14}: pytorch ops {best['pytorch_ops']:.2f} ms, fused {best['fused']:.2f} ms "
-                  f"({best['fused'] / best['pytorch_ops']:.3f}x)")
+            print(
+                f"{name:>14}: pytorch ops {best['pytorch_ops']:.2f} ms, fused {best['fused']:.2f} ms "
+                f"({best['fused'] / best['pytorch_ops']:.3f}x)"
+            )
     result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -176,7 +176,8 @@ def _gemm_peak() -> dict:
 
     from shiftlm.model.inference_linear import PACK_ROWS
 
-    shapes = [(768, 512), (512, 512), (2816, 512), (512, 1408)] * 4 + [(8000, 512)]  # Q|K|V, O, gate|up, down; head
+    # Q|K|V, O, gate|up, down of each layer, then the head
+    shapes = [(768, 512), (512, 512), (2816, 512), (512, 1408)] * 4 + [(8000, 512)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), PACK_ROWS) for n, k in shapes]
     out = {"one thread fp32 GEMM 512^3 best GFLOP/s (MKL)": cpu_peak_flops() / 1e9}
     for rows in (32, 160):

@@ -136,11 +136,7 @@ def fit(
             errors.append(
                 100
                 * sum(
-                    abs(
-                        row.predicted(on_cluster(shared, row.case, clusters))
-                        / row.case.measured
-                        - 1
-                    )
+                    abs(row.predicted(on_cluster(shared, row.case, clusters)) / row.case.measured - 1)
                     for row in table_rows
                 )
                 / len(table_rows)

@@ -178,9 +178,7 @@ def _llmfoundry(table: str, hardware: Hardware):
             flash_attention=True,
             overlap_grad_sync=True,
         )
-        label = (
-            f"mpt-{row['model']} s{row['seq']} {gpus}gpu mb{row['micro_batch']}{' ac' if checkpointing else ''}"
-        )
+        label = f"mpt-{row['model']} s{row['seq']} {gpus}gpu mb{row['micro_batch']}{' ac' if checkpointing else ''}"
         measured = float(row["tokens_per_s_per_gpu"])
         return Case(
             table, label, model, layout, hardware, measured, "tokens_per_s_per_gpu", "bf16", LLM_FOUNDRY

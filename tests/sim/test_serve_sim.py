@@ -172,10 +172,11 @@ def test_simulate_serve_bad_input_is_one_line_and_exit_code_2(capsys, extra, mes
     assert code == 2 and out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
-
 def test_step_log_records_every_step_with_the_time_the_clock_advanced():
     steps: list[dict] = []
-    run = simulate_serving(LLAMA_8B, ServeLayout(dp=1, tp=2, sp=2, threshold=64), _requests(6, 0.05), step_log=steps)
+    run = simulate_serving(
+        LLAMA_8B, ServeLayout(dp=1, tp=2, sp=2, threshold=64), _requests(6, 0.05), step_log=steps
+    )
     assert len(steps) == run.steps and {s["mode"] for s in steps} <= {"tp", "sp_tp"}
     assert all(s["seconds"] > 0 and 1 <= s["chunks"] <= s["tokens"] for s in steps)
     assert sum(s["seconds"] for s in steps) <= max(t.finish for t in run.timings)
