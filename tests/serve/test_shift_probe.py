@@ -71,6 +71,36 @@ def test_a_win_inside_the_margin_does_not_switch(fake_clock):
     assert threshold == 256
 
 
+class GlitchRunner(CostedRunner):
+    """Full TP steps of `size` tokens are slow for their first `slow` runs (a busy moment of the host),
+    then as the costs say."""
+
+    def __init__(self, tp, sp_tp, size: int, slow: int):
+        super().__init__(tp, sp_tp)
+        self.size, self.slow = size, slow
+
+    def execute(self, plan) -> None:
+        super().execute(plan)
+        if plan.mode is Mode.TP and plan.num_tokens == self.size and self.slow > 0:
+            self.slow -= 1
+            self.clock += 0.5  # far slower than either mode
+
+
+def test_a_win_that_does_not_repeat_does_not_switch(fake_clock):
+    # SP x TP is 1% slower everywhere, but the first timing of 256-token TP steps is disturbed
+    runner = fake_clock["runner"] = GlitchRunner((1e-3, 1e-4), (1.01e-3, 1.01e-4), size=256, slow=8)
+    threshold, rows = measure_shift_threshold(runner.execute, 512, block_size=16, num_blocks=512)
+    assert threshold == 512
+    glitched = next(row for row in rows if row["tokens"] == 256)
+    assert glitched["sp_tp_ms"] < glitched["tp_ms"] and glitched["confirm_sp_tp_ms"] > glitched["confirm_tp_ms"]
+
+
+def test_a_win_that_repeats_switches(fake_clock):
+    runner = fake_clock["runner"] = CostedRunner((1e-3, 1e-4), (5e-3, 5e-5))
+    threshold, rows = measure_shift_threshold(runner.execute, 512, block_size=16, num_blocks=512)
+    assert threshold == 64 and [("confirm_tp_ms" in row) for row in rows] == [False] * 3 + [True] + [False] * 2
+
+
 @pytest.mark.parametrize("tokens", [16, 100, 256, 2048])
 def test_probe_plans_have_the_asked_tokens_and_stay_inside_the_cache(tokens):
     plan = probe_plan(tokens, Mode.SP_TP, block_size=16, num_blocks=300)
