@@ -70,6 +70,7 @@ def measure_shift_threshold(
     sizes = sorted({size for size in PROBE_SIZES if size < max_tokens_per_step} | {max_tokens_per_step})
     rows: list[dict] = []
     deadline = time.perf_counter() + budget_s
+
     def medians(plans: dict) -> tuple[float, float]:
         times: dict[Mode, list[float]] = {Mode.TP: [], Mode.SP_TP: []}
         for rep in range(reps):

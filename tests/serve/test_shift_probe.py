@@ -92,13 +92,17 @@ def test_a_win_that_does_not_repeat_does_not_switch(fake_clock):
     threshold, rows = measure_shift_threshold(runner.execute, 512, block_size=16, num_blocks=512)
     assert threshold == 512
     glitched = next(row for row in rows if row["tokens"] == 256)
-    assert glitched["sp_tp_ms"] < glitched["tp_ms"] and glitched["confirm_sp_tp_ms"] > glitched["confirm_tp_ms"]
+    assert (
+        glitched["sp_tp_ms"] < glitched["tp_ms"] and glitched["confirm_sp_tp_ms"] > glitched["confirm_tp_ms"]
+    )
 
 
 def test_a_win_that_repeats_switches(fake_clock):
     runner = fake_clock["runner"] = CostedRunner((1e-3, 1e-4), (5e-3, 5e-5))
     threshold, rows = measure_shift_threshold(runner.execute, 512, block_size=16, num_blocks=512)
-    assert threshold == 64 and [("confirm_tp_ms" in row) for row in rows] == [False] * 3 + [True] + [False] * 2
+    assert (
+        threshold == 64 and [("confirm_tp_ms" in row) for row in rows] == [False] * 3 + [True] + [False] * 2
+    )
 
 
 @pytest.mark.parametrize("tokens", [16, 100, 256, 2048])
