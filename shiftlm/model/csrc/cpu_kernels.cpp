@@ -26,6 +26,24 @@ namespace {
 constexpr float kLowest = -1e30f;
 std::atomic<uint64_t> g_touched{0};  // written by touch_blocks, read by nobody
 
+// One block of the online softmax: the block's n scores become exp(score - new max) in place, and the
+// running max m and sum l absorb them; returns the factor the row's accumulator is rescaled by (0 on
+// the first block, where m is still kLowest).
+inline float softmax_block(float* scores, int64_t n, float& m, float& l) {
+  float best = m;
+  for (int64_t j = 0; j < n; ++j) best = std::max(best, scores[j]);
+  const float rescale = std::exp(m - best);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - best);
+    sum += scores[j];
+  }
+  m = best;
+  l = l * rescale + sum;
+  return rescale;
+}
+
 template <typename T, int64_t kDim>
 void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* rows,
             const int64_t* pos, T* out, int64_t S, int64_t Q, int64_t B, int64_t Hq, int64_t Hkv,
@@ -62,21 +80,10 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
           }
         }
         for (int64_t g = 0; g < G; ++g) {
-          float* sg = score.data() + g * block_size;
-          float best = m[g];
-          for (int64_t j = 0; j < n; ++j) best = std::max(best, sg[j]);
-          const float rescale = std::exp(m[g] - best);  // 0 on the first block (m = kLowest)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            sg[j] = std::exp(sg[j] - best);
-            sum += sg[j];
-          }
+          const float rescale = softmax_block(score.data() + g * block_size, n, m[g], l[g]);
           float* ag = acc.data() + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] *= rescale;
-          m[g] = best;
-          l[g] = l[g] * rescale + sum;
         }
         for (int64_t j = 0; j < n; ++j) {  // each value row read once for the G query heads
           const T* vr = v + ((base + j) * Hkv + h) * D;
@@ -175,17 +182,7 @@ void attend_rows(const T* q, const T* k, const T* v, const int64_t* tables, cons
             for (int64_t d = 0; d < kDim; ++d) dot += qh[d] * static_cast<float>(kr[d]);
             sh[j] = dot;
           }
-          float best = m[hq];
-          for (int64_t j = 0; j < n; ++j) best = std::max(best, sh[j]);
-          const float rescale = std::exp(m[hq] - best);  // 0 on the first block (m = kLowest)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            sh[j] = std::exp(sh[j] - best);
-            sum += sh[j];
-          }
-          m[hq] = best;
-          l[hq] = l[hq] * rescale + sum;
+          const float rescale = softmax_block(sh, n, m[hq], l[hq]);
           float* __restrict__ ah = acc.data() + hq * kDim;
           float a0[kDim], a1[kDim];  // even and odd keys: two chains of sums
 #pragma omp simd
