@@ -451,6 +451,13 @@ def main() -> int:
     single, double, client_cores = cpu_sets(args.cores)
     if args.client_cores == "any":  # the kernel places the client (beside whichever server core is free)
         client_cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    elif any(name in ("tp1-sp2-shift", "tp2") for name in layouts) and set(client_cores.split(",")) & set(
+        double.split(",")
+    ):  # too few cores: the client shares a core with the 2-rank servers alone (docs/serving.md)
+        print(
+            f"note: the client runs on core(s) {client_cores}, which the 2-rank servers use and the "
+            "1-rank servers and vLLM do not; --client-cores any places it alike for every server"
+        )
     os.sched_setaffinity(0, {int(c) for c in client_cores.split(",")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -529,7 +536,8 @@ def main() -> int:
     else:
         print(f"\nmedian of {args.rounds} rounds; load average before {load_before}, after {os.getloadavg()}")
         print(
-            "load            server           out tok/s    TPOT ms    TTFT ms   ratios vs " + str(reference)
+            "load            server           out tok/s    TPOT ms    TTFT ms"
+            + (f"   ratios vs {reference}" if reference else "")
         )
         for e in table:
             ratios = (
