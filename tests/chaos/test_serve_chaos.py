@@ -30,7 +30,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _args(model_dir: Path, *extra: str) -> list[str]:
-    return [str(model_dir), "--sp", "2", "--served-model-name", NAME, "--log-interval", "0", *extra]
+    layout = ["--sp", "2", "--device", "cpu"]  # 2 gloo ranks, GPUs visible or not
+    return [str(model_dir), *layout, "--served-model-name", NAME, "--log-interval", "0", *extra]
 
 
 @pytest.fixture(scope="module")

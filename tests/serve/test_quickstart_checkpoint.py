@@ -43,7 +43,9 @@ def test_serve_answers_a_chat_completion_on_a_quickstart_format_checkpoint(tmp_p
     prompt_ids = template.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
         "input_ids"
     ]
-    with local_server(["--model", str(model_dir), "--tp", "1", "--sp", "2", "--model-name", "qs"]) as server:
+    with local_server(
+        ["--model", str(model_dir), "--tp", "1", "--sp", "2", "--device", "cpu", "--model-name", "qs"]
+    ) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         out = client.chat.completions.create(model="qs", messages=messages, max_tokens=8, temperature=0)
     assert out.choices[0].message.role == "assistant"

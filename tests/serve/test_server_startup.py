@@ -21,7 +21,8 @@ def test_a_taken_http_port_is_a_one_line_error_with_exit_code_2(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        command = [sys.executable, "-m", "shiftlm.cli", "serve", "--model", str(model_dir), "--sp", "2"]
+        command = [sys.executable, "-m", "shiftlm.cli", "serve", "--model", str(model_dir)]
+        command += ["--sp", "2", "--device", "cpu"]  # a 2-rank CPU server, GPUs visible or not
         done = subprocess.run([*command, "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

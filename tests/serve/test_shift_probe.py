@@ -134,7 +134,8 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
     write_char_tokenizer(model_dir, vocab_size=250)
     log_path = tmp_path / "serve.log"
     with local_server(
-        ["--model", str(model_dir), "--sp", "2", "--max-tokens-per-step", "128"], log_path=str(log_path)
+        ["--model", str(model_dir), "--sp", "2", "--max-tokens-per-step", "128", "--device", "cpu"],
+        log_path=str(log_path),
     ) as server:
         body = {"model": str(model_dir), "prompt": "hello", "max_tokens": 4, "temperature": 0}
         models = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
