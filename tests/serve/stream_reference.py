@@ -97,6 +97,14 @@ class _RawKV:
         return hook
 
 
+def _cache_argument(model) -> str:
+    """The forward's name for a KV cache: `cache` in newer transformers, `past_key_values` before (an
+    older forward takes `cache=` into its **kwargs and silently runs without it)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def hogwild_reference(model, prompt, prefixes, max_tokens):
     """Greedy outputs per stream with the hogwild contiguous layout, keys re-encoded per view."""
     from transformers import DynamicCache
@@ -126,8 +134,8 @@ def hogwild_reference(model, prompt, prefixes, max_tokens):
         with torch.no_grad():
             out = model(
                 torch.tensor([[token]]),
-                cache=cache,
                 position_ids=torch.tensor([[len(positions)]]),
+                **{_cache_argument(model): cache},
             )
         token_kv[(k, t)] = [(raw.k[i].clone(), raw.v[i].clone()) for i in range(layers)]
         last_logits[k] = out.logits[0, -1]
