@@ -105,9 +105,8 @@ class Engine:
         self.vocab_size = vocab_size
         self.clock = clock
         self.metrics = ServingMetrics()
-        self.step_log = (
-            step_log  # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
-        )
+        # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
+        self.step_log = step_log
         self._requests: dict[str, _Request] = {}
         self.streams = StreamRequests(self)  # multi-stream requests (serve/streams.py)
 

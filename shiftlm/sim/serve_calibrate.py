@@ -187,14 +187,12 @@ def fit_mode(setup: ServeHardware, layout: ServeLayout, steps: list[dict]) -> Ho
         per_prefill=per_prefill,
         after_idle=after_idle,
     )
-    return execution + fit_loop_gap(steps, setup.model.num_layers)
+    return execution + fit_loop_gap(steps)
 
 
-def fit_loop_gap(steps: list[dict], layers: int) -> HostOverhead:
+def fit_loop_gap(steps: list[dict]) -> HostOverhead:
     """The engine loop's gap between back-to-back steps of the same sequences (sampling, streaming
-    the tokens, scheduling the next step), on [1, chunks], non-negative (`layers`: unused, kept for
-    callers of the per-chunk-layer form)."""
-    del layers
+    the tokens, scheduling the next step), on [1, chunks], non-negative."""
     plans = [step_plan(s) for s in steps]
     gaps = [
         (len(p.chunks), nxt["start"] - (s["start"] + s["seconds"]))
@@ -378,7 +376,7 @@ def profile_engine(
         host=host,
         per_request=per_request,
         per_request_busy=per_request_busy,
-        loop_gap={mode: fit_loop_gap(steps[mode], setup.model.num_layers) for mode in modes},
+        loop_gap={mode: fit_loop_gap(steps[mode]) for mode in modes},
         probe_steps=sum(len(s) for s in steps.values()),
         notes=f"shiftlm calibrate --serve-model on {setup.hardware.name}, {rounds} probe rounds",
     )

@@ -98,7 +98,7 @@ def test_fit_mode_recovers_the_host_overhead_and_the_loop_gap(tiny, tmp_path):
         assert getattr(fitted, term) == pytest.approx(getattr(truth, term), rel=1e-3), term
     assert fitted.per_chunk_layer == 0.0
     assert kernels.step_time(step_plan(steps[0])) < timed.step_time(step_plan(steps[0]))
-    gap = fit_loop_gap(steps, setup.model.num_layers)  # the gap alone, which the profile keeps as `loop_gap`
+    gap = fit_loop_gap(steps)  # the gap alone, which the profile keeps as `loop_gap`
     assert gap.per_step == pytest.approx(0.5e-3, rel=1e-3) and gap.per_chunk == pytest.approx(40e-6, rel=1e-3)
     assert gap.per_token == gap.after_idle == gap.per_chunk_layer == 0.0
 

@@ -106,10 +106,10 @@ void attend(const T* q, const T* k, const T* v, const int64_t* tables, const int
 
 
 // Read one word of every cache line of the K and V rows of the blocks from `start` on (at most
-// `keys` keys, ending at `last`); returns the first key not touched. One independent load per line
-// streams the rows in at the memory's rate (~30 GB/s here on scattered 8 KiB blocks), where the
-// attention's own loads, spread between its arithmetic, got ~8 GB/s; the arithmetic then reads them
-// from L2 (cold cache, 32 sequences x 160 keys: 0.38 vs 0.47 ms a layer).
+// `keys` keys, ending at `last`); returns the first key not touched. Independent loads, one per line,
+// bring the rows in at about the memory's streaming rate, which the attention's own loads, spread
+// between dependent arithmetic, did not reach (about 8 vs 30 GB/s on this host's scattered 8 KiB
+// blocks, an ad hoc measurement); the arithmetic then reads them from L2.
 template <typename T>
 int64_t touch_blocks(const T* k, const T* v, const int64_t* table, int64_t start, int64_t first,
                      int64_t last, int64_t block_size, int64_t row_len, int64_t keys) {
@@ -136,9 +136,10 @@ int64_t touch_blocks(const T* k, const T* v, const int64_t* table, int64_t start
 // The same decode rows one sequence at a time, for a compile-time head size: each key and value row is
 // read once for all heads (the rows of a block are contiguous across heads), and per query head the
 // scores of a block are independent dot products and its values are summed in registers (two chains),
-// and the rows are touched first (`touch_blocks`). With the cache cold (a step's GEMM weights stream
-// through L3 between two layers' reads), 32 sequences x 160 keys: 0.38 vs 0.68 ms a layer here
-// (docs/serving.md, "Decode attention that streams its rows"). Parallel over sequences: `attend` splits
+// and the rows are touched first (`touch_blocks`). The cache is cold when a layer reads it (a step's
+// GEMM weights stream through L3 between two reads); `python bench/serve_kernels.py --stages 7` times
+// one layer hot and cold (docs/serving.md, "Decode attention that streams its rows"). Parallel over
+// sequences: `attend` splits
 // by KV head too and stays for fewer sequences than threads.
 template <typename T, int64_t kDim>
 void attend_rows(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* rows,
