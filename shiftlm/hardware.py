@@ -77,6 +77,10 @@ class Hardware:
     # profile's peaks are measured already (empty: 1.0)
     matmul_fraction: dict[str, float] = field(default_factory=dict)
     attention_fraction: float | None = None  # FlashAttention-2's best share of the peak (docstring)
+    # measured all-reduce times inside one node (nccl-tests): (ranks, sizes in bytes ascending,
+    # seconds); where a cluster has them, `sim.collectives` times an intra-node all-reduce of that
+    # group size from them instead of from the link rate (vTrain's testbed, shiftlm/data/README.md)
+    allreduce_table: tuple[tuple[int, tuple[float, ...], tuple[float, ...]], ...] = ()
 
     def achievable_flops(self, dtype: str) -> float:
         """The fastest a large GEMM runs on this GPU: the datasheet peak x its measured MAMF share
@@ -211,6 +215,10 @@ def load_profile(path: Path) -> Hardware:
     try:
         fields = json.loads(path.read_text())
         fields["gemm_table"] = tuple(tuple(row) for row in fields.get("gemm_table", ()))
+        fields["allreduce_table"] = tuple(
+            (int(ranks), tuple(sizes), tuple(times))
+            for ranks, sizes, times in fields.get("allreduce_table", ())
+        )
         return Hardware(**fields)
     except (json.JSONDecodeError, TypeError) as err:
         raise ValueError(f"{path} is not a hardware profile ({err}); re-run `shiftlm calibrate`") from err

@@ -18,7 +18,9 @@ which then carry to the H100 rows.
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+import gzip
+from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 
 from shiftlm.data import MEASURED_DIR
@@ -30,8 +32,40 @@ H100 = CATALOG["h100-sxm"]
 LLM_FOUNDRY = "llm-foundry"  # MosaicML's Composer + FSDP + MPT (triton attention) stack
 
 A100 = CATALOG["a100-80gb"]
-# vTrain's testbed (data README): 150 GB/s intra-node, 800 Gb/s = 100 GB/s inter-node per 8 GPUs
-VTRAIN_A100 = with_links(A100, intra=150 * GIGA, inter=100 * GIGA / 8, name="a100-80gb-vtrain")
+VTRAIN_CLUSTER = "a100-80gb-vtrain"
+VTRAIN_NCCL = "vtrain_a100_nccl_allreduce.csv.gz"
+
+
+def vtrain_allreduce_table(data_dir: Path = MEASURED_DIR) -> tuple:
+    """vTrain's measured NCCL all-reduce times on its A100 node, 2-8 GPUs, 1 MiB to 1 GiB in 1 MiB
+    steps (shiftlm/data/README.md): the in-place column, as Megatron-LM all-reduces its activations
+    in place. `Hardware.allreduce_table` rows."""
+    path = data_dir / VTRAIN_NCCL
+    if not path.exists():
+        raise ValueError(f"{path} is missing; --data must hold the measured tables and {VTRAIN_NCCL}")
+    groups: dict[int, list[tuple[float, float]]] = {}
+    with gzip.open(path, "rt") as handle:
+        for row in csv.DictReader(handle):
+            groups.setdefault(int(row["gpus"]), []).append(
+                (float(row["size_bytes"]), float(row["time_ns_in_place"]) * 1e-9)
+            )
+    return tuple(
+        (ranks, tuple(size for size, _ in sorted(rows)), tuple(time for _, time in sorted(rows)))
+        for ranks, rows in sorted(groups.items())
+    )
+
+
+def vtrain_testbed(data_dir: Path = MEASURED_DIR) -> Hardware:
+    """vTrain's A100 cluster: 800 Gb/s InfiniBand per 8-GPU node (100 GB/s, 12.5 GB/s per GPU; its
+    predictor sends a hand-off at a quarter of it, i.e. four 200 Gb/s NICs per node), and the NVLink
+    of its node as measured: intra-node all-reduces from its nccl-tests tables, other NVLink traffic
+    at the bus bandwidth of its largest 8-GPU all-reduce (~220 GB/s; its README says 150 GB/s)."""
+    table = vtrain_allreduce_table(data_dir)
+    ranks, sizes, times = max(table)
+    busbw = 2 * (ranks - 1) / ranks * sizes[-1] / times[-1]
+    hardware = with_links(A100, intra=busbw, inter=100 * GIGA / 8, name=VTRAIN_CLUSTER)
+    return replace(hardware, allreduce_table=table)
+
 
 TABLES = {
     "megatron_2021_table1": "megatron_2021_table1_a100.csv",
@@ -136,8 +170,14 @@ def _korthikanti_table5(row: dict) -> Case:
     )
 
 
-def _vtrain(table: str, hardware: Hardware):
+@cache
+def _vtrain_testbed() -> Hardware:
+    return vtrain_testbed()
+
+
+def _vtrain(table: str):
     def case(row: dict) -> Case:
+        hardware = _vtrain_testbed()
         model = gpt_style(int(row["hidden size"]), int(row["# layers"]), int(row["attention heads"]))
         layout = _megatron_layout(
             {
@@ -190,8 +230,8 @@ def _llmfoundry(table: str, hardware: Hardware):
 PARSERS = {
     "megatron_2021_table1": _megatron_table1,
     "korthikanti_2022_table5": _korthikanti_table5,
-    "vtrain_multi_node": _vtrain("vtrain_multi_node", VTRAIN_A100),
-    "vtrain_single_node": _vtrain("vtrain_single_node", VTRAIN_A100),
+    "vtrain_multi_node": _vtrain("vtrain_multi_node"),
+    "vtrain_single_node": _vtrain("vtrain_single_node"),
     "llmfoundry_h100": _llmfoundry("llmfoundry_h100", H100),
     "llmfoundry_a100": _llmfoundry("llmfoundry_a100", A100),
 }

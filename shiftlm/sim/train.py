@@ -280,6 +280,21 @@ def grad_sync_time(
     return time * zero_sync_factor(layout)
 
 
+def tied_embedding_sync_time(
+    model: ModelConfig, layout: Layout, hardware: Hardware, efficiency: Efficiency, dtype: str
+) -> float:
+    """With tied word embeddings and a pipeline, the first stage's embedding and the last stage's LM
+    head are two copies of one weight: after the backward their gradients are summed by an all-reduce
+    between the two ranks (V x h / tp gradient elements per tp rank) before the optimizer step
+    (Megatron-LM `_allreduce_embedding_grads`, DeepSpeed's `_exec_reduce_tied_grads`,
+    `pipeline/tied.sync_tied_embedding_grads` here). Under ZeRO-3 the copies' gathers carry it."""
+    if layout.pp == 1 or not model.tie_word_embeddings or layout.zero >= 3:
+        return 0.0
+    nbytes = model.vocab_size * model.hidden_size / layout.tp * DTYPE_BYTES[dtype]
+    crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
+    return all_reduce_time(nbytes, *((1, 2) if crosses else (2, 1)), Links.of(hardware, efficiency))
+
+
 def step_overheads(
     model: ModelConfig,
     layout: Layout,
@@ -288,10 +303,12 @@ def step_overheads(
     dtype: str,
     stage: StageCosts,
 ) -> tuple[float, float]:
-    """(DP sync left exposed after the pipeline, optimizer step): what a step adds to the makespan."""
+    """(gradient syncs left exposed after the pipeline, optimizer step): what a step adds to the
+    makespan. The tied-embedding all-reduce runs after the backward, as the optimizer waits for it."""
     sync = grad_sync_time(model, layout, hardware, efficiency, dtype)
     last_backward = max(i + w for i, w in zip(stage.backward_input, stage.backward_weight))
     exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
+    exposed_sync += tied_embedding_sync_time(model, layout, hardware, efficiency, dtype)
     replicas = layout.dp * layout.cp * layout.sp  # the ZeRO group is the trainer's dp_sp
     local_params = stage_params(model, layout) / (replicas if layout.zero >= 1 else 1)
     return exposed_sync, costs.optimizer_time(local_params, hardware, efficiency, layout.optimizer_bytes)

@@ -57,3 +57,55 @@ def test_pipeline_handoffs_use_the_calibrated_latency_where_measured():
     assert links.intra_latency == 1.5e-3 and links.intra_bandwidth == 2e9
     older = replace(gpu, extra={"p2p_latency": 60e-6, "p2p_bandwidth": 2e9})  # a profile from before
     assert p2p_links(older, MEASURED).intra_latency == 60e-6
+
+
+# A made-up measured table: 2 GPUs take 40 us up to 1 MiB, then 100 us at 2 MiB and 1 ms at 64 MiB.
+MEASURED_ROWS = ((2, (2.0**20, 2.0**21, 2.0**26), (40e-6, 100e-6, 1e-3)),)
+
+
+def test_a_measured_all_reduce_table_times_intra_node_groups_it_has():
+    from dataclasses import replace
+
+    from shiftlm.sim.collectives import measured_all_reduce_time
+
+    assert measured_all_reduce_time(MEASURED_ROWS, 2, 2.0**19) == 40e-6  # below the table: its floor
+    assert abs(measured_all_reduce_time(MEASURED_ROWS, 2, 1.5 * 2.0**20) - 70e-6) < 1e-12  # linear
+    assert abs(measured_all_reduce_time(MEASURED_ROWS, 2, 2.0**27) - 2e-3) < 1e-12  # its last bus bandwidth
+    assert measured_all_reduce_time(MEASURED_ROWS, 4, 2.0**21) is None  # no such group measured
+    gpu = replace(CATALOG["a100-80gb"], allreduce_table=MEASURED_ROWS)
+    links = Links.of(gpu, FIRST_PRINCIPLES)
+    assert links.intra_bandwidth == gpu.intra_node_bandwidth  # measured: no efficiency factor
+    assert abs(all_reduce_time(2.0**21, 2, 1, links) - 100e-6) < 1e-12
+    # groups the table lacks keep the link model; a group across nodes uses the table inside each
+    assert all_reduce_time(2.0**21, 4, 1, links) == all_reduce_time(
+        2.0**21, 4, 1, replace(links, allreduce_table=())
+    )
+    across = all_reduce_time(2.0**21, 2, 2, links)
+    inter = all_reduce_time(2.0**21 / 2, 1, 2, links)
+    assert abs(across - (100e-6 + inter)) < 1e-12
+
+
+def test_vtrain_testbed_carries_its_published_nccl_measurements():
+    from shiftlm.sim.collectives import measured_all_reduce_time
+    from shiftlm.sim.measured import vtrain_testbed
+
+    gpu = vtrain_testbed()
+    assert [ranks for ranks, _, _ in gpu.allreduce_table] == [2, 3, 4, 5, 6, 7, 8]
+    for _, sizes, times in gpu.allreduce_table:
+        assert len(sizes) == 1024 and sizes[0] == 2**20 and sizes[-1] == 2**30
+        assert all(b - a == 2**20 for a, b in zip(sizes, sizes[1:]))
+        assert all(t > 0 for t in times)
+    # the files' own numbers: 8 GPUs, 1 MiB in 92 us (in place); bus bandwidth at 1 GiB ~220 GB/s
+    assert abs(measured_all_reduce_time(gpu.allreduce_table, 8, 2**20) - 92.15e-6) < 1e-9
+    assert 200e9 < gpu.intra_node_bandwidth < 240e9
+    assert gpu.inter_node_bandwidth == 100e9 / 8
+
+
+def test_a_profile_with_an_all_reduce_table_round_trips(tmp_path):
+    from dataclasses import replace
+
+    from shiftlm.hardware import load_profile, save_profile
+
+    gpu = replace(CATALOG["a100-80gb"], allreduce_table=MEASURED_ROWS)
+    save_profile(gpu, tmp_path / "hw.json")
+    assert load_profile(tmp_path / "hw.json") == gpu

@@ -6,6 +6,8 @@ proposes one engine."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from shiftlm.hardware import CATALOG
@@ -101,14 +103,16 @@ def test_zero_3_is_planned_with_and_without_a_pipeline(tmp_path):
 
 
 def test_every_70b_plan_runs_the_dry_run(ranks, tmp_path):
-    from shiftlm.train.dryrun import dry_run
+    from shiftlm.train.dryrun import AXES, dry_run
     from shiftlm.train.elastic import run_training
 
     def pooled(config, nproc):
         return ranks.run(nproc, run_training, config.to_dict(), True)[0]
 
     for ranked, config in _top_plans("llama3-70b", "h100-sxm", 64, 8192, 512, tmp_path):
-        phases = dry_run(config, 8, launch=pooled)  # raises unless the step equals one rank's
+        # the stand-in keeps every parallel axis of the plan at >= 2: 8 ranks, or 16 for a 4-axis plan
+        needed = math.prod(min(getattr(config.parallel, axis), 2) for axis in AXES)
+        phases = dry_run(config, max(8, needed), launch=pooled)  # raises unless the step equals one rank's
         assert phases["config"]["zero"] == ranked.layout.zero
         assert (
             phases["check"]["rel_diff"]["loss"] <= 1e-5 and phases["check"]["rel_diff"]["grad_norm"] <= 5e-5
