@@ -21,7 +21,7 @@ from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time,
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
-from shiftlm.sim.trainer_costs import regathered_stage_costs, zero_sync_factor
+from shiftlm.sim.trainer_costs import data_group, regathered_stage_costs, zero_sync_factor
 
 
 def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, efficiency, dtype: str):
@@ -287,10 +287,13 @@ def tied_embedding_sync_time(
     head are two copies of one weight: after the backward their gradients are summed by an all-reduce
     between the two ranks (V x h / tp gradient elements per tp rank) before the optimizer step
     (Megatron-LM `_allreduce_embedding_grads`, DeepSpeed's `_exec_reduce_tied_grads`,
-    `pipeline/tied.sync_tied_embedding_grads` here). Under ZeRO-3 the copies' gathers carry it."""
-    if layout.pp == 1 or not model.tie_word_embeddings or layout.zero >= 3:
+    `pipeline/tied.sync_tied_embedding_grads` here). With sharded gradients (ZeRO-2/3) shiftlm sums
+    the two copies' shards instead (`train/grad_shards.sync_tied`): 1/N of it, N the data group."""
+    if layout.pp == 1 or not model.tie_word_embeddings:
         return 0.0
     nbytes = model.vocab_size * model.hidden_size / layout.tp * DTYPE_BYTES[dtype]
+    if layout.zero >= 2:
+        nbytes /= data_group(layout)
     crosses = group_placement(layout, "pp", hardware.gpus_per_node)[1] > 1
     return all_reduce_time(nbytes, *((1, 2) if crosses else (2, 1)), Links.of(hardware, efficiency))
 

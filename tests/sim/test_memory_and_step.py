@@ -100,3 +100,30 @@ def test_a_megatron_hand_off_without_sp_waits_for_the_receivers_tp_all_gather():
     assert first_stage_backward(with_sp) == pytest.approx(
         first_stage_backward(replace(with_sp, blocking_p2p=False))
     )
+
+
+def test_tied_embeddings_add_one_all_reduce_between_the_end_stages():
+    from dataclasses import replace
+
+    from shiftlm.sim.collectives import Links, all_reduce_time
+    from shiftlm.sim.train import tied_embedding_sync_time
+
+    model = gpt_style(4096, 32, 32)  # tied, vocabulary 51,200
+    links = Links.of(A100, FIRST_PRINCIPLES)
+    one_node = Layout(pp=2, tp=4, global_batch=8, seq_len=2048)  # both stages inside one node
+    nbytes = 51200 * 4096 / 4 * 2
+    sync = tied_embedding_sync_time(model, one_node, A100, FIRST_PRINCIPLES, "bf16")
+    assert sync == all_reduce_time(nbytes, 2, 1, links) > 0
+    across = Layout(pp=2, tp=8, global_batch=8, seq_len=2048)  # a stage per node
+    nbytes = 51200 * 4096 / 8 * 2
+    assert tied_embedding_sync_time(model, across, A100, FIRST_PRINCIPLES, "bf16") == all_reduce_time(
+        nbytes, 1, 2, links
+    )
+    sharded = Layout(dp=4, pp=2, tp=8, zero=2, global_batch=8, seq_len=2048)  # on 1/4 shards
+    assert tied_embedding_sync_time(model, sharded, A100, FIRST_PRINCIPLES, "bf16") == all_reduce_time(
+        nbytes / 4, 1, 2, links
+    )
+    # nothing to sum without a pipeline or with an untied head
+    assert tied_embedding_sync_time(model, replace(one_node, pp=1), A100, FIRST_PRINCIPLES, "bf16") == 0
+    untied = replace(model, tie_word_embeddings=False)
+    assert tied_embedding_sync_time(untied, one_node, A100, FIRST_PRINCIPLES, "bf16") == 0
