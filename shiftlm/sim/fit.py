@@ -2,7 +2,7 @@
 
 Golden-section coordinate descent on the mean over tables of the fit-split MAPE, sweep after sweep
 until a sweep moves no parameter (until 2026-11-27 it stopped after 3 sweeps, short of that: the
-objective was still falling, 4.62% after 3 sweeps, 4.51% at the fixed point after ~12). Each objective
+objective was still falling: 4.62% after 3 sweeps, 4.51% at the fixed point, 10 sweeps). Each objective
 evaluation re-times every fit row without simulating its pipeline: a row keeps the critical paths
 (`critical_path.py`) of the points it was simulated at, and its makespan is the longest of them under
 the new stage costs (exact while the critical path is among them; a lower bound otherwise). Rows are
@@ -36,7 +36,7 @@ BOUNDS = {
     "attention_kernel": (0.2, 1.0),
     "activation_bytes": (0.0, 200.0),
 }
-MAX_SWEEPS = 50  # a fit with sweeps=None stops earlier, at its fixed point (the shipped fit: ~12)
+MAX_SWEEPS = 50  # a fit with sweeps=None stops earlier, at its fixed point (the shipped fit: 10)
 CLUSTER_BOUNDS = (0.3, 2.0)  # a cluster's achieved NVLink rate may exceed what its README states
 
 

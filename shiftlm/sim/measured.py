@@ -42,7 +42,7 @@ def vtrain_allreduce_table(data_dir: Path = MEASURED_DIR) -> tuple:
     in place. `Hardware.allreduce_table` rows."""
     path = data_dir / VTRAIN_NCCL
     if not path.exists():
-        raise ValueError(f"{path} is missing; --data must hold the measured tables and {VTRAIN_NCCL}")
+        raise ValueError(f"{path} is missing; reinstall shiftlm (the package ships {VTRAIN_NCCL})")
     groups: dict[int, list[tuple[float, float]]] = {}
     with gzip.open(path, "rt") as handle:
         for row in csv.DictReader(handle):

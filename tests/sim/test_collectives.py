@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shiftlm.hardware import CATALOG
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES
@@ -44,8 +46,6 @@ def test_all_reduce_bus_bandwidth_is_two_n_minus_one_over_n():
 
 
 def test_pipeline_handoffs_use_the_calibrated_latency_where_measured():
-    from dataclasses import replace
-
     from shiftlm.hardware import CATALOG
     from shiftlm.sim.collectives import Links, p2p_links
     from shiftlm.sim.efficiency import MEASURED
@@ -64,8 +64,6 @@ MEASURED_ROWS = ((2, (2.0**20, 2.0**21, 2.0**26), (40e-6, 100e-6, 1e-3)),)
 
 
 def test_a_measured_all_reduce_table_times_intra_node_groups_it_has():
-    from dataclasses import replace
-
     from shiftlm.sim.collectives import measured_all_reduce_time
 
     assert measured_all_reduce_time(MEASURED_ROWS, 2, 2.0**19) == 40e-6  # below the table: its floor
@@ -102,8 +100,6 @@ def test_vtrain_testbed_carries_its_published_nccl_measurements():
 
 
 def test_a_profile_with_an_all_reduce_table_round_trips(tmp_path):
-    from dataclasses import replace
-
     from shiftlm.hardware import load_profile, save_profile
 
     gpu = replace(CATALOG["a100-80gb"], allreduce_table=MEASURED_ROWS)

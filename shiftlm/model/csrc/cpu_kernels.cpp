@@ -139,8 +139,7 @@ int64_t touch_blocks(const T* k, const T* v, const int64_t* table, int64_t start
 // and the rows are touched first (`touch_blocks`). The cache is cold when a layer reads it (a step's
 // GEMM weights stream through L3 between two reads); `python bench/serve_kernels.py --stages 7` times
 // one layer hot and cold (docs/serving.md, "Decode attention that streams its rows"). Parallel over
-// sequences: `attend` splits
-// by KV head too and stays for fewer sequences than threads.
+// sequences: `attend` splits by KV head too and stays for fewer sequences than threads.
 template <typename T, int64_t kDim>
 void attend_rows(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* rows,
                  const int64_t* pos, T* out, int64_t S, int64_t Q, int64_t B, int64_t Hq, int64_t Hkv,
