@@ -10,6 +10,7 @@ gather + SDPA attention (docs/serving.md "Paged attention kernel").
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -19,7 +20,27 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("shm_exchange.cpp"))  # the second: comm/shm.py's collectives
-NAME = "shiftlm_cpu_kernels"
+
+
+def _flags() -> list[str]:
+    # -fopenmp-simd: the simd loops only; with -fopenmp the .so would bring GCC's OpenMP runtime, whose
+    # worker threads spun beside PyTorch's and slowed the step's GEMMs by a third
+    # -ffast-math: vectorised expf (glibc's libmvec) in the softmax; the kernel keeps no infinities
+    return ["-O3", "-fopenmp-simd", "-ffast-math"] + (
+        [] if os.environ.get("SHIFTLM_KERNEL_PORTABLE") else ["-march=native"]
+    )
+
+
+def _name() -> str:
+    """The extension's name, keyed by its sources and flags: two installs (or checkouts) with different
+    sources each keep their own build in the shared cache instead of rebuilding each other's."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(_flags()).encode())
+    return f"shiftlm_cpu_kernels_{digest.hexdigest()[:16]}"
+
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -36,22 +57,17 @@ def _build():
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
+    name, flags = _name(), _flags()
     try:  # say where it goes before a first build's silent ~25 s
-        where = cpp_extension._get_build_directory(NAME, False)
-        built = any(Path(where).glob(f"{NAME}*.so"))
+        where = cpp_extension._get_build_directory(name, False)
+        built = any(Path(where).glob(f"{name}*.so"))
     except Exception:  # a private helper of torch's: only the message depends on it
         where, built = "torch's extension cache", True
     if not built:
         log.warning("building shiftlm's CPU kernels (first start only, ~25 s; cached in %s)", where)
-    # -fopenmp-simd: the simd loops only; with -fopenmp the .so would bring GCC's OpenMP runtime, whose
-    # worker threads spun beside PyTorch's and slowed the step's GEMMs by a third
-    # -ffast-math: vectorised expf (glibc's libmvec) in the softmax; the kernel keeps no infinities
-    flags = ["-O3", "-fopenmp-simd", "-ffast-math"] + (
-        [] if os.environ.get("SHIFTLM_KERNEL_PORTABLE") else ["-march=native"]
-    )
     try:
         module = cpp_extension.load(
-            name=NAME,
+            name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=flags,
             verbose=False,
