@@ -200,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as err:
+        from shiftlm.extras import missing_extra
+
+        fix = missing_extra(err)
+        if fix is None:
+            raise
+        print(f"{prog}: error: {fix}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

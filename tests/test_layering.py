@@ -14,12 +14,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "shiftlm"
 
-BASE = {"config", "hardware", "presets", "data"}
+BASE = {"config", "hardware", "presets", "data", "extras"}
 ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
     "config": set(),
     "hardware": set(),
     "data": set(),
+    "extras": set(),
     "presets": {"config"},
     "comm": {"config"},
     "mesh": {"config", "comm"},
@@ -33,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     # sim/calibrate_comm.py times point-to-point and the shared-memory collectives through comm (with
     # model.cpu_kernels, their C++ side), as the pipeline executor and the serving runner use them
     "sim": BASE | {"comm", "model", "launch", "pipeline", "serve", "train"},
-    "cli": {"config"},
+    "cli": {"config", "extras"},
     "__main__": {"cli"},
 }
 # The pre-launch checks of `shiftlm train` price the run with the simulator's memory model (one

@@ -14,8 +14,11 @@ from shiftlm.config import ConfigError
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from shiftlm.extras import require
     from shiftlm.serve.options import ServeOptions
     from shiftlm.serve.server import run_server
+
+    require("serve")
 
     if args.model_positional and args.model and args.model_positional != args.model:
         return _fail(f"two models given ({args.model_positional!r} and --model {args.model!r}); give one")

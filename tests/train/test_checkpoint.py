@@ -132,3 +132,32 @@ def test_bitpipe_saves_one_copy_of_each_tensor_and_resumes(ranks, tmp_path, unin
     rest = ranks.run(2, run, layout, str(tmp_path), None, True)[0]
     for step, loss in rest.items():
         assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+def test_the_export_writes_the_generation_config_transformers_writes(ranks, tmp_path):
+    """bos/eos/pad as `transformers` reads them, and `generate` on the export says nothing."""
+    import logging
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    ranks.run(1, run, [], str(tmp_path), 3)
+    hf_dir = export_checkpoint(tmp_path, tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    generation = GenerationConfig.from_pretrained(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert (generation.bos_token_id, generation.eos_token_id) == (
+        config["bos_token_id"],
+        config["eos_token_id"],
+    )
+    assert generation.pad_token_id == tokenizer.pad_token_id is not None
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    hf_logging.get_logger().addHandler(handler)
+    try:
+        model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+    assert [r.getMessage() for r in records] == []
