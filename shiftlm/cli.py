@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
+        args.command_line = argv  # what the user typed (a resume hint repeats it)
         return int(args.func(args) or 0)
     except UsageError as err:
         print(f"{err.prog}: error: {_one_line(err)}", file=sys.stderr)

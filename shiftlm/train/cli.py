@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -36,9 +39,10 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shiftlm.launch import RankFailure
+    from shiftlm.launch import Interrupted, RankFailure
     from shiftlm.train.config import load_config
     from shiftlm.train.elastic import launch, resume_hint
+    from shiftlm.train.stopping import exit_code
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
@@ -66,6 +70,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
     try:
         summary = launch(config, args.nproc, args.json, args.elastic, args.max_restarts)
+    except Interrupted as err:  # before the first step boundary: nothing new to save
+        print(f"[shiftlm] {interrupted_line(err.signum, config, args, False)}", file=sys.stderr, flush=True)
+        return exit_code(err.signum)
     except RankFailure as err:  # the failed rank, its traceback, the others stopped, how to resume
         if err.report.kind == "usage":  # a user error on a rank: one line, its exit code
             raise ConfigError(err.report.message, err.report.code or 2) from None
@@ -79,7 +86,44 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(end_of_run(summary))
+    if summary.get("interrupted"):
+        print(f"[shiftlm] {interrupted_line(summary['interrupted'], config, args)}", file=sys.stderr)
+        return exit_code(summary["interrupted"])
     return 0
+
+
+# what a rerun must not repeat: these would delete (or not read) the checkpoint it should resume from
+_FRESH_START = ("--overwrite", "--checkpoint.resume", "--checkpoint.overwrite")
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same one, without the flags that start afresh
+    (a rerun under torchrun is the same torchrun command)."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in _FRESH_START:
+            skip = "=" not in item and name != "--overwrite"  # `--checkpoint.resume false`
+            continue
+        kept.append(item)
+    command = "shiftlm " + shlex.join(kept)
+    return command if "TORCHELASTIC_RUN_ID" not in os.environ else f"the same torchrun ... -m {command}"
+
+
+def interrupted_line(signum: int, config: TrainConfig, args: argparse.Namespace, saved: bool = True) -> str:
+    """After SIGINT/SIGTERM: where the run stopped and the exact command that continues it."""
+    from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
+
+    name = signal.Signals(signum).name
+    latest = latest_checkpoint(Path(config.log.dir) / "checkpoints")
+    if latest is None:
+        return f"{name} before the first step: nothing to save; `shiftlm {shlex.join(args.command_line)}` starts it"
+    step = read_trainer_state(latest)["step"]
+    where = f"saved {latest}" if saved else f"stopped before a step ended; the newest checkpoint is {latest}"
+    return f"{name}: {where} (step {step}); to resume: {resume_command(args.command_line)}"
 
 
 def _dry_run(config: TrainConfig, args: argparse.Namespace) -> int:
@@ -102,7 +146,8 @@ def end_of_run(summary: dict) -> str:
     else:
         losses = summary["losses"]
         last = losses[max(losses)] if losses else float("nan")
-        head = f"trained to step {summary['steps']}, final loss {last:.4f}"
+        done = "stopped at" if summary.get("interrupted") else "trained to"
+        head = f"{done} step {summary['steps']}, final loss {last:.4f}"
         if summary.get("val_losses"):
             val = summary["val_losses"]
             head += f", validation loss {val[max(val)]:.4f}"

@@ -71,7 +71,8 @@ class DataSection:
 
 @dataclass
 class CheckpointSection:
-    every: int = 0  # save every N steps; 0: only at the end
+    every: int = 0  # save every N steps; 0: only at the end (and as every_s, and on SIGINT/SIGTERM)
+    every_s: float = 300.0  # also save when this many seconds passed since the last save; 0: off
     keep: int = 2  # checkpoints kept on disk (oldest deleted first)
     resume: bool = True  # continue from the newest checkpoint in <log.dir>/checkpoints if one exists
     overwrite: bool = False  # with resume = false: delete another run's checkpoints and metrics in log.dir
@@ -219,6 +220,8 @@ def validate(config: TrainConfig) -> None:
     train, optim = config.train, config.optim
     if train.recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"train.recompute = {train.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    if config.checkpoint.every_s < 0:
+        raise ConfigError(f"checkpoint.every_s = {config.checkpoint.every_s} must be >= 0 (0: off)")
     if train.bucket_mb <= 0:
         raise ConfigError(f"train.bucket_mb = {train.bucket_mb} must be > 0 (MiB per all-reduce bucket)")
     if train.dtype not in DTYPES:
