@@ -46,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
-    from shiftlm.train.preflight import check_memory, check_run_dir, check_world, run_device
+    from shiftlm.train.preflight import check_memory, check_run_dir, check_world, fill_dp, run_device
     from shiftlm.train.setup import model_shape
 
     overrides = _overrides(args)
@@ -57,6 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("--overwrite starts afresh; it cannot go with --checkpoint.resume=true: drop one")
     if args.dry_run:
         return _dry_run(config, args)
+    config, filled = fill_dp(config, args.nproc, _dp_given(args))
+    if filled and not args.json:
+        print(filled)
     model = model_shape(config)  # the layout against the model, before the world size
     check_world(config, args.nproc)
     run_device(config, args.nproc)  # the device (refusing what it cannot be) before any rank starts
@@ -126,6 +129,16 @@ def interrupted_line(signum: int, config: TrainConfig, args: argparse.Namespace,
     return f"{name}: {where} (step {step}); to resume: {resume_command(args.command_line)}"
 
 
+def _dp_given(args: argparse.Namespace) -> bool:
+    """Whether the command line or the config file sets parallel.dp."""
+    import tomllib
+
+    if args.__dict__.get("parallel.dp") is not None:
+        return True
+    path = args.config_file or args.config
+    return bool(path) and "dp" in tomllib.loads(Path(path).read_text()).get("parallel", {})
+
+
 def _dry_run(config: TrainConfig, args: argparse.Namespace) -> int:
     from shiftlm.train.dryrun import dry_run, phase_lines
 
@@ -163,11 +176,29 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from shiftlm.train.quickstart import quickstart
+    from shiftlm.launch import Interrupted
+    from shiftlm.train.quickstart import next_steps, quickstart
+    from shiftlm.train.stopping import exit_code
 
-    summary = quickstart(Path(args.out), args.steps, quiet=args.json)
+    resume = f"to resume: shiftlm quickstart --out {shlex.quote(args.out)}" + (
+        f" --steps {args.steps}" if args.steps else ""
+    )
+    try:
+        summary = quickstart(Path(args.out), args.steps, quiet=args.json, overwrite=args.overwrite)
+    except Interrupted as err:
+        print(f"[shiftlm] {signal.Signals(err.signum).name} before the first step; {resume}", file=sys.stderr)
+        return exit_code(err.signum)
     if args.json:
         print(json.dumps(summary))
+    if summary["interrupted"]:
+        name = signal.Signals(summary["interrupted"]).name
+        print(
+            f"[shiftlm] {name}: saved {summary['checkpoint']} (step {summary['steps']}); {resume}",
+            file=sys.stderr,
+        )
+        return exit_code(summary["interrupted"])
+    if not args.json:
+        print(next_steps(summary))
     return 0
 
 
@@ -262,5 +293,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     quick.add_argument("--out", default="runs/quickstart", help="run dir; the HF model goes to OUT/hf")
     quick.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: 200)")
+    quick.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete a finished run in OUT and train afresh (without it: refused; an unfinished run resumes)",
+    )
     quick.add_argument("--json", action="store_true", help="print one JSON summary")
     quick.set_defaults(func=cmd_quickstart)
