@@ -168,10 +168,16 @@ def end_of_run(summary: dict) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
     from shiftlm.train.export import export_checkpoint
 
     out = export_checkpoint(Path(args.run), Path(args.to_hf), args.checkpoint)
-    print(json.dumps({"exported": str(out)}) if args.json else f"exported {out}")
+    source = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(Path(args.run) / "checkpoints")
+    step = read_trainer_state(source)["step"]
+    if args.json:
+        print(json.dumps({"exported": str(out), "checkpoint": str(source), "step": step}))
+    else:
+        print(f"exported step {step} ({source}) to {out}")
     return 0
 
 
