@@ -71,7 +71,8 @@ EXIT_CODES = {
     DoesNotFitError.exit_code: "the run does not fit in this device's memory (the estimate is printed)",
     RunDirError.exit_code: "the run directory holds another run (use --overwrite or another log.dir)",
     75: "a hung or dead rank was detected: restart (torchrun --max-restarts) resumes from the last checkpoint",
-    130: "interrupted (Ctrl-C)",
+    130: "interrupted (Ctrl-C); training first saves a checkpoint at the next step and names it",
+    143: "terminated (SIGTERM); training first saves a checkpoint at the next step and names it",
 }
 
 
