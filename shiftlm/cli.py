@@ -158,13 +158,9 @@ def build_parser(command: str | None = None) -> Parser:
     return parser
 
 
-def _one_line(text: str) -> str:
-    return "; ".join(part.strip() for part in str(text).splitlines() if part.strip())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one `shiftlm` command; returns its exit code (user errors: one line on stderr)."""
-    from shiftlm.config import ConfigError
+    from shiftlm.config import ConfigError, error_line
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)
@@ -186,16 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
+        args.command_line = argv  # what the user typed (a resume hint repeats it)
         return int(args.func(args) or 0)
     except UsageError as err:
-        print(f"{err.prog}: error: {_one_line(err)}", file=sys.stderr)
+        print(error_line(err.prog, str(err)), file=sys.stderr)
         return 2
     except ConfigError as err:
-        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        print(error_line(prog, str(err)), file=sys.stderr)
         return err.exit_code
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as err:
         what = str(err) if err.filename is None else f"{err.strerror}: {err.filename}: check the path"
-        print(f"{prog}: error: {_one_line(what)}", file=sys.stderr)
+        print(error_line(prog, what), file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

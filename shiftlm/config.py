@@ -56,6 +56,12 @@ class RunDirError(ConfigError):
 
 
 # What the `shiftlm` command exits with (documented in docs/training.md, "Errors and exit codes").
+def error_line(command: str, message: str) -> str:
+    """Every command's user error, one line: `shiftlm COMMAND: error: <what is wrong>: <the fix>`."""
+    text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    return f"{command if command.startswith('shiftlm') else f'shiftlm {command}'}: error: {text}"
+
+
 EXIT_CODES = {
     0: "success (including a training run that was already complete)",
     1: "an internal error: a bug, printed with its traceback",
@@ -65,7 +71,8 @@ EXIT_CODES = {
     DoesNotFitError.exit_code: "the run does not fit in this device's memory (the estimate is printed)",
     RunDirError.exit_code: "the run directory holds another run (use --overwrite or another log.dir)",
     75: "a hung or dead rank was detected: restart (torchrun --max-restarts) resumes from the last checkpoint",
-    130: "interrupted (Ctrl-C)",
+    130: "interrupted (Ctrl-C); training first saves a checkpoint at the next step and names it",
+    143: "terminated (SIGTERM); training first saves a checkpoint at the next step and names it",
 }
 
 

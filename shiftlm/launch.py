@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -198,6 +200,47 @@ class RankFailure(RuntimeError):
         return "\n".join(lines)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM stopped a `run_ranks` job before rank 0 returned (before its first step, or by
+    a second signal); `signum` is the first signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Forward:
+    """While ranks run (main thread only): pass the first SIGINT/SIGTERM on to every live rank, which
+    stops at its next step boundary with a checkpoint (train/stopping.py); a second one stops them now."""
+
+    def __init__(self, procs: list):
+        self.procs, self.received, self._previous = procs, 0, {}
+
+    def __enter__(self) -> _Forward:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.received:
+            raise Interrupted(self.received)
+        self.received = signum
+        print(
+            f"[shiftlm] {signal.Signals(signum).name}: stopping at the next step boundary with a "
+            "checkpoint (again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for proc in self.procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signum)
+
+
 def _rank_main(rank: int, world_size: int, port: int, conn, env: dict[str, str], fn, args, usage) -> None:
     _set_rank_env(rank, world_size, port, env)
     import datetime
@@ -275,7 +318,9 @@ def run_ranks(
     reports: list = []
     done: set[int] = set()
     first_failure: float | None = None
+    forward = _Forward(procs)
     try:
+        forward.__enter__()
         while len(done) < world_size:
             if first_failure is not None and time.monotonic() - first_failure > settle_s:
                 break
@@ -306,7 +351,10 @@ def run_ranks(
                 if first_failure is None:
                     first_failure = time.monotonic()
     finally:
+        forward.__exit__()
         _stop(procs, grace_s)
+    if forward.received and (reports or 0 not in results):  # stopped before rank 0 could save
+        raise Interrupted(forward.received)
     if not reports:
         return results.get(0)
     stopped = time.monotonic() - (first_failure or time.monotonic())

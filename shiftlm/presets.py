@@ -66,11 +66,17 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def _normal(name: str) -> str:
+    """A preset name without case, '-' and '_': llama-3-70b, Llama3-70B and llama3_70b are one."""
+    return "".join(c for c in name.lower() if c not in "-_ ")
+
+
 def resolve_model(name_or_path: str) -> ModelConfig:
-    """A preset name (case-insensitive) or a path to a config.json (or its checkpoint directory)."""
-    key = name_or_path.lower()
-    if key in PRESETS:
-        return PRESETS[key]
+    """A preset name (case, '-' and '_' ignored) or a path to a config.json (or its checkpoint dir)."""
+    key = _normal(name_or_path)
+    for name, model in PRESETS.items():
+        if _normal(name) == key:
+            return model
     if Path(name_or_path).exists():
         return ModelConfig.from_hf(name_or_path)
     raise ValueError(

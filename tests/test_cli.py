@@ -38,7 +38,7 @@ def _assert_one_line(err: str, *fragments: str) -> None:
         (["train", "--nproc", "0"], USAGE, ["--nproc", "must be >= 1"]),
         (["train", "--nproc=-2"], USAGE, ["--nproc", "must be >= 1"]),
         (["trian"], USAGE, ["unknown command 'trian'", "did you mean 'train'?"]),
-        (["train", "--train.steps=many"], USAGE, ["train.steps", "not a int"]),
+        (["train", "--train.steps=many"], USAGE, ["train.steps", "is not an int"]),
         (["train", "--train.zero=7"], USAGE, ["train.zero = 7"]),
         (["train", "--parallel.dp=2"], USAGE, ["needs 2 ranks", "--nproc 2"]),
         (["train", "--parallel.tp=3"], USAGE, ["sp*tp = 3 must divide num_attention_heads = 4"]),

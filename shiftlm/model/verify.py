@@ -49,8 +49,8 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron sequence-parallel norm regions"
     )
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2, help="sequences in the random input batch")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence of the input batch")
     parser.add_argument(
         "--tolerance", type=float, default=1e-5, help="max relative error (max|diff| / max|ref|)"
     )

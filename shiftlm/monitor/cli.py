@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from shiftlm.config import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,9 +57,8 @@ def run_report(args: argparse.Namespace) -> int:
         if args.window < 1 or not 0 < args.min_fraction <= 1:
             raise ValueError("--window must be >= 1 and --min-fraction in (0, 1]")
         ledgers = _load(Path(args.ledger_dir))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # one line, `shiftlm COMMAND: error: ...` (shiftlm.cli.main), exit 2
+        raise ConfigError(str(err)) from None
     stragglers = find_stragglers(
         ledgers, window=args.window, min_fraction=args.min_fraction, min_delay_ms=args.min_delay_ms
     )
@@ -79,11 +79,16 @@ def run_report(args: argparse.Namespace) -> int:
         f"ledgers of {len(ledgers)} ranks, {summary['records']} records; missing: "
         f"{summary['ranks_without_ledger'] or 'none'}"
     )
-    print(f"{'rank':>4} {'collectives':>11} {'last':>5} {'last %':>6} {'delay ms':>8} {'late ms':>8}")
+    # per rank: collectives it entered, how often it entered last (count, %), the median delay it
+    # caused the others when last, and how late it was on average
+    print(
+        f"{'rank':>4} {'collectives':>11} {'entered last':>12} {'% last':>6} {'median delay ms':>15} "
+        f"{'mean lateness ms':>16}"
+    )
     for entry in stragglers.ranks:
         print(
-            f"{entry.rank:>4} {entry.collectives:>11} {entry.times_last:>5} {100 * entry.last_fraction:>6.0f} "
-            f"{entry.median_delay_ms:>8.1f} {entry.mean_lateness_ms:>8.1f}"
+            f"{entry.rank:>4} {entry.collectives:>11} {entry.times_last:>12} {100 * entry.last_fraction:>6.0f} "
+            f"{entry.median_delay_ms:>15.1f} {entry.mean_lateness_ms:>16.1f}"
         )
     print(stragglers.summary())
     for rank, hang in sorted(hangs.items()):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from shiftlm.config import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,9 +53,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         forward, backward_input, backward_weight = _parse_costs(args.costs)
         schedule = build_schedule(args.name, args.pp, args.microbatches, args.chunks)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # one line, `shiftlm COMMAND: error: ...` (shiftlm.cli.main), exit 2
+        raise ConfigError(str(err)) from None
     chunks = schedule.placement.chunks
     result = simulate(
         schedule, ActionCosts(forward / chunks, backward_input / chunks, backward_weight / chunks)

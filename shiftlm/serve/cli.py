@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shiftlm.config import ConfigError
+from shiftlm.config import ConfigError, error_line
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -37,11 +37,11 @@ def _bench_serve(args: argparse.Namespace) -> int:
     try:
         return run_bench(args)
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        return _fail(str(err))
+        return _fail(str(err), command="bench")
 
 
-def _fail(message: str, code: int = 2) -> int:
-    print(f"error: {message}", file=sys.stderr)
+def _fail(message: str, code: int = 2, command: str = "serve") -> int:
+    print(error_line(command, message), file=sys.stderr)
     return code
 
 
@@ -205,8 +205,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     replay.add_argument("--rate", type=float, default=None, help="rescale arrivals to this many requests/s")
     replay.add_argument("--max-input", type=int, default=512, help="clip prompt lengths to this")
     replay.add_argument("--max-output", type=int, default=64, help="clip output lengths to this")
-    replay.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (goodput)")
-    replay.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO in seconds (goodput)")
+    # the SLOs in ms, spelled as `simulate serve` and `plan serve` spell them (stored in seconds);
+    # --slo-ttft / --slo-tpot (seconds) are the older spelling, kept
+    milliseconds = lambda text: float(text) / 1000  # noqa: E731
+    replay.add_argument(
+        "--slo-ttft-ms",
+        dest="slo_ttft",
+        type=milliseconds,
+        default=2.0,
+        help="TTFT SLO in ms for goodput (default: 2000)",
+    )
+    replay.add_argument(
+        "--slo-tpot-ms",
+        dest="slo_tpot",
+        type=milliseconds,
+        default=0.2,
+        help="TPOT SLO in ms for goodput (default: 200)",
+    )
+    replay.add_argument(
+        "--slo-ttft", type=float, default=argparse.SUPPRESS, help="TTFT SLO in seconds (older spelling)"
+    )
+    replay.add_argument(
+        "--slo-tpot", type=float, default=argparse.SUPPRESS, help="TPOT SLO in seconds (older spelling)"
+    )
     replay.add_argument("--timeout", type=float, default=300.0, help="give up on the whole replay after this")
     replay.add_argument("--out", default=None, help="directory for results.json and PNG plots")
     replay.add_argument("--json", action="store_true", help="print one JSON object")

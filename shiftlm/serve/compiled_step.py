@@ -20,6 +20,7 @@ else (larger batches, prefill and mixed steps, several ranks) runs the eager ste
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 import weakref
@@ -138,6 +139,13 @@ class CompiledDecode:
         """Compile now, one graph per batch size it applies to (any context length), on a dummy step
         that writes slots of block 0, then zero the cache; one log line each."""
         device = self.embed.device
+        announce = int(os.environ.get("RANK", "0")) == 0  # one rank says it, before the wait
+        if announce:
+            log.info(
+                "compiling the decode step for 1-%d sequence(s) (torch.compile, ~15 s each on 2 cores; "
+                "--enforce-eager skips this)",
+                self.max_seqs,
+            )
         for seqs in range(1, self.max_seqs + 1):
             start = time.perf_counter()
             rows = torch.arange(seqs, device=device)
@@ -157,9 +165,10 @@ class CompiledDecode:
             torch._dynamo.decorators.mark_unbacked(blocks, 0)
             torch._dynamo.decorators.mark_unbacked(bias, 3)
             self._fn(*args, self.cache.storage, self.weights, self.ends)
-            log.warning(
-                "compiled the decode step of %d sequence(s) in %.1f s", seqs, time.perf_counter() - start
-            )
+            if announce:
+                log.info(
+                    "compiled the decode step of %d sequence(s) in %.1f s", seqs, time.perf_counter() - start
+                )
         self.cache.storage.zero_()
 
 

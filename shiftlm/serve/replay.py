@@ -219,8 +219,9 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         print(
             f"{summary['completed']}/{summary['requests']} requests in {summary['duration_s']:.1f}s: "
-            f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} tok/s, "
-            f"goodput {summary['goodput']:.2f} req/s"
+            f"{summary['request_throughput']:.2f} req/s, {summary['output_token_throughput']:.1f} output tokens/s, "
+            f"goodput {summary['goodput']:.2f} req/s (TTFT <= {1000 * summary['slo']['ttft_s']:.0f} ms "
+            f"and TPOT <= {1000 * summary['slo']['tpot_s']:.0f} ms)"
         )
         for metric in ("ttft", "tpot", "itl", "e2e"):
             row = summary[metric]

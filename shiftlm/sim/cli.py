@@ -93,21 +93,30 @@ def _register_simulate_train(subparsers) -> None:
     parser = subparsers.add_parser("train", help="predict one training step of a layout on a cluster")
     flags.add_model_args(parser)
     flags.add_hardware_args(parser)
-    parser.add_argument("--seq", type=int, default=2048)
-    for name, default in (
-        ("tp", 1),
-        ("pp", 1),
-        ("sp", 1),
-        ("cp", 1),
-        ("dp", 0),
-        ("micro-batch", 1),
-        ("global-batch", 0),
-        ("chunks", 0),
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
+    for name, default, text in (
+        ("tp", 1, "tensor-parallel degree"),
+        ("pp", 1, "pipeline stages"),
+        ("sp", 1, "Ulysses sequence-parallel degree"),
+        ("cp", 1, "context-parallel (ring attention) degree"),
+        ("dp", 0, "data-parallel degree (default 0: what --gpus leaves)"),
+        ("micro-batch", 1, "sequences per micro-batch"),
+        ("global-batch", 0, "sequences per optimizer step (default 0: dp x micro-batch x pp)"),
+        ("chunks", 0, "pipeline stages per rank (default 0: the schedule's own)"),
     ):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
-    parser.add_argument("--zero", type=int, default=1)
+        parser.add_argument(f"--{name}", type=int, default=default, help=text)
+    parser.add_argument(
+        "--schedule", default="1f1b", help="pipeline schedule (shiftlm schedule --help lists them)"
+    )
+    parser.add_argument(
+        "--recompute",
+        default="selective",
+        choices=["none", "selective", "full"],
+        help="activation recomputation",
+    )
+    parser.add_argument(
+        "--zero", type=int, default=1, help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters"
+    )
     parser.set_defaults(func=flags.guarded(_simulate_train))
 
 
@@ -135,7 +144,7 @@ def _register_simulate_validate(subparsers) -> None:
         help="log-log predicted-vs-measured scatter plot, one panel per dataset (default: %(default)s)",
     )
     parser.add_argument("--rows", action="store_true", help="also print every row")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=flags.guarded(run_validate))
 
 
@@ -144,6 +153,11 @@ def _plan_train(args: argparse.Namespace) -> int:
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
     efficiency = flags.efficiency_for(args, hardware)
+    if not args.json:  # the search simulates thousands of layouts: seconds, more on big clusters
+        print(
+            f"planning {model.name} on {args.gpus} x {hardware.name} (best layout -> {args.out}) ...",
+            flush=True,
+        )
     plan = plan_training(
         model, hardware, args.gpus, args.seq, args.global_batch, args.top, efficiency, args.dtype
     )
@@ -188,8 +202,33 @@ def _plan_train(args: argparse.Namespace) -> int:
             f"recompute={lay.recompute} zero={lay.zero}: {r.result.step_time:.2f} s/step, "
             f"MFU {100 * r.result.mfu:.1f}% ({r.why()})"
         )
-    print(f"wrote {args.out}")
+    print(f"why 1.: {top_pick_reason(plan.ranked)}")
+    print(f"wrote {args.out}: the config of 1.; check it with `shiftlm train --dry-run --config {args.out}`")
     return 0
+
+
+def top_pick_reason(ranked: list) -> str:
+    """One line: why the planner's first layout beats its second (the term of the step time that
+    differs most) and how much memory it leaves."""
+    best = ranked[0].result
+    memory = f"uses {best.memory.total / 2**30:.0f} of {best.memory.capacity / 2**30:.0f} GiB per GPU"
+    if len(ranked) == 1:
+        return f"the only layout that fits; {memory}"
+    second = ranked[1].result
+    terms = {
+        k: second.breakdown.get(k, 0.0) - best.breakdown.get(k, 0.0)
+        for k in best.breakdown | second.breakdown
+    }
+    term, delta = max(terms.items(), key=lambda kv: kv[1])
+    gain = 100 * (second.step_time / best.step_time - 1)
+    layout = ranked[0].layout
+    peers = layout.dp * layout.cp * layout.sp
+    if layout.zero > 1 and peers > 1:  # at dp = 1 too: cp and sp peers hold the same weights
+        memory += f"; zero={layout.zero} shards the weights' state over the dp x cp x sp = {peers} ranks that hold them"
+    return (
+        f"the fastest predicted step that fits ({best.step_time:.2f} s, {gain:.1f}% faster than 2., which "
+        f"spends {delta:.2f} s more in {term}); {memory}"
+    )
 
 
 def _register_plan_train(subparsers) -> None:
@@ -198,10 +237,12 @@ def _register_plan_train(subparsers) -> None:
     )
     flags.add_model_args(parser)
     flags.add_hardware_args(parser)
-    parser.add_argument("--seq", type=int, required=True)
-    parser.add_argument("--global-batch", type=int, required=True)
-    parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("train.toml"))
+    parser.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--top", type=int, default=5, help="print this many layouts, best first")
+    parser.add_argument(
+        "--out", type=Path, default=Path("train.toml"), help="the `shiftlm train` config of the best layout"
+    )
     parser.set_defaults(func=flags.guarded(_plan_train))
 
 
@@ -284,5 +325,5 @@ def register(subparsers) -> None:
     calibrate.add_argument(
         "--engine-out", type=Path, help="engine profile path (default: engine.json next to --out)"
     )
-    calibrate.add_argument("--json", action="store_true")
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object")
     calibrate.set_defaults(func=flags.guarded(_calibrate))

@@ -4,19 +4,32 @@ bad input is reported: one line on stderr and exit code 2."""
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from shiftlm.config import ConfigError
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, Efficiency, measured
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    from shiftlm.presets import PRESETS
+
     group = parser.add_argument_group("model (a preset, an HF config.json, or GPT-style dims)")
-    group.add_argument("--model", help="preset name (e.g. llama3-8b) or path to config.json")
-    for name in ("hidden", "layers", "heads", "kv-heads", "ffn"):
-        group.add_argument(f"--{name}", type=int)
-    group.add_argument("--vocab", type=int, default=51200)
+    group.add_argument(
+        "--model",
+        help=f"a preset ({', '.join(PRESETS)}; '-' and case do not matter: llama-3-70b is llama3-70b) "
+        "or the path of an HF config.json (or its checkpoint directory)",
+    )
+    dims = {
+        "hidden": "hidden size (with --layers and --heads instead of --model)",
+        "layers": "transformer layers",
+        "heads": "attention heads",
+        "kv-heads": "key/value heads (default: --heads, multi-head attention)",
+        "ffn": "MLP intermediate size (default: 4 x --hidden)",
+    }
+    for name, text in dims.items():
+        group.add_argument(f"--{name}", type=int, help=text)
+    group.add_argument("--vocab", type=int, default=51200, help="vocabulary size (GPT dims)")
 
 
 def add_hardware_args(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +37,12 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
         "--gpu", default="h100", help="catalog name (a100, h100-sxm, h200, b200, mi300x, ...) or 'this'"
     )
     parser.add_argument("--hardware", type=Path, help="hardware profile JSON (from `shiftlm calibrate`)")
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    parser.add_argument(
+        "--gpus", type=int, required=True, help="GPUs in the cluster (all of them, every node)"
+    )
+    parser.add_argument(
+        "--dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"], help="weight and compute type"
+    )
     parser.add_argument("--first-principles", action="store_true", help="use unfitted efficiencies")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -54,13 +71,15 @@ def efficiency_for(args: argparse.Namespace, hardware) -> Efficiency:
 
 
 def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Bad input becomes one line on stderr and exit code 2, not a traceback."""
+    """Bad input (a ValueError) becomes a ConfigError: `shiftlm.cli.main` prints it as the one line
+    `shiftlm COMMAND: error: ...` every command uses, with exit code 2, not a traceback."""
 
     def run(args: argparse.Namespace) -> int:
         try:
             return handler(args)
+        except ConfigError:
+            raise
         except ValueError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+            raise ConfigError(str(err)) from None
 
     return run

@@ -26,8 +26,9 @@ from shiftlm.sim.serve_sim import ROUTINGS, EngineLimits, ServeRun, Slo, simulat
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     flags.add_model_args(parser)
     flags.add_hardware_args(parser)
-    parser.set_defaults(dtype="fp8")
-    parser.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"])
+    parser.add_argument(
+        "--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp8", "fp32"], help="KV cache element type"
+    )
     parser.add_argument(
         "--engine-profile",
         type=Path,
@@ -36,11 +37,17 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, required=True, help="Azure CSV or JSONL trace")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     parser.add_argument("--start", type=int, default=0, help="first trace row")
-    parser.add_argument("--max-requests", type=int, default=1000)
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-tokens-per-step", type=int, default=8192)
+    parser.add_argument("--max-requests", type=int, default=1000, help="replay at most this many requests")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO in ms (goodput)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT SLO in ms (goodput)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step (as vLLM's)")
+    parser.add_argument(
+        "--max-tokens-per-step",
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens per engine step (vLLM: --max-num-batched-tokens)",
+    )
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks per replica (default: what memory leaves)"
     )
@@ -76,14 +83,15 @@ def _inputs(args: argparse.Namespace):
     return setup, requests, limits, slo
 
 
-def _line(run: ServeRun) -> str:
+def _line(run: ServeRun, slo: Slo) -> str:
     s = run.summary()
     return (
         f"{s['layout']}: TTFT mean {s['ttft_ms']['mean']:.0f} ms (p99 {s['ttft_ms']['p99']:.0f}), "
         f"TPOT mean {s['tpot_ms'].get('mean', 0):.1f} ms (p99 {s['tpot_ms'].get('p99', 0):.1f}), "
-        f"E2E mean {s['e2e_ms']['mean']:.0f} ms; {s['total_tokens_per_s']:,.0f} tok/s "
-        f"({s['output_tokens_per_s']:,.0f} output), {s['requests_per_s']:.2f} req/s, "
-        f"goodput {s['goodput_requests_per_s']:.2f} req/s ({100 * s['slo_attainment']:.0f}% in SLO), "
+        f"E2E mean {s['e2e_ms']['mean']:.0f} ms; {s['total_tokens_per_s']:,.0f} tokens/s prompt + output "
+        f"({s['output_tokens_per_s']:,.0f} output tokens/s), {s['requests_per_s']:.2f} req/s, "
+        f"goodput {s['goodput_requests_per_s']:.2f} req/s ({100 * s['slo_attainment']:.0f}% within "
+        f"TTFT {1000 * slo.ttft_s:.0f} ms and TPOT {1000 * slo.tpot_s:.0f} ms), "
         f"{s['mode_switches']} mode switches"
     )
 
@@ -103,7 +111,7 @@ def _simulate_serve(args: argparse.Namespace) -> int:
     print(
         f"{setup.model.name} ({args.dtype}) on {args.gpus} x {setup.hardware.name}, {len(requests)} requests"
     )
-    print(_line(run))
+    print(_line(run, slo))
     print(
         f"steps {run.steps} ({run.steps_per_mode}), preemptions {run.preemptions}, "
         f"KV blocks per replica {run.kv_blocks_per_replica}"
@@ -116,7 +124,12 @@ def register_simulate_serve(subparsers) -> None:
         "serve", help="replay a trace on a serving layout (real scheduler, cost model)"
     )
     _add_serve_args(parser)
-    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        required=True,
+        help="tp: one TP group; dp: TP replicas; sp_tp: SP x TP; shift: full TP or SP x TP per step",
+    )
     parser.add_argument(
         "--tp", type=int, default=0, help="TP inside each replica / SP group (default: least that fits)"
     )
@@ -150,7 +163,7 @@ def _plan_serve(args: argparse.Namespace) -> int:
         return 0
     print(f"{len(plan.ranked)} layouts simulated on {len(requests)} requests; {len(plan.dropped)} do not fit")
     for rank, run in enumerate(plan.ranked[: args.top], 1):
-        print(f"{rank}. {_line(run)}")
+        print(f"{rank}. {_line(run, slo)}")
     print(f"suggested: {best.layout.name}")
     return 0
 
@@ -161,5 +174,5 @@ def register_plan_serve(subparsers) -> None:
     parser.add_argument(
         "--thresholds", type=int, nargs="+", help=f"shift thresholds to try {DEFAULT_THRESHOLDS}"
     )
-    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--top", type=int, default=5, help="print this many layouts, best first")
     parser.set_defaults(func=flags.guarded(_plan_serve))

@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -36,13 +39,14 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shiftlm.launch import RankFailure
+    from shiftlm.launch import Interrupted, RankFailure
     from shiftlm.train.config import load_config
     from shiftlm.train.elastic import launch, resume_hint
+    from shiftlm.train.stopping import exit_code
 
     if args.config_file and args.config and args.config_file != args.config:
         raise ConfigError(f"two config files given ({args.config_file} and --config {args.config}): pass one")
-    from shiftlm.train.preflight import check_memory, check_run_dir, check_world, run_device
+    from shiftlm.train.preflight import check_memory, check_run_dir, check_world, fill_dp, run_device
     from shiftlm.train.setup import model_shape
 
     overrides = _overrides(args)
@@ -53,6 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("--overwrite starts afresh; it cannot go with --checkpoint.resume=true: drop one")
     if args.dry_run:
         return _dry_run(config, args)
+    config, filled = fill_dp(config, args.nproc, _dp_given(args))
+    if filled and not args.json:
+        print(filled)
     model = model_shape(config)  # the layout against the model, before the world size
     check_world(config, args.nproc)
     run_device(config, args.nproc)  # the device (refusing what it cannot be) before any rank starts
@@ -66,6 +73,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
     try:
         summary = launch(config, args.nproc, args.json, args.elastic, args.max_restarts)
+    except Interrupted as err:  # before the first step boundary: nothing new to save
+        print(f"[shiftlm] {interrupted_line(err.signum, config, args, False)}", file=sys.stderr, flush=True)
+        return exit_code(err.signum)
     except RankFailure as err:  # the failed rank, its traceback, the others stopped, how to resume
         if err.report.kind == "usage":  # a user error on a rank: one line, its exit code
             raise ConfigError(err.report.message, err.report.code or 2) from None
@@ -79,7 +89,54 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(end_of_run(summary))
+    if summary.get("interrupted"):
+        print(f"[shiftlm] {interrupted_line(summary['interrupted'], config, args)}", file=sys.stderr)
+        return exit_code(summary["interrupted"])
     return 0
+
+
+# what a rerun must not repeat: these would delete (or not read) the checkpoint it should resume from
+_FRESH_START = ("--overwrite", "--checkpoint.resume", "--checkpoint.overwrite")
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same one, without the flags that start afresh
+    (a rerun under torchrun is the same torchrun command)."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        name = item.split("=", 1)[0]
+        if name in _FRESH_START:
+            skip = "=" not in item and name != "--overwrite"  # `--checkpoint.resume false`
+            continue
+        kept.append(item)
+    command = "shiftlm " + shlex.join(kept)
+    return command if "TORCHELASTIC_RUN_ID" not in os.environ else f"the same torchrun ... -m {command}"
+
+
+def interrupted_line(signum: int, config: TrainConfig, args: argparse.Namespace, saved: bool = True) -> str:
+    """After SIGINT/SIGTERM: where the run stopped and the exact command that continues it."""
+    from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
+
+    name = signal.Signals(signum).name
+    latest = latest_checkpoint(Path(config.log.dir) / "checkpoints")
+    if latest is None:
+        return f"{name} before the first step: nothing to save; `shiftlm {shlex.join(args.command_line)}` starts it"
+    step = read_trainer_state(latest)["step"]
+    where = f"saved {latest}" if saved else f"stopped before a step ended; the newest checkpoint is {latest}"
+    return f"{name}: {where} (step {step}); to resume: {resume_command(args.command_line)}"
+
+
+def _dp_given(args: argparse.Namespace) -> bool:
+    """Whether the command line or the config file sets parallel.dp."""
+    import tomllib
+
+    if args.__dict__.get("parallel.dp") is not None:
+        return True
+    path = args.config_file or args.config
+    return bool(path) and "dp" in tomllib.loads(Path(path).read_text()).get("parallel", {})
 
 
 def _dry_run(config: TrainConfig, args: argparse.Namespace) -> int:
@@ -102,7 +159,8 @@ def end_of_run(summary: dict) -> str:
     else:
         losses = summary["losses"]
         last = losses[max(losses)] if losses else float("nan")
-        head = f"trained to step {summary['steps']}, final loss {last:.4f}"
+        done = "stopped at" if summary.get("interrupted") else "trained to"
+        head = f"{done} step {summary['steps']}, final loss {last:.4f}"
         if summary.get("val_losses"):
             val = summary["val_losses"]
             head += f", validation loss {val[max(val)]:.4f}"
@@ -110,19 +168,43 @@ def end_of_run(summary: dict) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
     from shiftlm.train.export import export_checkpoint
 
     out = export_checkpoint(Path(args.run), Path(args.to_hf), args.checkpoint)
-    print(json.dumps({"exported": str(out)}) if args.json else f"exported {out}")
+    source = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(Path(args.run) / "checkpoints")
+    step = read_trainer_state(source)["step"]
+    if args.json:
+        print(json.dumps({"exported": str(out), "checkpoint": str(source), "step": step}))
+    else:
+        print(f"exported step {step} ({source}) to {out}")
     return 0
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    from shiftlm.train.quickstart import quickstart
+    from shiftlm.launch import Interrupted
+    from shiftlm.train.quickstart import next_steps, quickstart
+    from shiftlm.train.stopping import exit_code
 
-    summary = quickstart(Path(args.out), args.steps, quiet=args.json)
+    resume = f"to resume: shiftlm quickstart --out {shlex.quote(args.out)}" + (
+        f" --steps {args.steps}" if args.steps else ""
+    )
+    try:
+        summary = quickstart(Path(args.out), args.steps, quiet=args.json, overwrite=args.overwrite)
+    except Interrupted as err:
+        print(f"[shiftlm] {signal.Signals(err.signum).name} before the first step; {resume}", file=sys.stderr)
+        return exit_code(err.signum)
     if args.json:
         print(json.dumps(summary))
+    if summary["interrupted"]:
+        name = signal.Signals(summary["interrupted"]).name
+        print(
+            f"[shiftlm] {name}: saved {summary['checkpoint']} (step {summary['steps']}); {resume}",
+            file=sys.stderr,
+        )
+        return exit_code(summary["interrupted"])
+    if not args.json:
+        print(next_steps(summary))
     return 0
 
 
@@ -217,5 +299,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     quick.add_argument("--out", default="runs/quickstart", help="run dir; the HF model goes to OUT/hf")
     quick.add_argument("--steps", type=_positive_int, default=None, help="training steps (default: 200)")
+    quick.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete a finished run in OUT and train afresh (without it: refused; an unfinished run resumes)",
+    )
     quick.add_argument("--json", action="store_true", help="print one JSON summary")
     quick.set_defaults(func=cmd_quickstart)

@@ -75,7 +75,8 @@ class DataSection:
 
 @dataclass
 class CheckpointSection:
-    every: int = 0  # save every N steps; 0: only at the end
+    every: int = 0  # save every N steps; 0: only at the end (and as every_s, and on SIGINT/SIGTERM)
+    every_s: float = 300.0  # also save when this many seconds passed since the last save; 0: off
     keep: int = 2  # checkpoints kept on disk (oldest deleted first)
     resume: bool = True  # continue from the newest checkpoint in <log.dir>/checkpoints if one exists
     overwrite: bool = False  # with resume = false: delete another run's checkpoints and metrics in log.dir
@@ -144,11 +145,15 @@ def _coerce(value: Any, kind: type, where: str) -> Any:
                 return text in ("true", "1")
             return kind(text)
         except ValueError:
-            raise ConfigError(f"{where} = {value!r} is not a {kind.__name__}; give e.g. {where}=1") from None
+            article = "an" if kind.__name__[0] in "aeiou" else "a"
+            raise ConfigError(
+                f"{where} = {value!r} is not {article} {kind.__name__}; give e.g. {where}=1"
+            ) from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{where} = {value!r} must be a {kind.__name__}")
+        article = "an" if kind.__name__[0] in "aeiou" else "a"
+        raise ConfigError(f"{where} = {value!r} must be {article} {kind.__name__}")
     return value
 
 
@@ -183,6 +188,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, str, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Defaults, then the TOML file (if any), then the overrides; validated."""
     config = TrainConfig()
+    problems: list[str] = []
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -195,11 +201,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: '{section}' must be a [section] table, not a top-level key")
             for key, value in table.items():
-                _apply(config, section, key, value)
+                problems += _collect(config, section, key, value)
     for section, key, value in parse_overrides(overrides or []):
-        _apply(config, section, key, value)
+        problems += _collect(config, section, key, value)
+    if problems:  # every bad key at once, not one per run
+        raise ConfigError("; ".join(problems))
     validate(config)
     return config
+
+
+def _collect(config: TrainConfig, section: str, key: str, value: Any) -> list[str]:
+    """`_apply`, with its complaint returned rather than raised (so all of them can be reported)."""
+    try:
+        _apply(config, section, key, value)
+    except ConfigError as err:
+        return [str(err)]
+    return []
 
 
 def config_from_dict(raw: dict[str, dict[str, Any]]) -> TrainConfig:
@@ -223,6 +240,13 @@ def validate(config: TrainConfig) -> None:
     train, optim = config.train, config.optim
     if train.recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"train.recompute = {train.recompute!r}; use one of {', '.join(RECOMPUTE_MODES)}")
+    if config.parallel.pp == 1 and train.schedule != TrainSection.schedule:
+        raise ConfigError(
+            f"train.schedule = {train.schedule!r} schedules a pipeline, but parallel.pp = 1 (no pipeline): "
+            "set --parallel.pp to 2 or more, or drop train.schedule"
+        )
+    if config.checkpoint.every_s < 0:
+        raise ConfigError(f"checkpoint.every_s = {config.checkpoint.every_s} must be >= 0 (0: off)")
     if train.bucket_mb <= 0:
         raise ConfigError(f"train.bucket_mb = {train.bucket_mb} must be > 0 (MiB per all-reduce bucket)")
     if train.dtype not in DTYPES:

@@ -236,7 +236,7 @@ def phase_lines(phases: dict) -> list[str]:
     scaled = ", ".join(scaled) or "none"
     sm = s["model"]
     return [
-        f"config:   ok: {c['model']} ({c['params'] / 1e9:.2f}B params) on {lay} = {c['world_size']} ranks, "
+        f"config:   ok: {c['model']} ({params_text(c['params'])} params) on {lay} = {c['world_size']} ranks, "
         f"zero {c['zero']}, schedule {c['schedule']}, {c['micro_batches_per_replica']} micro-batches per replica",
         f"memory:   {per['total']} GiB per rank ({parts}){device}",
         f"stand-in: {s['ranks']} local gloo ranks (scaled: {scaled}); {sm['layers']} layers x {sm['hidden']} "
@@ -246,3 +246,12 @@ def phase_lines(phases: dict) -> list[str]:
         f"check:    equal to one rank's stand-in step (rel diff loss {ch['rel_diff']['loss']:.1e} <= "
         f"{ch['tolerance']['loss']:.0e}, grad norm {ch['rel_diff']['grad_norm']:.1e} <= {ch['tolerance']['grad_norm']:.0e})",
     ]
+
+
+def params_text(count: float) -> str:
+    """7.0M, 1.1B, 405B: a parameter count in its largest unit."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{count:.0f}"

@@ -40,6 +40,27 @@ def check_world(config: TrainConfig, nproc: int) -> None:
         )
 
 
+def fill_dp(config: TrainConfig, nproc: int, dp_given: bool) -> tuple[TrainConfig, str]:
+    """As torchtitan's `data_parallel_shard_degree = -1`: with dp not given, the ranks the rest of the
+    layout does not use (`--nproc`, or torchrun's WORLD_SIZE) become data parallelism. Returns the
+    config and the line that says so ("" when nothing changed)."""
+    import dataclasses
+
+    from shiftlm.train.config import validate
+
+    world = max(nproc, int(os.environ.get("WORLD_SIZE", "1")))
+    p = config.parallel
+    inner = p.pp * p.cp * p.sp * p.tp
+    if dp_given or world == p.world_size or world % inner:
+        return config, ""
+    filled = dataclasses.replace(config, parallel=dataclasses.replace(p, dp=world // inner))
+    validate(filled)
+    return filled, (
+        f"{world} ranks, pp*cp*sp*tp = {inner}: the other ranks are data parallel, dp = {world // inner} "
+        "(--parallel.dp sets it)"
+    )
+
+
 def run_device(config: TrainConfig, nproc: int):
     """The device the ranks will run on (`--nproc` starts local gloo, CPU, ranks)."""
     import torch

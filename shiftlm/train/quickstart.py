@@ -2,7 +2,12 @@
 
 Trains the embedded default (a tiny Llama on the Python standard library's source, with a byte-level
 BPE tokenizer trained on the same text) on 2 local CPU ranks (dp = 2), exports it to OUT/hf in
-Hugging Face format (what `shiftlm serve` loads), and prints a few samples from it.
+Hugging Face format (what `shiftlm serve` loads), and prints a few samples from it, then where
+everything went and what to run next.
+
+A rerun never deletes the previous run silently: an unfinished run in OUT (Ctrl-C saves one) is
+resumed, a finished one is refused with exit 6 naming `--overwrite` (as `shiftlm train` refuses a
+used run directory).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 PROMPTS = ["def ", "import os\n", "class ", '    """Return the']
 
 
-def quickstart_config(out: Path, steps: int):
+def quickstart_config(out: Path, steps: int, overwrite: bool = False):
     from shiftlm.train.config import load_config
 
     return load_config(
@@ -32,8 +37,8 @@ def quickstart_config(out: Path, steps: int):
             "--optim.warmup_steps=20",
             f"--checkpoint.every={max(steps // 2, 1)}",
             f"--log.dir={out}",
-            "--checkpoint.resume=false",
-            "--checkpoint.overwrite=true",  # OUT is quickstart's own run dir: each run starts afresh
+            f"--checkpoint.resume={str(not overwrite).lower()}",  # an interrupted quickstart goes on
+            f"--checkpoint.overwrite={str(overwrite).lower()}",
         ],
     )
 
@@ -67,27 +72,86 @@ def sample(
     return texts
 
 
-def quickstart(out: Path, steps: int | None = None, quiet: bool = False) -> dict:
+def previous_run(out: Path, steps: int, overwrite: bool) -> int:
+    """The step an earlier quickstart in `out` reached (0: none, or --overwrite); a finished one is
+    refused rather than deleted."""
+    from shiftlm.config import RunDirError
+    from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
+
+    latest = None if overwrite else latest_checkpoint(out / "checkpoints")
+    if latest is None:
+        return 0
+    step = read_trainer_state(latest)["step"]
+    if step >= steps:
+        raise RunDirError(
+            f"{out} holds a finished quickstart run ({latest}, step {step}; model in {out / 'hf'}): pass "
+            f"--overwrite to train afresh (deletes it), or --out OTHER_DIR to keep it"
+        )
+    return step
+
+
+def quickstart(out: Path, steps: int | None = None, quiet: bool = False, overwrite: bool = False) -> dict:
     from shiftlm.train.elastic import launch
     from shiftlm.train.export import export_checkpoint
 
     started = time.perf_counter()
-    config = quickstart_config(out, steps or 200)
+    steps = steps or 200
+    resumed = previous_run(out, steps, overwrite)
+    config = quickstart_config(out, steps, overwrite)
     if not quiet:
-        print(f"training the embedded default (tiny Llama, stdlib corpus) on 2 CPU ranks -> {out}")
+        what = (
+            f"resuming the unfinished run in {out} at step {resumed}" if resumed else f"training into {out}"
+        )
+        # measured on 2 cores: ~15 s from here to step 1 (2 processes import torch, join a process
+        # group, build the tokenizer's vocabulary and the model), then ~0.4 s a step
+        print(
+            f"quickstart: {what} (tiny Llama on the stdlib corpus, dp = 2 on 2 CPU ranks, {steps} steps); "
+            "starting the ranks, ~15 s before step 1",
+            flush=True,
+        )
     summary = launch(config, nproc=2, quiet=quiet)
+    losses = summary["losses"]
+    result = {
+        "run_dir": str(out),
+        "steps": summary["steps"],
+        "first_loss": losses[min(losses)] if losses else None,
+        "final_loss": losses[max(losses)] if losses else None,
+        "checkpoint": summary["checkpoint"],
+        "metrics": summary["metrics"],
+        "loss_plot": summary["loss_plot"],
+        "interrupted": summary.get("interrupted", 0),
+        "resumed_from_step": resumed,
+    }
+    if result["interrupted"]:  # stopped with a checkpoint: no export, the CLI says how to go on
+        return {**result, "hf_dir": None, "samples": [], "seconds": time.perf_counter() - started}
     hf_dir = export_checkpoint(out, out / "hf")
+    if not quiet:
+        print(f"exported {hf_dir}; sampling {len(PROMPTS)} completions of 48 tokens from it", flush=True)
     texts = sample(hf_dir, PROMPTS)
     if not quiet:
-        print(f"\nexported {hf_dir} (config.json, model.safetensors, tokenizer) -- samples:")
         for text in texts:
             print("-" * 60 + "\n" + text)
-    losses = summary["losses"]
-    return {
-        "hf_dir": str(hf_dir),
-        "steps": summary["steps"],
-        "first_loss": losses[min(losses)],
-        "final_loss": losses[max(losses)],
-        "samples": texts,
-        "seconds": time.perf_counter() - started,
-    }
+        print("-" * 60)
+    return {**result, "hf_dir": str(hf_dir), "samples": texts, "seconds": time.perf_counter() - started}
+
+
+def next_steps(result: dict) -> str:
+    """The quickstart's last lines: where everything went, the final loss, what to run next."""
+    hf = result["hf_dir"]
+    return "\n".join(
+        [
+            f"quickstart done in {result['seconds']:.0f} s: {result['steps']} steps, loss "
+            f"{result['first_loss']:.3f} -> {result['final_loss']:.3f}",
+            f"  model (Hugging Face)  {hf}",
+            f"  checkpoint            {result['checkpoint']}",
+            f"  metrics               {result['metrics']}",
+            f"  loss plot             {result['loss_plot']}",
+            "next:",
+            f"  shiftlm serve --model {hf} --tp 1 --sp 2 --port 8000       # OpenAI API; then:",
+            f"  curl localhost:8000/v1/completions -H 'content-type: application/json' "
+            f"""-d '{{"model": "{hf}", "prompt": "def ", "max_tokens": 32}}'""",
+            f"  shiftlm verify --model {hf} --tp 1,2 --sp 1,2             # layouts vs transformers",
+            f"  shiftlm quickstart --out {result['run_dir']} --steps {result['steps'] * 2}"
+            "                   # train on from this checkpoint",
+        ]
+    )

@@ -43,6 +43,7 @@ from shiftlm.train.pipeline import StageKey, stage_keys
 from shiftlm.train.run_checkpoints import RunCheckpoints, flat_name
 from shiftlm.train.setup import check_layout, resolve_inputs
 from shiftlm.train.step import StepRunner, build_stages
+from shiftlm.train.stopping import StepBoundary
 from shiftlm.train.zero import ShardedAdamW, global_grad_norm
 from shiftlm.train.zero3 import unit_labels
 
@@ -57,6 +58,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
     metrics: Path | None = None  # rank 0: metrics.jsonl
     loss_plot: Path | None = None  # rank 0: loss.png
+    interrupted: int = 0  # the signal (SIGINT/SIGTERM) that stopped the run at a step boundary, else 0
 
     def summary(self) -> dict:
         """What `shiftlm train --json` prints (paths as strings)."""
@@ -69,6 +71,7 @@ class TrainResult:
             "already_complete": self.already_complete,
             "metrics": str(self.metrics) if self.metrics else None,
             "loss_plot": str(self.loss_plot) if self.loss_plot else None,
+            "interrupted": self.interrupted,
         }
 
 
@@ -207,8 +210,11 @@ class Trainer(RunCheckpoints):
         watchdog = self._start_watchdog()
         self.stragglers = straggler_watch(self.config, self.mesh, Path(self.config.log.dir) / "ledgers")
         fault = faults.inject_from_env()
+        # SIGINT/SIGTERM end the run at the next step boundary, with a checkpoint (train/stopping.py)
+        self.boundary = StepBoundary(self.config.checkpoint.every_s, self.mesh.device)
         try:
-            return self._run(stop_after)
+            with self.boundary:
+                return self._run(stop_after)
         finally:
             if fault is not None:
                 faults.remove(fault)
@@ -282,9 +288,14 @@ class Trainer(RunCheckpoints):
                     self.start_step + 1,
                 )
             every = self.config.checkpoint.every
-            saved = (every and (step + 1) % every == 0) or step + 1 == cfg.steps
+            signum, due = self.boundary.check()  # a signal or a timed checkpoint: every rank agrees
+            saved = (every and (step + 1) % every == 0) or step + 1 == cfg.steps or due or signum
             if saved:
                 result.checkpoint = self.save(step + 1)
+                self.boundary.saved()
+            if signum:
+                result.interrupted = signum
+                break
             exclude = self.stragglers.after_step(step + 1, elapsed) if self.stragglers else None
             if exclude is not None:  # --elastic: relaunch without a persistently slow rank
                 if not saved:

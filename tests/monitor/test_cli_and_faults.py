@@ -30,7 +30,7 @@ def test_report_names_the_slow_rank_in_json(tmp_path, capsys):
 def test_report_on_an_empty_directory_is_a_one_line_error(tmp_path, capsys):
     assert main(["monitor", "report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: no ledger-rank*.json") and err.count("\n") == 1
+    assert err.startswith("shiftlm monitor: error: no ledger-rank*.json") and err.count("\n") == 1
 
 
 def test_fault_specs_parse_and_bad_ones_say_what_is_wrong():

@@ -36,5 +36,5 @@ def test_plot_writes_a_png(tmp_path, capsys):
 def test_impossible_schedule_is_a_one_line_error(capsys):
     assert main(["schedule", "--name", "1f1b", "--pp", "4", "--microbatches", "2", "--json"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "\n" not in err
+    assert err.startswith("shiftlm schedule: error:") and "\n" not in err
     assert main(["schedule", "--name", "1f1b", "--pp", "2", "--microbatches", "4", "--costs", "1,x,1"]) == 2

@@ -26,7 +26,7 @@ def test_a_taken_http_port_is_a_one_line_error_with_exit_code_2(tmp_path):
         done = subprocess.run([*command, "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+        f"shiftlm serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
         "choose another --port (0 picks a free one)"
     ]
 
@@ -102,4 +102,4 @@ def test_bad_serve_flags_are_one_line_errors_with_exit_code_2(tmp_path, flags, m
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("error: ") and message in line
+    assert line.startswith("shiftlm serve: error: ") and message in line

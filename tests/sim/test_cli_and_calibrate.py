@@ -54,7 +54,7 @@ def test_simulate_train_json_is_one_object(capsys):
 def test_bad_input_is_one_line_and_exit_code_2(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+    assert err.startswith("shiftlm simulate: error: ") and err.count("\n") == 1
 
 
 def test_alpha_beta_fit_recovers_latency_and_bandwidth():

@@ -46,7 +46,7 @@ def test_a_typo_gets_a_did_you_mean(override, hint):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["--train.steps=many"], "not a int"),
+        (["--train.steps=many"], "is not an int"),
         (["--train.recompute=some"], "none, selective, full"),
         (["--parallel.dp=3", "--train.global_batch=8"], "use e.g. global_batch = 9"),
         (["--optim.min_lr=1", "--optim.lr=0.1"], "min_lr <= optim.lr"),
