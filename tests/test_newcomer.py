@@ -56,6 +56,24 @@ def test_the_kernel_build_is_announced_once_before_it_starts(tmp_path):
     assert "WARNING" not in lines[building[0]]
 
 
+def test_a_stale_build_lock_is_removed_instead_of_waited_on_forever(tmp_path):
+    """A killed build leaves torch's lock file behind; the next start removes it (older than any build)
+    and builds, instead of waiting on it for ever (seen here: every test blocked on one from a killed
+    CI run). A compiler that fails at once keeps this quick."""
+    code = (
+        "import os, time; from pathlib import Path; from torch.utils import cpp_extension; "
+        "from shiftlm.model import cpu_kernels; "
+        "where = Path(cpp_extension._get_build_directory(cpu_kernels._name(), False)); "
+        "lock = where / 'lock'; lock.touch(); old = time.time() - cpu_kernels.STALE_LOCK_S - 60; "
+        "os.utime(lock, (old, old)); print(cpu_kernels.load()); print(lock.exists())"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "False"]  # not built (no compiler), not hung, lock gone
+    assert "removed a stale build lock" in done.stderr
+
+
 def test_plan_train_says_what_it_plans_before_it_plans(capsys, tmp_path):
     out = tmp_path / "plan.toml"
     argv = ["plan", "train", "--model", "llama3-8b", "--gpus", "16", "--seq", "4096", "--global-batch", "64"]

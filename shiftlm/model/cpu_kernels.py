@@ -43,6 +43,9 @@ def _name() -> str:
 
 
 BUILD_ESTIMATE_S = 40
+# torch's build lock is a bare file that a killed build leaves behind, and every later start then waits
+# on it forever; no build took 10 minutes even beside other work (564 s at load 16, the slowest seen)
+STALE_LOCK_S = 20 * 60
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -72,6 +75,8 @@ def _build():
         built = any(Path(where).glob(f"{name}*.so"))
     except Exception:  # a private helper of torch's: only the message depends on it
         where, built = "torch's extension cache", True
+    if not built and where != "torch's extension cache":
+        _clear_stale_lock(Path(where) / "lock")
     if not built:
         # measured: 40 s on an idle 2-core machine (~20 s of it per C++ file), 70-110 s beside other work
         _announce(
@@ -92,3 +97,16 @@ def _build():
     if not built:
         _announce(f"built the CPU kernels in {time.perf_counter() - started:.0f} s (later starts load them)")
     return module
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Say so when another process's build holds `lock`; remove it once it is older than any build."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        _announce(f"removed a stale build lock ({age / 60:.0f} min old, left by a killed build): {lock}")
+    else:
+        _announce(f"waiting for another process's build of the CPU kernels (if none is running: rm {lock})")
