@@ -143,5 +143,11 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     text = log_path.read_text()
     assert "shift threshold auto:" in text
-    threshold = int(re.search(r"mode=shift threshold=(\d+)", text).group(1))
+    threshold = int(re.search(r"threshold=(\d+)", text).group(1))
     assert 0 <= threshold <= 128
+    banner = next(line for line in text.splitlines() if line.startswith("shiftlm serve: "))
+    if threshold >= 128:  # issue 36.5: the probe found SP x TP never faster: say full TP, no "shift"
+        assert "mode=shift" not in banner and "every step runs full TP" in banner
+        assert "tp x sp = 1 x 2" in banner
+    else:
+        assert f"mode=shift threshold={threshold}" in banner
