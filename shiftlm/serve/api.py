@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from shiftlm.serve.async_engine import (
     RETRY_AFTER_BUSY,
@@ -100,6 +101,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
         return await _api_error(_, ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, error: ClientDisconnect) -> JSONResponse:
+        return JSONResponse({}, status_code=499)  # the client (or a shutdown) closed the connection
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, error: Exception) -> JSONResponse:

@@ -160,11 +160,11 @@ class AsyncEngine:
         """Count the requests against --max-pending and queue them, under one lock: a hard limit
         (the old count happened only once a handler first read its outputs, after awaits, so 100
         concurrent requests got past a limit of 8). Must run on the event loop that reads them."""
-        loop = asyncio.get_running_loop()
         with self._admission:
             if self.error is not None:
                 self.engine.metrics.record_rejected()
                 raise EngineDead(f"the engine stopped: {self.error}")
+            loop = asyncio.get_running_loop()
             if len(commands) > self.max_pending:
                 raise InvalidRequest(
                     f"the request has {len(commands)} prompts but at most {self.max_pending} requests "
