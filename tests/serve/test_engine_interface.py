@@ -58,10 +58,35 @@ def test_one_bad_prompt_refuses_the_whole_request_with_nothing_queued():
     assert engine.num_pending == 0 and engine.stats().waiting == 0
 
 
-def test_a_refusal_for_capacity_is_counted_in_the_metrics_by_the_engine():
+def test_a_refusal_for_capacity_is_counted_and_what_can_never_fit_is_a_400():
+    """--max-pending counts a request when `submit` admits it (issue 35.6), not when its outputs are
+    first read; a 429 says when to retry; more prompts than the limit can never be admitted."""
     engine = _engine(max_pending=1)
-    with pytest.raises(Overloaded):
-        engine.submit([[1], [2]], SamplingParams())
+
+    async def main():
+        first = engine.submit([[1]], SamplingParams(max_tokens=50, ignore_eos=True))
+        assert engine.num_pending == 1  # counted before anything was read
+        with pytest.raises(Overloaded) as refused:
+            engine.submit([[2]], SamplingParams())
+        assert refused.value.retry_after == 1.0
+        with pytest.raises(InvalidRequest, match="--max-pending"):
+            engine.submit([[1], [2]], SamplingParams())
+        assert len([out async for out in first[0]]) == 50
+
+    asyncio.run(main())
     engine.shutdown()
     assert "shiftlm_rejected_requests_total 1" in render_engine_metrics(engine)
     assert "shiftlm_kv_cache_usage_ratio 0.0" in render_engine_metrics(engine)
+
+
+def test_an_admitted_request_nobody_reads_is_released_and_aborted():
+    engine = _engine(max_pending=1)
+
+    async def main():
+        engine.submit([[1]], SamplingParams(max_tokens=50, ignore_eos=True))  # dropped unread
+        assert engine.num_pending == 0
+        second = engine.submit([[2]], SamplingParams(max_tokens=2, ignore_eos=True))
+        return [out async for out in second[0]]
+
+    assert len(asyncio.run(main())) == 2
+    engine.shutdown()
