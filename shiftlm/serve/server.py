@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from shiftlm.config import ConfigError
@@ -322,15 +323,21 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     guard = ConnectionGuard(options.max_connections or auto_max_connections(), options.header_timeout)
     config = uvicorn_config(
         app,
-        options.shutdown_timeout + CUT_GRACE,
+        options.shutdown_timeout + CUT_DELAY + CUT_GRACE,
         options.timeout_keep_alive,
         guard,
         access_log=not options.disable_log_requests,
     )
+
     # On SIGINT/SIGTERM, requests still running after --shutdown-timeout are aborted (their clients
     # get a 503 naming the shutdown) and every connection is cut (slow readers, stalled bodies), so
     # uvicorn never has to cancel a request mid-response and the exit keeps the promise.
-    drain = threading.Timer(options.shutdown_timeout, lambda: (engine.shutdown(), server.cut_connections()))
+    def drain_then_cut() -> None:
+        engine.shutdown()
+        time.sleep(CUT_DELAY)  # the aborted requests' handlers send their 503s and last SSE chunks
+        server.cut_connections()
+
+    drain = threading.Timer(options.shutdown_timeout, drain_then_cut)
     drain.daemon = True  # an idle server's Ctrl-C must not wait for it (issue 36.8: 5-7 s)
     server = QuietServer(config, on_signal=drain.start)
     monitor = RankMonitor(
@@ -363,6 +370,7 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     return EXIT_INTERRUPTED if signal.SIGINT in server.captured_signals else 0
 
 
+CUT_DELAY = 0.5  # seconds between aborting the requests left at --shutdown-timeout and cutting connections
 CUT_GRACE = 1.0  # seconds after cutting the connections before uvicorn cancels what is left
 
 
