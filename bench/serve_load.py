@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> dict:
         write_char_tokenizer(model_dir, vocab_size=250)
         serve = [str(model_dir), "--served-model-name", NAME, "--log-interval", "0", "--disable-log-requests"]
         serve += ["--max-pending", str(args.max_pending), "--sp", str(args.sp), "--device", "cpu"]
-        with local_server(serve, log_path=str(Path(tmp) / "serve.log")) as server:
+        serve += ["--enforce-eager"]  # the startup compile has nothing to do with admission
+        with local_server(serve, timeout=900, log_path=str(Path(tmp) / "serve.log")) as server:
             idle = statistics.median(probe_seconds(server.url) for _ in range(5))
             rss_before = rss_bytes(server.pid)
             seen: list[float] = []

@@ -136,6 +136,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
         return PlainTextResponse(render_engine_metrics(engine), media_type="text/plain; version=0.0.4")
 
+    def refuse_if_full(prompts: int) -> None:
+        """A 429 (or 503) before tokenizing: refusals stay fast while a burst queues on the tokenizer."""
+        try:
+            engine.refuse_if_full(prompts)
+        except (InvalidRequest, Overloaded, EngineDead) as err:
+            raise api_error(err) from None
+
     def check_size(size: int, param: str) -> None:
         if size > max_chars:  # a 400, as vLLM answers a prompt past the context (413: the body)
             raise ApiError(
@@ -191,6 +198,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         texts = body.prompts()
         if not texts:
             raise ApiError(400, "the prompt list is empty", "prompt")
+        refuse_if_full(len(texts))
         prompts = []
         for text in texts:
             if isinstance(text, str):
@@ -222,6 +230,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 f"model {model_name!r} has no chat template; use /v1/completions or --chat-template",
                 "messages",
             )
+        refuse_if_full(1)
         if len(body.messages) > engine.max_model_len:  # every message renders at least one token
             raise ApiError(
                 400,

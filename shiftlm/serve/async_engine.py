@@ -156,26 +156,36 @@ class AsyncEngine:
         """`submit` of one prompt."""
         return self.submit([prompt_ids], params)[0]
 
+    def refuse_if_full(self, prompts: int = 1) -> None:
+        """Before any work on a request (tokenizing): the 429 or 503 it would get at admission now,
+        so that refusals stay fast under a burst. `_admit` decides again, under its lock."""
+        if self.error is not None or self.num_pending + prompts > self.max_pending:
+            with self._admission:
+                self._refuse(prompts)
+
+    def _refuse(self, count: int) -> None:
+        if self.error is not None:
+            self.engine.metrics.record_rejected()
+            raise EngineDead(f"the engine stopped: {self.error}")
+        if count > self.max_pending:
+            raise InvalidRequest(
+                f"the request has {count} prompts but at most {self.max_pending} requests "
+                "can be in flight (--max-pending); send fewer prompts per request",
+                "prompt",
+            )
+        if self.num_pending + count > self.max_pending:
+            self.engine.metrics.record_rejected()
+            raise Overloaded(
+                f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
+            )
+
     def _admit(self, commands: list[tuple], counts: list[int]) -> list[AsyncIterator[RequestOutput]]:
         """Count the requests against --max-pending and queue them, under one lock: a hard limit
         (the old count happened only once a handler first read its outputs, after awaits, so 100
         concurrent requests got past a limit of 8). Must run on the event loop that reads them."""
         with self._admission:
-            if self.error is not None:
-                self.engine.metrics.record_rejected()
-                raise EngineDead(f"the engine stopped: {self.error}")
+            self._refuse(len(commands))
             loop = asyncio.get_running_loop()
-            if len(commands) > self.max_pending:
-                raise InvalidRequest(
-                    f"the request has {len(commands)} prompts but at most {self.max_pending} requests "
-                    "can be in flight (--max-pending); send fewer prompts per request",
-                    "prompt",
-                )
-            if self.num_pending + len(commands) > self.max_pending:
-                self.engine.metrics.record_rejected()
-                raise Overloaded(
-                    f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
-                )
             sinks = []
             for command in commands:
                 sink = self._sinks[command[1]] = _Sink(loop, asyncio.Queue())

@@ -84,6 +84,10 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
             raise ApiError(
                 400, f"{field!r} is not supported by /v1/streams; remove it from the request", field
             )
+        try:
+            engine.refuse_if_full(1)  # before tokenizing: refusals stay fast under a burst
+        except (InvalidRequest, Overloaded, EngineDead) as err:
+            raise api_error(err) from None
         prompt = await ids(body.prompt, "prompt", True)
         prefixes = [
             await ids(spec.prefix, f"streams[{k}].prefix", False) for k, spec in enumerate(body.streams)
