@@ -151,3 +151,17 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
         assert "tp x sp = 1 x 2" in banner
     else:
         assert f"mode=shift threshold={threshold}" in banner
+
+
+def test_the_banner_says_what_runs_after_tp1_sp2():
+    """Issue 36.5: when the probe finds SP x TP never faster (threshold = the step budget), the
+    banner says every step runs full TP over tp x sp ranks, not "mode=shift threshold=256"."""
+    from shiftlm.serve.options import ServeOptions
+    from shiftlm.serve.server import describe_layout
+
+    never = describe_layout(ServeOptions("m", tp=1, sp=2, shift_threshold=256, max_tokens_per_step=256))
+    assert "mode=shift" not in never and "every step runs full TP" in never
+    assert "all 2 ranks split every token's weights: tp x sp = 1 x 2" in never
+    shifts = describe_layout(ServeOptions("m", tp=1, sp=2, shift_threshold=64, max_tokens_per_step=256))
+    assert "mode=shift threshold=64" in shifts and "larger ones SP x TP" in shifts
+    assert describe_layout(ServeOptions("m")).endswith("one rank runs every step")
