@@ -90,3 +90,24 @@ def test_an_admitted_request_nobody_reads_is_released_and_aborted():
 
     assert len(asyncio.run(main())) == 2
     engine.shutdown()
+
+
+def test_health_is_503_while_a_step_runs_past_half_the_step_timeout():
+    """Issue 35.2: a step that holds the engine shows on /health (503, Retry-After) well before the
+    server gives up at --step-timeout."""
+    from starlette.testclient import TestClient
+
+    from shiftlm.serve.api import ApiOptions, build_app
+
+    engine = _engine()
+    running = {"seconds": 0.0}
+    engine.step_running_for = lambda: running["seconds"]
+    client = TestClient(build_app(engine, LetterTokenizer(), ApiOptions("m", step_timeout=60.0)))
+    try:
+        assert client.get("/health").status_code == 200
+        running["seconds"] = 31.0
+        stale = client.get("/health")
+        assert stale.status_code == 503 and stale.headers["retry-after"] == "1"
+        assert "half of --step-timeout 60 s" in stale.json()["error"]["message"]
+    finally:
+        engine.shutdown()
