@@ -4,10 +4,12 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Every request is validated before it reaches the engine, so a bad one gets its own OpenAI-shaped
-error (400 bad parameter or unimplemented field, 401 API key, 404 unknown model or route, 413 body or
-prompt too long, 429 too many requests in flight, 500 its step failed, 503 engine down) and never
-disturbs the others. Text is tokenized on a worker thread, after a length check that needs no
-tokenizer, so a 10 MB prompt neither blocks `/health` nor costs gigabytes. A non-streaming request
+error (400 bad parameter, unimplemented field, or a prompt or max_tokens past the context, as vLLM
+answers them; 401 API key; 404 unknown model or route; 408 a body that stalls; 413 body over
+--max-request-bytes; 429 too many requests in flight and 503 engine down, both with Retry-After; 500
+its step failed) and never disturbs the others. Text is tokenized on a worker thread, after a length
+check that needs no tokenizer (a chat's counts its messages too, and its rendered template), so a
+10 MB prompt neither blocks `/health` nor costs gigabytes. A non-streaming request
 whose client disconnects is aborted, as a stream is. Streams are Server-Sent Events ending in
 `data: [DONE]`; the last chunk carries `usage` (or, with `stream_options.include_usage`, a final
 chunk with no choices does, as OpenAI sends it).
@@ -25,10 +27,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from shiftlm.serve.async_engine import AsyncEngine, EngineDead, Overloaded, StepFailed
+from shiftlm.serve.async_engine import (
+    RETRY_AFTER_BUSY,
+    RETRY_AFTER_DOWN,
+    AsyncEngine,
+    EngineDead,
+    Overloaded,
+    StepFailed,
+)
 from shiftlm.serve.middleware import GuardMiddleware
-from shiftlm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from shiftlm.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    api_error,
+)
 from shiftlm.serve.responses import Choices, finished_unless_gone, merged, render_response, render_stream
 from shiftlm.serve.sequence import InvalidRequest
 from shiftlm.serve.streams_api import add_stream_routes
@@ -44,6 +60,8 @@ class ApiOptions:
     api_key: str | None = None
     max_request_bytes: int = 16 * 2**20
     chat_template: str | None = None  # overrides the tokenizer's own
+    step_timeout: float | None = None  # /health is 503 while a step has run longer than half of it
+    body_timeout: float = 30.0  # a body that stalls this long gets a 408 (middleware.py)
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -63,7 +81,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -84,6 +102,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
         return await _api_error(_, ApiError(error.status_code, str(error.detail)))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, error: ClientDisconnect) -> JSONResponse:
+        return JSONResponse({}, status_code=499)  # the client (or a shutdown) closed the connection
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, error: Exception) -> JSONResponse:
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
@@ -92,7 +114,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.error is not None:
-            raise ApiError(503, f"the engine stopped: {engine.error}")
+            raise ApiError(503, f"the engine stopped: {engine.error}", retry_after=RETRY_AFTER_DOWN)
+        running = engine.step_running_for()
+        if options.step_timeout is not None and running > options.step_timeout / 2:
+            raise ApiError(
+                503,
+                f"the engine's current step has run {running:.1f} s (half of --step-timeout "
+                f"{options.step_timeout:g} s): stalled or overloaded",
+                retry_after=RETRY_AFTER_BUSY,
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -106,14 +136,24 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
         return PlainTextResponse(render_engine_metrics(engine), media_type="text/plain; version=0.0.4")
 
-    async def tokenize(work, size: int, param: str) -> list[int]:
-        if size > max_chars:
+    def refuse_if_full(prompts: int) -> None:
+        """A 429 (or 503) before tokenizing: refusals stay fast while a burst queues on the tokenizer."""
+        try:
+            engine.refuse_if_full(prompts)
+        except (InvalidRequest, Overloaded, EngineDead) as err:
+            raise api_error(err) from None
+
+    def check_size(size: int, param: str) -> None:
+        if size > max_chars:  # a 400, as vLLM answers a prompt past the context (413: the body)
             raise ApiError(
-                413,
+                400,
                 f"the {param} has {size} characters, more than the context of {engine.max_model_len} "
                 "tokens can hold; shorten it",
                 param,
             )
+
+    async def tokenize(work, size: int, param: str) -> list[int]:
+        check_size(size, param)
         try:
             return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work)
         except ApiError:
@@ -132,11 +172,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             )
         if (field := body.unsupported_field()) is not None:
             raise ApiError(400, f"{field!r} is not supported by shiftlm; remove it from the request", field)
+        if body.max_tokens is None:  # the default never asks for more than the context has left
+            default_tokens = max(1, min(default_tokens, engine.max_model_len - max(map(len, prompts))))
         try:
-            params = body.sampling_params(default_tokens, logprobs, prompt_logprobs)
+            params = body.sampling_params(default_tokens, logprobs, prompt_logprobs, engine.vocab_size)
             return params, engine.submit(prompts, params)
         except (InvalidRequest, Overloaded, EngineDead) as err:
-            raise ApiError(err.status, str(err), err.param) from None
+            raise api_error(err) from None
 
     async def run(request: Request, body: SamplingFields, streams, choices: Choices):
         if body.stream:
@@ -156,6 +198,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         texts = body.prompts()
         if not texts:
             raise ApiError(400, "the prompt list is empty", "prompt")
+        refuse_if_full(len(texts))
         prompts = []
         for text in texts:
             if isinstance(text, str):
@@ -187,6 +230,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 f"model {model_name!r} has no chat template; use /v1/completions or --chat-template",
                 "messages",
             )
+        refuse_if_full(1)
+        if len(body.messages) > engine.max_model_len:  # every message renders at least one token
+            raise ApiError(
+                400,
+                f"{len(body.messages)} messages cannot fit the context of {engine.max_model_len} tokens",
+                "messages",
+            )
         messages = [{"role": m.role, "content": _utf8(m.text(), "messages")} for m in body.messages]
 
         def render() -> list[int]:
@@ -196,9 +246,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template=template,
             )
+            check_size(len(text), "messages")  # the rendered template, before tokenizing it
             return tokenizer.encode(text, add_special_tokens=False)
 
-        prompt_ids = await tokenize(render, sum(len(m["content"]) for m in messages), "messages")
+        size = sum(len(m["content"]) for m in messages) + len(messages)
+        prompt_ids = await tokenize(render, size, "messages")
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -207,7 +259,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         choices = Choices("chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True)
         return await run(request, body, streams, choices)
 
-    return GuardMiddleware(app, options.max_request_bytes, options.api_key)
+    return GuardMiddleware(app, options.max_request_bytes, options.api_key, options.body_timeout)
 
 
 def _utf8(text: str, param: str = "prompt") -> str:
@@ -228,4 +280,4 @@ async def _consume(outputs, choices: Choices) -> None:
     except StepFailed as err:
         raise ApiError(500, str(err)) from None
     except EngineDead as err:
-        raise ApiError(503, str(err)) from None
+        raise ApiError(503, str(err), retry_after=RETRY_AFTER_DOWN) from None

@@ -25,25 +25,30 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from shiftlm.serve.engine import Engine, EngineStats, RequestOutput
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.sequence import InvalidRequest, SamplingParams
 
 log = logging.getLogger("shiftlm.serve")
 
 
-class Overloaded(RuntimeError):
-    """Too many requests in flight; the client should retry later (HTTP 429)."""
+RETRY_AFTER_BUSY = 1.0  # seconds a 429 asks the client to wait (Retry-After)
+RETRY_AFTER_DOWN = 10.0  # and a 503: a supervisor restarts a failed server within about this
 
-    status, param = 429, None
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight; the client should retry later (HTTP 429, Retry-After)."""
+
+    status, param, retry_after = 429, None, RETRY_AFTER_BUSY
 
 
 class EngineDead(RuntimeError):
-    """The engine stopped (a rank failed, or the server is shutting down); HTTP 503."""
+    """The engine stopped (a rank failed, or the server is shutting down); HTTP 503, Retry-After."""
 
-    status, param = 503, None
+    status, param, retry_after = 503, None, RETRY_AFTER_DOWN
 
 
 class StepFailed(RuntimeError):
@@ -92,12 +97,14 @@ class AsyncEngine:
         self._runner = _RecordingRunner(engine.runner)
         engine.runner = self._runner
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, _Sink] = {}  # admitted requests: what --max-pending counts
+        self._admission = threading.Lock()  # the count and the admission are one step
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
         self._step_started: float | None = None
         self.failed_steps = 0
+        self.failed_requests = 0  # requests failed alone while sampling or detokenizing
         self._aborted: set[str] = set()
         self.diagnose: Callable[[], str | None] | None = None  # names a failed rank (the rank monitor)
         self._thread = threading.Thread(target=self._loop, name="shiftlm-engine", daemon=True)
@@ -117,6 +124,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def metrics(self):
         """The engine's `ServingMetrics` (thread-safe: every read and write holds its lock)."""
         return self.engine.metrics
@@ -128,49 +139,72 @@ class AsyncEngine:
         """Admit a request of one or more prompts, or raise InvalidRequest / PromptTooLong /
         Overloaded / EngineDead with nothing queued (a refusal for capacity is counted). Each
         returned iterator yields its prompt's outputs until all samples finish, and aborts the
-        prompt in the engine if it is cancelled (a client that went away)."""
-        if self.error is not None:
-            self.engine.metrics.record_rejected()
-            raise EngineDead(f"the engine stopped: {self.error}")
+        prompt in the engine if it is cancelled or dropped (a client that went away)."""
         for prompt_ids in prompts:
             self.engine.check_request(prompt_ids, params)
-        if self.num_pending + len(prompts) > self.max_pending:
-            self.engine.metrics.record_rejected()
-            raise Overloaded(
-                f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
-            )
-        return [self._outputs(prompt_ids, params, f"req-{next(self._ids)}") for prompt_ids in prompts]
+        commands = [("add", f"req-{next(self._ids)}", prompt_ids, params) for prompt_ids in prompts]
+        return self._admit(commands, [params.n] * len(prompts))
 
     def submit_streams(self, prompt_ids, prefixes, params: list[SamplingParams], layout: str):
         """A stream group (serve/streams.py), checked here once; yields every stream's outputs
         (`out.index` is the stream) until all of them finish."""
-        if self.error is not None:
-            self.engine.metrics.record_rejected()
-            raise EngineDead(f"the engine stopped: {self.error}")
         self.engine.streams.check(prompt_ids, prefixes, params, layout)
-        if self.num_pending + 1 > self.max_pending:
-            self.engine.metrics.record_rejected()
-            raise Overloaded(
-                f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
-            )
-        request_id = f"req-{next(self._ids)}"
-        command = ("streams", request_id, prompt_ids, prefixes, params, layout)
-        return self._results(command, request_id, len(prefixes))
+        command = ("streams", f"req-{next(self._ids)}", prompt_ids, prefixes, params, layout)
+        return self._admit([command], [len(prefixes)])[0]
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """`submit` of one prompt."""
         return self.submit([prompt_ids], params)[0]
 
-    def _outputs(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        return self._results(("add", request_id, prompt_ids, params), request_id, params.n)
+    def refuse_if_full(self, prompts: int = 1) -> None:
+        """Before any work on a request (tokenizing): the 429 or 503 it would get at admission now,
+        so that refusals stay fast under a burst. `_admit` decides again, under its lock."""
+        if self.error is not None or self.num_pending + prompts > self.max_pending:
+            with self._admission:
+                self._refuse(prompts)
 
-    async def _results(self, command: tuple, request_id: str, count: int) -> AsyncIterator[RequestOutput]:
-        """Post `command` to the engine thread; yield outputs until `count` samples finish."""
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._sinks[request_id] = sink
-        self._post(command)
+    def _refuse(self, count: int) -> None:
+        if self.error is not None:
+            self.engine.metrics.record_rejected()
+            raise EngineDead(f"the engine stopped: {self.error}")
+        if count > self.max_pending:
+            raise InvalidRequest(
+                f"the request has {count} prompts but at most {self.max_pending} requests "
+                "can be in flight (--max-pending); send fewer prompts per request",
+                "prompt",
+            )
+        if self.num_pending + count > self.max_pending:
+            self.engine.metrics.record_rejected()
+            raise Overloaded(
+                f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later"
+            )
+
+    def _admit(self, commands: list[tuple], counts: list[int]) -> list[AsyncIterator[RequestOutput]]:
+        """Count the requests against --max-pending and queue them, under one lock: a hard limit
+        (the old count happened only once a handler first read its outputs, after awaits, so 100
+        concurrent requests got past a limit of 8). Must run on the event loop that reads them."""
+        with self._admission:
+            self._refuse(len(commands))
+            loop = asyncio.get_running_loop()
+            sinks = []
+            for command in commands:
+                sink = self._sinks[command[1]] = _Sink(loop, asyncio.Queue())
+                sinks.append(sink)
+        outputs = []
+        for command, sink, count in zip(commands, sinks, counts):
+            self._post(command)
+            stream = self._results(sink, command[1], count)
+            weakref.finalize(stream, self._release, command[1])  # never read (e.g. cancelled before)
+            outputs.append(stream)
+        return outputs
+
+    def _release(self, request_id: str) -> None:
+        """A request nobody reads any more: stop counting it, abort it in the engine."""
+        if self._sinks.pop(request_id, None) is not None:
+            self._post(("abort", request_id))
+
+    async def _results(self, sink: _Sink, request_id: str, count: int) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until `count` samples finish."""
         finished = 0
         try:
             while finished < count:
@@ -258,6 +292,13 @@ class AsyncEngine:
                 continue
             self._step_started = None
             self._deliver_step(outputs)
+            for request_id, trace in self.engine.take_failed():  # failed alone: the batch went on
+                self.failed_requests += 1
+                log.error("request %s failed in its step; the others went on:\n%s", request_id, trace)
+                reason = trace.strip().splitlines()[-1]
+                self._deliver(
+                    request_id, StepFailed(f"internal error while running request {request_id}: {reason}")
+                )
 
     def _name_failure(self, reason: str, wait: float = 3.0) -> str:
         """A collective failed: give the rank monitor a moment to say which rank is behind it."""

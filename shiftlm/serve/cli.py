@@ -68,8 +68,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
     parser.add_argument("--num-blocks", type=int, default=256, help="KV-cache blocks per rank")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
-    parser.add_argument("--max-tokens-per-step", type=int, default=256, help="token budget of one step")
-    parser.add_argument("--max-pending", type=int, default=512, help="requests in flight before 429")
+    parser.add_argument(
+        "--max-tokens-per-step",
+        "--max-num-batched-tokens",
+        dest="max_tokens_per_step",
+        type=int,
+        default=256,
+        help="token budget of one step (vLLM's --max-num-batched-tokens)",
+    )
+    parser.add_argument(
+        "--max-pending",
+        type=int,
+        default=512,
+        help="requests in flight (admitted, not finished) before 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of equal prompt prefixes (SHA-256 block hashes, tokens compared)",
+    )
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -126,6 +144,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="auto (GPU LOCAL_RANK + NCCL when CUDA is visible), cuda, or cpu (gloo)",
     )
     serve.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling (per process)")
+    serve.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the model directory's own)"
+    )
+    serve.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines; has no effect: shiftlm runs only its own model code",
+    )
+    serve.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="only auto: the KV cache has the weights' dtype (--dtype); fp8 caches are not implemented",
+    )
+    serve.add_argument(
+        "--disable-log-requests", action="store_true", help="no access-log line per request (vLLM's flag)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (printed)")
     serve.add_argument(
@@ -167,6 +201,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--log-interval", type=float, default=10.0, help="seconds between throughput log lines (0: none)"
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open HTTP connections at most (default: what the open-file limit allows, raised to its "
+        "hard limit at startup); past it the oldest connection still waiting for its request's headers "
+        "is closed, or, when all are busy, the new one gets a fast 503",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send a request's headers before it is closed",
+    )
+    serve.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a request body may stall before a 408"
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (uvicorn's flag)",
     )
     serve.add_argument(
         "--cpu-bind",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TextIO
@@ -50,9 +51,8 @@ class EngineStats:
 
 
 class PromptTooLong(InvalidRequest):
-    """The prompt (plus at least one new token) does not fit the model's context."""
-
-    status = 413
+    """The prompt (plus at least one new token, or its max_tokens) does not fit the model's context;
+    a 400 as vLLM answers it."""
 
 
 @dataclass
@@ -109,6 +109,7 @@ class Engine:
         self.step_log = step_log
         self._requests: dict[str, _Request] = {}
         self.streams = StreamRequests(self)  # multi-stream requests (serve/streams.py)
+        self.failed: list[tuple[str, str]] = []  # requests failed alone in a step (`take_failed`)
 
     @property
     def max_model_len(self) -> int:
@@ -150,6 +151,15 @@ class Engine:
                 "(including at least one generated token); shorten the prompt",
                 "prompt",
             )
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:  # vLLM's 400, never a silent clip
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} in max_tokens); lower max_tokens or shorten the prompt",
+                "max_tokens",
+            )
+        if params.top_k > self.vocab_size:
+            raise InvalidRequest(f"top_k must be in [0, {self.vocab_size}] (the vocabulary)", "top_k")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.check_request(prompt_ids, params)
@@ -212,40 +222,113 @@ class Engine:
         sample_at = self._collect_prompt_logprobs(plan, logits)
         sampled = self.scheduler.complete_step(plan)
         # One sampler call for the step: each sampled sequence, plus the first token of every sibling
-        # of an n > 1 request whose prompt just finished (drawn from the same logits row).
+        # of an n > 1 request whose prompt just finished (drawn from the same logits row). A request
+        # whose rows fail to build, sample or detokenize fails alone (`failed`), never its batch.
+        failed: dict[str, str] = {}
         rows: list[SampleRow] = []
-        forks: list[list[tuple[int, torch.Generator | None]]] = []
+        owners: list[str] = []  # the request of each row
+        forks: list[list[tuple[int, torch.Generator | None]] | None] = []
         pairs = list(zip(sample_at, sampled))  # stream groups draw through self.streams
         groups = [(row, seq) for row, seq in pairs if isinstance(seq, StreamGroup)]
-        sample_at = [row for row, seq in pairs if not isinstance(seq, StreamGroup)]
-        sampled = [seq for seq in sampled if not isinstance(seq, StreamGroup)]
-        for row, seq in zip(sample_at, sampled):
-            request = self._requests[seq.request_id]
-            history = (seq.prompt_ids, seq.output_ids)
-            rows.append(SampleRow(row, seq.params, request.generators[seq.sample_index], *history))
-            siblings = []
-            if request.n > 1 and seq.sample_index == 0 and len(request.samples) == 1:
-                for index in range(1, request.n):
-                    generator = make_generator(seq.params, index)
-                    rows.append(SampleRow(row, seq.params, generator, *history))
-                    siblings.append((index, generator))
+        singles = [(row, seq) for row, seq in pairs if not isinstance(seq, StreamGroup)]
+        for row, seq in singles:
+            try:
+                request = self._requests[seq.request_id]
+                history = (seq.prompt_ids, seq.output_ids)
+                mine = [SampleRow(row, seq.params, request.generators[seq.sample_index], *history)]
+                siblings = []
+                if request.n > 1 and seq.sample_index == 0 and len(request.samples) == 1:
+                    for index in range(1, request.n):
+                        generator = make_generator(seq.params, index)
+                        mine.append(SampleRow(row, seq.params, generator, *history))
+                        siblings.append((index, generator))
+            except Exception:  # noqa: BLE001 - this request fails alone
+                failed[seq.request_id] = traceback.format_exc()
+                forks.append(None)
+                continue
+            rows += mine
+            owners += [seq.request_id] * len(mine)
             forks.append(siblings)
-        group_rows = [self.streams.sample_rows(group, row) for row, group in groups]
-        rows += [row for extra, _ in group_rows for row in extra]
-        result = sample_rows(logits, rows, self.eos_token_ids)
-        drawn = iter(zip(result.tokens, result.logprobs))
+        group_rows: list[tuple[list[SampleRow], list[int]] | None] = []
+        for row, group in groups:
+            try:
+                extra, streams = self.streams.sample_rows(group, row)
+            except Exception:  # noqa: BLE001
+                failed[group.request_id] = traceback.format_exc()
+                group_rows.append(None)
+                continue
+            rows += extra
+            owners += [group.request_id] * len(extra)
+            group_rows.append((extra, streams))
+        drawn = iter(self._sample(logits, rows, owners, failed))
         outputs: list[RequestOutput] = []
         now = self.clock()
-        for seq, siblings in zip(sampled, forks):
-            request = self._requests[seq.request_id]
-            token, logprob = next(drawn)
-            # Fork before the parent can finish and free the prompt blocks the siblings share.
-            children = [self._fork(request, seq, index, gen, *next(drawn)) for index, gen in siblings]
-            outputs.append(self._append(request, seq, token, now, logprob))
-            outputs += [self._after_token(request, child, now, lp) for child, lp in children]
-        for (_, group), (_, streams) in zip(groups, group_rows):
-            outputs += self.streams.advance(group, streams, [next(drawn) for _ in streams], now)
+        for (_, seq), siblings in zip(singles, forks):
+            if siblings is None:
+                continue
+            picks = [next(drawn) for _ in range(1 + len(siblings))]
+            if seq.request_id in failed:
+                continue
+            try:
+                request = self._requests[seq.request_id]
+                # Fork before the parent can finish and free the prompt blocks the siblings share.
+                children = [
+                    self._fork(request, seq, index, gen, *pick)
+                    for (index, gen), pick in zip(siblings, picks[1:])
+                ]
+                token, logprob = picks[0]
+                mine = [self._append(request, seq, token, now, logprob)]
+                mine += [self._after_token(request, child, now, lp) for child, lp in children]
+            except Exception:  # noqa: BLE001
+                failed[seq.request_id] = traceback.format_exc()
+                continue
+            outputs += mine
+        for (_, group), entry in zip(groups, group_rows):
+            if entry is None:
+                continue
+            picks = [next(drawn) for _ in entry[1]]
+            if group.request_id in failed:
+                continue
+            try:
+                outputs += self.streams.advance(group, entry[1], picks, now)
+            except Exception:  # noqa: BLE001
+                failed[group.request_id] = traceback.format_exc()
+        if failed:
+            outputs = [out for out in outputs if out.request_id not in failed]
+            for request_id, trace in failed.items():
+                self._fail_request(request_id, trace)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[str], failed: dict) -> list:
+        """(token, logprob) per row: one sampler call; if it raises, row by row, so that only the
+        requests whose rows raise fail (recorded in `failed`; their entries are placeholders)."""
+        try:
+            result = sample_rows(logits, rows, self.eos_token_ids)
+            return list(zip(result.tokens, result.logprobs))
+        except Exception:  # noqa: BLE001 - find the row(s) that raise
+            pass
+        picks = []
+        for row, owner in zip(rows, owners):
+            try:
+                one = sample_rows(logits, [row], self.eos_token_ids)
+                picks.append((one.tokens[0], one.logprobs[0]))
+            except Exception:  # noqa: BLE001
+                failed.setdefault(owner, traceback.format_exc())
+                picks.append((0, None))
+        return picks
+
+    def _fail_request(self, request_id: str, trace: str) -> None:
+        """Abort one request whose sampling or detokenization raised; `take_failed` hands it over."""
+        try:
+            self.abort(request_id)
+        except Exception:  # noqa: BLE001 - it is failed either way
+            trace += "\n(aborting it also failed)\n" + traceback.format_exc()
+        self.failed.append((request_id, trace))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """The requests that failed alone since the last call: (request id, traceback)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
         """Record prompt logprobs of `all_logits` chunks; return the logits row of each sampled chunk."""

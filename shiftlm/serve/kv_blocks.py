@@ -6,22 +6,37 @@ block; token at position p lives in slot `block_ids[p // B] * B + p % B`. Nothin
 tensors: the runner only ever sees slot numbers, so blocks are never moved or re-laid out.
 
 Prefix caching (as in vLLM's automatic prefix caching): a *full, computed* block is named by a hash
-chained over every token up to its end, so equal hashes mean equal K/V. Freed blocks keep their hash
-and stay findable until the allocator reuses them (least recently freed first). Sharing is copy-free:
-a block is only ever written while its owner is the only one computing into it, because only full
-blocks are shared.
+chained over every token up to its end. The hash is SHA-256 of the parent block's hash and the block's
+tokens (as vLLM's after an unkeyed 64-bit hash let one prompt be answered with another's K/V, issue
+35.3), and a hit is trusted only when the cached block's own tokens and parent hash equal the
+lookup's, so even a hash collision cannot share K/V between different prompts. A request's optional
+`cache_salt` starts its chain (the root "parent"), so tenants with different salts never share blocks.
+Freed blocks keep their hash and stay findable until the allocator reuses them (least recently freed
+first). Sharing is copy-free: a block is only ever written while its owner is the only one computing
+into it, because only full blocks are shared.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from shiftlm.serve.sequence import Sequence
 
+ROOT = b""  # the parent hash of a sequence's first block without a cache salt
 
-def block_hash(parent_hash: int | None, token_ids: list[int]) -> int:
-    """Hash of a full block, chained on the previous block's so that equal hash means equal prefix."""
-    return hash((parent_hash, tuple(token_ids)))
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The chain's start: empty, or a hash of the salt (so no salted chain meets an unsalted one)."""
+    if cache_salt is None:
+        return ROOT
+    return hashlib.sha256(b"shiftlm-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def block_hash(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """SHA-256 of a full block, chained on the previous block's hash (tokens as int64)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 class BlockAllocator:
@@ -34,8 +49,9 @@ class BlockAllocator:
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # reuse from the front
-        self._hash_of_block: dict[int, int] = {}
-        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: dict[int, bytes] = {}
+        self._block_of_hash: dict[bytes, int] = {}
+        self._key_of_block: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # (parent hash, tokens)
 
     @property
     def num_free(self) -> int:
@@ -52,6 +68,7 @@ class BlockAllocator:
         old_hash = self._hash_of_block.pop(block, None)
         if old_hash is not None:
             del self._block_of_hash[old_hash]  # evicted from the prefix cache
+            del self._key_of_block[block]
         self.ref_counts[block] = 1
         return block
 
@@ -67,13 +84,18 @@ class BlockAllocator:
             if block not in self._hash_of_block:
                 self._free.move_to_end(block, last=False)  # nothing to keep: reuse it first
 
-    def cached_block(self, hash_value: int) -> int | None:
-        return self._block_of_hash.get(hash_value)
+    def cached_block(self, hash_value: bytes, parent_hash: bytes, token_ids: list[int]) -> int | None:
+        """The cached block named `hash_value`, if it holds exactly these tokens after this parent."""
+        block = self._block_of_hash.get(hash_value)
+        if block is None or self._key_of_block[block] != (parent_hash, tuple(token_ids)):
+            return None  # a miss, or a collision: never another prompt's K/V
+        return block
 
-    def register(self, block: int, hash_value: int) -> None:
+    def register(self, block: int, hash_value: bytes, parent_hash: bytes, token_ids: list[int]) -> None:
         if hash_value not in self._block_of_hash and block not in self._hash_of_block:
             self._block_of_hash[hash_value] = block
             self._hash_of_block[block] = hash_value
+            self._key_of_block[block] = (parent_hash, tuple(token_ids))
 
 
 class BlockManager:
@@ -94,12 +116,13 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_ids:
             return
         tokens = seq.token_ids
-        parent: int | None = None
+        parent = root_hash(seq.params.cache_salt)
         limit = min(len(tokens) - 1, seq.num_cacheable)
         while (len(seq.block_ids) + 1) * self.block_size <= limit:
             start = len(seq.block_ids) * self.block_size
-            hash_value = block_hash(parent, tokens[start : start + self.block_size])
-            block = self.allocator.cached_block(hash_value)
+            block_tokens = tokens[start : start + self.block_size]
+            hash_value = block_hash(parent, block_tokens)
+            block = self.allocator.cached_block(hash_value, parent, block_tokens)
             if block is None:
                 break
             self.allocator.share(block)
@@ -125,9 +148,10 @@ class BlockManager:
         tokens = seq.token_ids
         while (seq.num_hashed_blocks + 1) * self.block_size <= min(seq.num_computed, seq.num_cacheable):
             i = seq.num_hashed_blocks
-            parent = seq.block_hashes[i - 1] if i else None
-            hash_value = block_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
-            self.allocator.register(seq.block_ids[i], hash_value)
+            parent = seq.block_hashes[i - 1] if i else root_hash(seq.params.cache_salt)
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            hash_value = block_hash(parent, block_tokens)
+            self.allocator.register(seq.block_ids[i], hash_value, parent, block_tokens)
             seq.block_hashes.append(hash_value)
             seq.num_hashed_blocks += 1
 

@@ -80,7 +80,7 @@ def wait_healthy(proc: subprocess.Popen, log_path: Path, timeout: float) -> str:
 
 @contextlib.contextmanager
 def local_server(
-    serve_args: list[str], timeout: float = 300.0, log_path: str | None = None
+    serve_args: list[str], timeout: float = 300.0, log_path: str | None = None, preexec_fn=None
 ) -> Iterator[LocalServer]:
     """`with local_server(["--model", d, "--tp", "2"]) as server:` -> `server.url`, `server.pid`."""
     command = [
@@ -99,7 +99,11 @@ def local_server(
             log_path = str(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "serve.log")
         log = stack.enter_context(open(log_path, "w"))
         proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            preexec_fn=preexec_fn,  # e.g. a lower open-file limit (tests/chaos)
         )
         try:
             yield LocalServer(wait_healthy(proc, Path(log_path), timeout), proc.pid, proc, log_path)

@@ -123,6 +123,10 @@ def render_engine_metrics(engine) -> str:
         "num_requests_running": ("Sequences in the running batch.", stats.running),
         "num_requests_waiting": ("Sequences waiting to be scheduled.", stats.waiting),
         "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use.", stats.kv_cache_usage),
+        "num_requests_pending": (
+            "Requests admitted and not finished (what --max-pending bounds).",
+            getattr(engine, "num_pending", 0),
+        ),
     }
     counters = {
         "mode_switches": ("Steps whose parallel mode differs from the previous step's.", stats.mode_switches),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,17 @@ class ServeOptions:
     log_interval: float = 10.0
     cpu_bind: str = "auto"  # auto: local rank r on the r-th core this process may use; none
     spin_wait: float = 0.0  # CPU worker ranks poll a collective this long before sleeping (comm/wait.py)
+    # connections (serve/uvicorn_server.py): None = as many as the open-file limit allows
+    max_connections: int | None = None
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    timeout_keep_alive: float = 5.0
+    # vLLM's flags
+    enable_prefix_caching: bool = True
+    disable_log_requests: bool = False  # no access-log line per request
+    tokenizer: str | None = None  # a tokenizer directory other than the model's
+    trust_remote_code: bool = False  # accepted: shiftlm never runs a checkpoint's code
+    kv_cache_dtype: str = "auto"  # only auto: the cache has the weights' dtype
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
@@ -97,11 +109,23 @@ class ServeOptions:
     def check(self):
         """Fail before any process starts: the checkpoint, the layout, the limits, the tokenizer and
         the chat template. Returns the tokenizer."""
-        from shiftlm.config import ModelConfig
+        from shiftlm.config import CheckpointError, ModelConfig
         from shiftlm.serve.tokenizer import load_tokenizer
 
         if self.tp < 1 or self.sp < 1:
             raise ConfigError("--tp and --sp must be >= 1")
+        for name, value in (("MODEL", self.model), ("--tokenizer", self.tokenizer)):
+            if value is not None and looks_like_hub_id(value):
+                raise CheckpointError(
+                    f"{name} {value!r} looks like a Hugging Face Hub id; shiftlm does not download "
+                    f"models: fetch it first (huggingface-cli download {value} --local-dir DIR) and pass "
+                    "the local directory"
+                )
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported: the KV cache always has "
+                "the weights' dtype (--dtype); use --kv-cache-dtype auto or leave it out"
+            )
         config = ModelConfig.from_hf(self.model)
         self.parallel.check_model(config)
         if self.mode not in ("tp", "sp_tp", "shift"):
@@ -125,12 +149,16 @@ class ServeOptions:
                 f"{config.max_position_embeddings} positions and the cache's {self.num_blocks} x "
                 f"{self.block_size} tokens); raise --num-blocks for more"
             )
-        for name in ("rank_timeout", "step_timeout", "max_request_bytes"):
+        for name in ("rank_timeout", "step_timeout", "max_request_bytes", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         if not 0 <= self.spin_wait <= 1:
             raise ConfigError(f"--spin-wait {self.spin_wait} must be in [0, 1] seconds (0: never poll)")
-        tokenizer = load_tokenizer(self.model)
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError("--max-connections must be >= 1")
+        if self.max_pending < 1:
+            raise ConfigError("--max-pending must be >= 1")
+        tokenizer = load_tokenizer(self.tokenizer or self.model)
         template = self.chat_template_text()
         if template is not None:
             try:
@@ -143,3 +171,8 @@ class ServeOptions:
             except Exception as err:  # noqa: BLE001 - Jinja's own message, as one line
                 raise ConfigError(f"--chat-template does not render: {type(err).__name__}: {err}") from None
         return tokenizer
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """`org/name` that is not a local path: what vLLM would download from the Hugging Face Hub."""
+    return not Path(model).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None

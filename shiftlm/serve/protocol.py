@@ -12,6 +12,7 @@ A completion prompt may be a string, a list of strings, a list of token ids, or 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -29,21 +30,54 @@ class ApiError(Exception):
         400: "invalid_request_error",
         401: "invalid_request_error",
         404: "not_found_error",
+        408: "timeout_error",
         413: "invalid_request_error",
         429: "rate_limit_exceeded",
         500: "server_error",
         503: "service_unavailable",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429 and 503)
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": str(max(1, round(self.retry_after)))}
 
     def body(self) -> dict[str, Any]:
         error_type = self.TYPES.get(self.status, "server_error")
         return {
             "error": {"message": self.message, "type": error_type, "param": self.param, "code": self.status}
         }
+
+
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (400 beyond): bounds its sampling cost
+_TOKEN_ID = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: "²" and "٣" pass str.isdigit, not int()
+
+
+def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs, parsed once: keys are decimal integers (aliases such as
+    " 007" and "7" name one token, the last one sent wins), at most MAX_LOGIT_BIAS of them."""
+    if not raw:
+        return ()
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"logit_bias has {len(raw)} entries; at most {MAX_LOGIT_BIAS} are accepted", "logit_bias"
+        )
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        text = key.strip()
+        if not _TOKEN_ID.fullmatch(text):
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
+        bias[int(text)] = value
+    return tuple(bias.items())
+
+
+def api_error(err: Exception) -> ApiError:
+    """An engine refusal (InvalidRequest, Overloaded, EngineDead) as its HTTP error; 429 and 503
+    carry Retry-After."""
+    return ApiError(err.status, str(err), err.param, getattr(err, "retry_after", None))
 
 
 # Accepted and ignored: they do not change what is generated.
@@ -84,6 +118,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
     def unsupported_field(self) -> str | None:
         """The first field the client sent that shiftlm does not implement (None if all are)."""
@@ -96,23 +131,24 @@ class SamplingFields(BaseModel):
             return "stop_token_ids"
         return None
 
-    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
-        bias = []
-        for key, value in (self.logit_bias or {}).items():
-            if not key.strip().lstrip("-").isdigit():
-                raise InvalidRequest(f"logit_bias keys must be token ids, got {key[:20]!r}", "logit_bias")
-            bias.append((int(key), value))
-        return tuple(bias)
-
     def sampling_params(
-        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        default_max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
+        """The request's SamplingParams; `top_k` past the vocabulary (or -1) keeps every token, as in
+        vLLM, so no integer a client sends can overflow the sampler's int64 tensors."""
+        top_k = 0 if self.top_k == -1 else self.top_k
+        if vocab_size is not None and top_k >= vocab_size:
+            top_k = 0
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=top_k,
             # any integer is a seed: reduced to what torch.Generator.manual_seed accepts
             seed=None if self.seed is None else self.seed % SEED_MODULUS,
             stop=stop,
@@ -121,10 +157,11 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias=self._logit_bias(),
+            logit_bias=parse_logit_bias(self.logit_bias),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             min_tokens=self.min_tokens,
+            cache_salt=self.cache_salt,
         )
 
 
@@ -176,11 +213,15 @@ class ChatCompletionRequest(SamplingFields):
         return super().unsupported_field()
 
     def sampling_params(
-        self, default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        default_max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs)
+        return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs, vocab_size)
 
 
 def new_id(prefix: str) -> str:

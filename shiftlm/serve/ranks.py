@@ -24,12 +24,14 @@ HEARTBEAT_INTERVAL = 0.5
 
 
 def start_heartbeat(clock, parent_pid: int) -> threading.Thread:
-    """In a worker: stamp `clock` (a multiprocessing.Value('d')) with time.time() twice a second, and
+    """In a worker: stamp `clock` (a multiprocessing.Value('d')) with time.monotonic() twice a second
+    (CLOCK_MONOTONIC is one clock for every process of the host, and a wall-clock step of 10 s no
+    longer reads as a stalled rank, issue 35.8), and
     exit at once if rank 0 is gone (its parent changed), so no orphan holds the model's memory."""
 
     def beat() -> None:
         while True:
-            clock.value = time.time()
+            clock.value = time.monotonic()
             if os.getppid() != parent_pid:
                 os._exit(1)
             time.sleep(HEARTBEAT_INTERVAL)
@@ -77,7 +79,7 @@ class RankMonitor:
         for rank, proc, clock in self.workers:
             if not proc.is_alive():
                 return f"rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})"
-            silent = time.time() - clock.value
+            silent = time.monotonic() - clock.value
             if clock.value > 0 and silent > self.rank_timeout:
                 return (
                     f"rank {rank} (pid {proc.pid}) stopped responding: no heartbeat for {silent:.1f} s "

@@ -187,7 +187,8 @@ def serve_args(args: argparse.Namespace) -> list[str]:
         "max_tokens_per_step",
         "max_pending",
     )
-    return [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    flags = [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    return flags + ([] if getattr(args, "enable_prefix_caching", True) else ["--no-enable-prefix-caching"])
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -98,10 +98,13 @@ def _history(sequences: list[Sequence[int]], vocab: int, device: torch.device) -
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> torch.Tensor:
     """logit_bias, min_tokens, repetition / frequency / presence penalties on logits [rows, V]."""
     vocab = x.shape[1]
+    # every row's logit_bias as one sparse add (ids are distinct per row: protocol.parse_logit_bias)
+    biased = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias]
+    if biased:
+        where, ids, values = zip(*biased)
+        index = (torch.tensor(where, device=x.device), torch.tensor(ids, device=x.device))
+        x.index_put_(index, torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=True)
     for i, row in enumerate(rows):
-        if row.params.logit_bias:
-            ids, values = zip(*row.params.logit_bias)
-            x[i, torch.tensor(ids, device=x.device)] += torch.tensor(values, dtype=x.dtype, device=x.device)
         if len(row.output_ids) < row.params.min_tokens and eos_ids:
             x[i, torch.tensor(sorted(eos_ids), device=x.device)] = float("-inf")
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype, device=x.device)
@@ -152,7 +155,8 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
     if not bool(greedy.all()):
         temperature = torch.tensor([max(row.params.temperature, GREEDY_BELOW) for row in rows], device=device)
         scaled = x / temperature.unsqueeze(1)
-        top_k = torch.tensor([row.params.top_k for row in rows], device=device)
+        # top_k past the vocabulary keeps every token (as vLLM clamps it); never overflows int64
+        top_k = torch.tensor([min(row.params.top_k, x.shape[1]) for row in rows], device=device)
         top_p = torch.tensor([row.params.top_p for row in rows], dtype=scaled.dtype, device=device)
         narrow = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
         if narrow.numel():  # sorting the vocab is the costly part: only rows that filter pay it

@@ -53,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     min_tokens: int = 0
+    cache_salt: str | None = None  # starts the prefix cache's hash chain (kv_blocks.root_hash)
 
     def validate(self) -> None:
         finite = all(
@@ -65,7 +66,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
             (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 disables it)"),
+            (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it)"),
             (1 <= self.n <= 16, "n", f"n must be in [1, 16], got {self.n}"),
             (len(self.stop) <= 4 and all(self.stop), "stop", "stop takes up to 4 non-empty strings"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
@@ -149,7 +150,7 @@ class Sequence:
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading full blocks already offered to the prefix cache
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # kv_blocks.block_hash of each
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

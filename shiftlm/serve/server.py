@@ -7,8 +7,9 @@ rendezvous store listening on loopback only); under `torchrun --nproc-per-node t
 serve ...` every process runs this same function and takes its rank from the environment. Rank 0 runs
 uvicorn, the scheduler and sampling; the others run `ModelRunner.serve_steps` until rank 0 stops them.
 
-Exit codes: 0 after SIGINT/SIGTERM (in-flight requests drain for --shutdown-timeout seconds, then are
-aborted; one line says so), 2 for a bad flag or checkpoint, 1 for a failed start, and
+Exit codes: 0 after SIGTERM and 130 after SIGINT (Ctrl-C), as shells report an interrupted command
+(in-flight requests drain for --shutdown-timeout seconds, then are aborted and every connection is
+closed; one line says so), 2 for a bad flag, 3 for a bad checkpoint, 1 for a failed start, and
 `EXIT_RANK_FAILURE` (75, as training uses for a dead peer) when a rank died or stalled while serving,
 so that a supervisor restarts the server (docs/serving.md, "Operations").
 """
@@ -26,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from shiftlm.config import ConfigError
@@ -36,6 +38,7 @@ from shiftlm.serve.options import ServeOptions
 # stalled rank is caught by the rank monitor (serve/ranks.py) in seconds instead.
 STARTUP_TIMEOUT = datetime.timedelta(minutes=5)
 EXIT_RANK_FAILURE = 75
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 FAILED_HEALTH_SECONDS = 2.0  # after a rank failure, /health says 503 this long before the exit
 log = logging.getLogger("shiftlm.serve")
 _LISTENERS: list[socket.socket] = []
@@ -205,6 +208,7 @@ def build_engine(runner, options: ServeOptions, tokenizer, step_log=None):
         max_tokens_per_step=options.max_tokens_per_step,
         max_model_len=options.context_length(config.max_position_embeddings),
         policy=ShiftPolicy.named(options.mode, options.shift_threshold),
+        enable_prefix_caching=options.enable_prefix_caching,
     )
     eos_ids = {e for e in eos if e is not None}
     return Engine(runner, scheduler_config, tokenizer, eos_ids, config.vocab_size, step_log=step_log)
@@ -278,7 +282,12 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     from shiftlm.serve.async_engine import AsyncEngine
     from shiftlm.serve.metrics import StatsLogger
     from shiftlm.serve.ranks import RankMonitor
-    from shiftlm.serve.uvicorn_server import QuietServer, uvicorn_config
+    from shiftlm.serve.uvicorn_server import (
+        ConnectionGuard,
+        QuietServer,
+        auto_max_connections,
+        uvicorn_config,
+    )
 
     failure: list[str] = []
     world_size = options.tp * options.sp
@@ -307,14 +316,30 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
         api_key=options.resolved_api_key(),
         max_request_bytes=options.max_request_bytes,
         chat_template=options.chat_template_text(),
+        step_timeout=options.step_timeout,
+        body_timeout=options.body_timeout,
     )
     app = build_app(engine, tokenizer, api)
-    # On SIGINT/SIGTERM, requests still running after --shutdown-timeout are aborted (their clients
-    # get a 503 naming the shutdown), so uvicorn never has to cancel a request mid-response.
-    server = QuietServer(
-        uvicorn_config(app, options.shutdown_timeout + 10),
-        on_signal=lambda: threading.Timer(options.shutdown_timeout, engine.shutdown).start(),
+    guard = ConnectionGuard(options.max_connections or auto_max_connections(), options.header_timeout)
+    config = uvicorn_config(
+        app,
+        options.shutdown_timeout + CUT_DELAY + CUT_GRACE,
+        options.timeout_keep_alive,
+        guard,
+        access_log=not options.disable_log_requests,
     )
+
+    # On SIGINT/SIGTERM, requests still running after --shutdown-timeout are aborted (their clients
+    # get a 503 naming the shutdown) and every connection is cut (slow readers, stalled bodies), so
+    # uvicorn never has to cancel a request mid-response and the exit keeps the promise.
+    def drain_then_cut() -> None:
+        engine.shutdown()
+        time.sleep(CUT_DELAY)  # the aborted requests' handlers send their 503s and last SSE chunks
+        server.cut_connections()
+
+    drain = threading.Timer(options.shutdown_timeout, drain_then_cut)
+    drain.daemon = True  # an idle server's Ctrl-C must not wait for it (issue 36.8: 5-7 s)
+    server = QuietServer(config, on_signal=drain.start)
     monitor = RankMonitor(
         workers, engine.step_running_for, engine.fail, options.rank_timeout, options.step_timeout
     )
@@ -325,13 +350,15 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     ticker.start()
     host, port = http.getsockname()[:2]
     _freeze_startup_objects()
+    if options.trust_remote_code:
+        print("shiftlm serve: --trust-remote-code has no effect (shiftlm runs only its own model code)")
     print(
-        f"shiftlm serve: {api.model_name} on http://{host}:{port} "
-        f"(tp={options.tp} sp={options.sp} mode={options.mode} threshold={options.shift_threshold} "
+        f"shiftlm serve: {api.model_name} on http://{host}:{port} ({describe_layout(options)}, "
         f"max_model_len={engine.max_model_len})",
         flush=True,
     )
     server.run(sockets=[http])
+    drain.cancel()
     monitor.stop()
     if failure:
         engine.shutdown(f"the engine stopped: {failure[0]}")
@@ -340,7 +367,42 @@ def _serve_http(runner, options: ServeOptions, tokenizer, http: socket.socket, s
     runner.stop_workers()
     names = "/".join(signal.Signals(s).name for s in server.captured_signals) or "shutdown"
     print(f"shiftlm serve: stopped on {names}; {aborted} in-flight requests aborted", flush=True)
-    return 0
+    return EXIT_INTERRUPTED if signal.SIGINT in server.captured_signals else 0
+
+
+CUT_DELAY = 0.5  # seconds between aborting the requests left at --shutdown-timeout and cutting connections
+CUT_GRACE = 1.0  # seconds after cutting the connections before uvicorn cancels what is left
+
+
+def describe_layout(options: ServeOptions) -> str:
+    """The banner's words for what will run: the layout and, for shift, what the threshold means
+    (issue 36.5: after a probe that found SP x TP never faster, "mode=shift threshold=256" read as if
+    steps would shift, and "full TP" after --tp 1 meant tp x sp ranks)."""
+    ranks = options.tp * options.sp
+    layout = f"tp={options.tp} sp={options.sp}, {ranks} rank{'s' if ranks > 1 else ''}"
+    full_tp = (
+        f"full TP (all {ranks} ranks split every token's weights: tp x sp = {options.tp} x {options.sp})"
+    )
+    if ranks == 1:
+        return f"{layout}: one rank runs every step"
+    if options.mode == "tp":
+        return f"{layout}: every step runs {full_tp}"
+    if options.mode == "sp_tp":
+        return (
+            f"{layout}: every step runs SP x TP (tokens split {options.sp} ways, weights {options.tp} ways)"
+        )
+    threshold = options.shift_threshold
+    if options.sp == 1:
+        return f"{layout}: sp=1, so every step runs TP over the {ranks} ranks"
+    if threshold >= options.max_tokens_per_step:
+        return (
+            f"{layout}: every step runs {full_tp}; SP x TP would start above threshold={threshold} "
+            f"tokens and a step holds at most {options.max_tokens_per_step} (--max-tokens-per-step)"
+        )
+    return (
+        f"{layout}: mode=shift threshold={threshold}: steps of at most {threshold} tokens run {full_tp}, "
+        f"larger ones SP x TP (tokens split {options.sp} ways)"
+    )
 
 
 def _tick(stats, interval: float, server) -> None:

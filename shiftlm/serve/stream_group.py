@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shiftlm.model.stream_mask import PROMPT, TIMESTEP
+from shiftlm.model.stream_mask import HOGWILD, PROMPT, TIMESTEP
 from shiftlm.serve.sequence import FinishReason, SamplingParams, Sequence
 
 
@@ -29,9 +29,12 @@ class StreamGroup(Sequence):
     tag_times: list[int] = field(default_factory=list)  # and its timestep
     timesteps: int = 0  # timesteps written so far
     last_width: int = 1  # tokens of the last timestep (1 before any: the prompt's last row)
+    max_step_cost: int | None = None  # most `step_cost` one step of this group may have (None: any)
 
     @classmethod
-    def create(cls, request_id, prompt_ids, prefixes, stream_params, layout, arrival_time=0.0) -> StreamGroup:
+    def create(
+        cls, request_id, prompt_ids, prefixes, stream_params, layout, arrival_time=0.0, max_step_cost=None
+    ) -> StreamGroup:
         group = cls(
             request_id,
             list(prompt_ids),
@@ -42,6 +45,7 @@ class StreamGroup(Sequence):
             stream_params=tuple(stream_params),
             generated=[[] for _ in prefixes],
             finished=[None] * len(prefixes),
+            max_step_cost=max_step_cost,
         )
         while group.timesteps < min(len(p) for p in group.prefixes):  # every stream's input is known
             group.append_timestep({})
@@ -81,10 +85,22 @@ class StreamGroup(Sequence):
         self.last_width = len(writers)
         return writers
 
+    def step_cost(self, num_new: int, context: int | None = None) -> int:
+        """What computing `num_new` more tokens costs, in query-key scores: each query reads the
+        context (`context`, default: the group's after these tokens), and a hogwild query once per
+        key block (the prompt and every stream: its per-worker query rotation, issue 35.2)."""
+        context = self.num_computed + num_new if context is None else context
+        blocks = self.num_streams + 1 if self.layout == HOGWILD else 1
+        return blocks * num_new * context
+
     # Sequence hooks (scheduler.py, kv_blocks.py)
     def chunk_len(self, budget: int) -> int:
-        """All that is left, or a prefix chunk that ends before the last timestep (sampled together)."""
+        """All that is left, or a prefix chunk that ends before the last timestep (sampled together);
+        no more than `max_step_cost` allows, so one group never makes a step slow for the others."""
         left = self.num_uncomputed
+        if self.max_step_cost is not None:
+            fits = self.max_step_cost // max(1, self.step_cost(1, self.num_tokens))
+            budget = min(budget, max(fits, 0))
         if left <= budget:
             return left
         return max(0, min(budget, left - self.num_sampled_rows))

@@ -88,10 +88,30 @@ class StreamRequests:
                 " send fewer streams, shorter prefixes or a lower max_tokens",
                 "streams",
             )
+        final = len(prompt_ids) + sum(len(x) + p.max_tokens for x, p in zip(prefixes, params))
+        probe = StreamGroup(
+            "check", list(prompt_ids), params[0], layout=layout_code(layout), prefixes=tuple(prefixes)
+        )
+        cost, limit = probe.step_cost(len(prefixes), final), self.max_step_cost()
+        if cost > limit:
+            raise InvalidRequest(
+                f"the group is too costly for one step: its last timestep reads {cost:,} query-key "
+                f"scores ({len(prefixes)} streams over up to {final} tokens"
+                + (f", x{len(prefixes) + 1} key blocks for hogwild" if layout == "hogwild" else "")
+                + f"), more than the step limit of {limit:,} (--max-tokens-per-step x the cache's tokens); "
+                "send fewer streams, shorter prefixes or a lower max_tokens",
+                "streams",
+            )
         window = getattr(getattr(engine.runner, "model_config", None), "sliding_window", None)
         if window is not None:
             raise InvalidRequest("stream groups need a model without a sliding window", "layout")
         return layout_code(layout)
+
+    def max_step_cost(self) -> int:
+        """The most query-key scores one group may add to a step: a full step's token budget, each
+        token reading the whole cache (what no ordinary step exceeds), so no group slows a step more."""
+        config = self.engine.scheduler.config
+        return config.max_tokens_per_step * config.num_blocks * config.block_size
 
     def add_samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """OpenAI's n > 1: n `isolated` streams with empty prefixes; sample i draws with seed + i."""
@@ -103,7 +123,15 @@ class StreamRequests:
         """Queue a group that `check` has passed."""
         code = layout_code(layout)
         now = self.engine.clock()
-        group = StreamGroup.create(request_id, prompt_ids, prefixes, params, code, arrival_time=now)
+        group = StreamGroup.create(
+            request_id,
+            prompt_ids,
+            prefixes,
+            params,
+            code,
+            arrival_time=now,
+            max_step_cost=self.max_step_cost(),
+        )
         texts = [StreamingText(self.engine.tokenizer, p.stop) for p in params]
         self.groups[request_id] = _Group(group, texts, [make_generator(p, 0) for p in params], now)
         self.engine.scheduler.add(group)

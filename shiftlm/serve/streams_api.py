@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from shiftlm.serve.async_engine import EngineDead, Overloaded, StepFailed
-from shiftlm.serve.protocol import ApiError, SamplingFields, new_id, now, usage
+from shiftlm.serve.protocol import ApiError, SamplingFields, api_error, new_id, now, usage
 from shiftlm.serve.responses import finished_unless_gone
 from shiftlm.serve.sampling import SEED_MODULUS
 from shiftlm.serve.sequence import InvalidRequest
@@ -43,10 +43,10 @@ class StreamsRequest(SamplingFields):
     streams: list[StreamSpec]
     layout: str = "timestep"
 
-    def stream_params(self, default_max_tokens: int) -> list:
+    def stream_params(self, default_max_tokens: int, vocab_size: int | None = None) -> list:
         if self.n != 1:
             raise InvalidRequest("n is not a /v1/streams field; send one entry per stream in streams", "n")
-        base = self.sampling_params(default_max_tokens, None, None)
+        base = self.sampling_params(default_max_tokens, None, None, vocab_size)
         params = []
         for k, spec in enumerate(self.streams):
             changes = {}
@@ -84,15 +84,19 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
             raise ApiError(
                 400, f"{field!r} is not supported by /v1/streams; remove it from the request", field
             )
+        try:
+            engine.refuse_if_full(1)  # before tokenizing: refusals stay fast under a burst
+        except (InvalidRequest, Overloaded, EngineDead) as err:
+            raise api_error(err) from None
         prompt = await ids(body.prompt, "prompt", True)
         prefixes = [
             await ids(spec.prefix, f"streams[{k}].prefix", False) for k, spec in enumerate(body.streams)
         ]
         try:
-            params = body.stream_params(default_max_tokens)
+            params = body.stream_params(default_max_tokens, engine.vocab_size)
             outputs = engine.submit_streams(prompt, prefixes, params, body.layout)
         except (InvalidRequest, Overloaded, EngineDead) as err:
-            raise ApiError(err.status, str(err), err.param) from None
+            raise api_error(err) from None
         result = StreamsResult(body, prompt, prefixes)
         if body.stream:
             return StreamingResponse(result.events(outputs), media_type="text/event-stream")

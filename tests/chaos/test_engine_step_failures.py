@@ -64,3 +64,37 @@ def test_a_runner_failure_across_ranks_stops_the_engine_and_calls_the_fatal_hook
     assert engine.error is not None and len(fatal) == 1
     with pytest.raises(EngineDead):
         engine.submit([[1]], SamplingParams())
+
+
+def test_a_row_whose_sampling_raises_fails_its_request_alone(monkeypatch):
+    """Issue 35.1: a failure while sampling one row failed every request of the step. The sampler is
+    made to raise for rows of one request (seed 666); the greedy neighbours finish with the tokens
+    they get alone, and only the poisoned request gets StepFailed."""
+    from shiftlm.serve import engine as engine_module
+
+    real = engine_module.sample_rows
+
+    def poisoned(logits, rows, eos_ids=frozenset()):
+        if any(row.params.seed == 666 for row in rows):
+            raise OverflowError("planted: this row cannot be sampled")
+        return real(logits, rows, eos_ids)
+
+    fatal: list = []
+    engine = _async_engine(multi_rank=False, fatal=fatal)
+    alone = asyncio.run(_collect(engine, [1, 2, 3]))
+    monkeypatch.setattr(engine_module, "sample_rows", poisoned)
+
+    async def main():
+        bad = SamplingParams(max_tokens=5, temperature=1.0, seed=666)
+        good = [asyncio.ensure_future(_collect(engine, [1, 2, 3])) for _ in range(3)]
+        with pytest.raises(StepFailed, match="planted"):
+            async for _ in engine.generate([4, 5], bad):
+                pass
+        return await asyncio.wait_for(asyncio.gather(*good), timeout=30)
+
+    try:
+        assert asyncio.run(main()) == [alone] * 3
+        assert engine.error is None and engine.failed_requests == 1 and not fatal
+        assert engine.engine.scheduler.blocks.allocator.num_free == 32
+    finally:
+        engine.shutdown()

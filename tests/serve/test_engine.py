@@ -139,3 +139,23 @@ def test_aborting_a_request_frees_its_blocks():
     engine.step()
     engine.abort("r")
     assert not engine.has_work() and engine.scheduler.blocks.allocator.num_free == 16
+
+
+def test_a_planted_hash_collision_never_answers_one_prompt_with_anothers_kv(monkeypatch):
+    """Issue 35.3 through the engine: every block hashes alike (a planted collision); the second
+    prompt finds the first one's block by hash, the tokens differ, so nothing is shared and its
+    greedy output is its own (SlotRunner reads the context back from the cache slots)."""
+    from shiftlm.serve import kv_blocks
+
+    monkeypatch.setattr(kv_blocks, "block_hash", lambda parent, tokens: b"collide")
+    engine = _engine()
+    first, second = [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("a", first, params)
+    assert _tokens(_run(engine)[("a", 0)]) == reference_greedy(first, 6)
+    engine.add_request("b", second, params)
+    assert _tokens(_run(engine)[("b", 0)]) == reference_greedy(second, 6)
+    assert engine.scheduler.blocks.prefix_hits == 0
+    engine.add_request("c", first, params)  # the same tokens still hit
+    assert _tokens(_run(engine)[("c", 0)]) == reference_greedy(first, 6)
+    assert engine.scheduler.blocks.prefix_hits > 0

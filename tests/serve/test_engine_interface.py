@@ -58,10 +58,56 @@ def test_one_bad_prompt_refuses_the_whole_request_with_nothing_queued():
     assert engine.num_pending == 0 and engine.stats().waiting == 0
 
 
-def test_a_refusal_for_capacity_is_counted_in_the_metrics_by_the_engine():
+def test_a_refusal_for_capacity_is_counted_and_what_can_never_fit_is_a_400():
+    """--max-pending counts a request when `submit` admits it (issue 35.6), not when its outputs are
+    first read; a 429 says when to retry; more prompts than the limit can never be admitted."""
     engine = _engine(max_pending=1)
-    with pytest.raises(Overloaded):
-        engine.submit([[1], [2]], SamplingParams())
+
+    async def main():
+        first = engine.submit([[1]], SamplingParams(max_tokens=50, ignore_eos=True))
+        assert engine.num_pending == 1  # counted before anything was read
+        with pytest.raises(Overloaded) as refused:
+            engine.submit([[2]], SamplingParams())
+        assert refused.value.retry_after == 1.0
+        with pytest.raises(InvalidRequest, match="--max-pending"):
+            engine.submit([[1], [2]], SamplingParams())
+        assert len([out async for out in first[0]]) == 50
+
+    asyncio.run(main())
     engine.shutdown()
     assert "shiftlm_rejected_requests_total 1" in render_engine_metrics(engine)
     assert "shiftlm_kv_cache_usage_ratio 0.0" in render_engine_metrics(engine)
+
+
+def test_an_admitted_request_nobody_reads_is_released_and_aborted():
+    engine = _engine(max_pending=1)
+
+    async def main():
+        engine.submit([[1]], SamplingParams(max_tokens=50, ignore_eos=True))  # dropped unread
+        assert engine.num_pending == 0
+        second = engine.submit([[2]], SamplingParams(max_tokens=2, ignore_eos=True))
+        return [out async for out in second[0]]
+
+    assert len(asyncio.run(main())) == 2
+    engine.shutdown()
+
+
+def test_health_is_503_while_a_step_runs_past_half_the_step_timeout():
+    """Issue 35.2: a step that holds the engine shows on /health (503, Retry-After) well before the
+    server gives up at --step-timeout."""
+    from starlette.testclient import TestClient
+
+    from shiftlm.serve.api import ApiOptions, build_app
+
+    engine = _engine()
+    running = {"seconds": 0.0}
+    engine.step_running_for = lambda: running["seconds"]
+    client = TestClient(build_app(engine, LetterTokenizer(), ApiOptions("m", step_timeout=60.0)))
+    try:
+        assert client.get("/health").status_code == 200
+        running["seconds"] = 31.0
+        stale = client.get("/health")
+        assert stale.status_code == 503 and stale.headers["retry-after"] == "1"
+        assert "half of --step-timeout 60 s" in stale.json()["error"]["message"]
+    finally:
+        engine.shutdown()

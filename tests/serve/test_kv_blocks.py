@@ -62,8 +62,46 @@ def test_a_shared_block_returns_to_the_pool_only_after_its_last_owner():
 def test_reallocating_a_cached_block_evicts_it_from_the_prefix_cache():
     allocator = BlockAllocator(num_blocks=1, block_size=4)
     block = allocator.allocate()
-    allocator.register(block, 1234)
+    allocator.register(block, b"h", b"", [1, 2, 3, 4])
     allocator.free(block)
-    assert allocator.cached_block(1234) == block
+    assert allocator.cached_block(b"h", b"", [1, 2, 3, 4]) == block
     allocator.allocate()
-    assert allocator.cached_block(1234) is None
+    assert allocator.cached_block(b"h", b"", [1, 2, 3, 4]) is None
+
+
+def test_a_hash_collision_never_shares_another_prompts_blocks(monkeypatch):
+    """Issue 35.3: two different blocks with equal hashes (planted: every block hashes alike, as two
+    colliding blocks under the old unkeyed 64-bit hash did) are told apart by their tokens."""
+    from shiftlm.serve import kv_blocks
+
+    monkeypatch.setattr(kv_blocks, "block_hash", lambda parent, tokens: b"collide")
+    manager = BlockManager(num_blocks=8, block_size=4)
+    first = _seq([1, 2, 3, 4, 5])
+    _compute_all(manager, first)
+    manager.release(first)
+    second = _seq([9, 9, 9, 9, 5])  # same (planted) hash, other tokens
+    manager.reuse_cached_prefix(second)
+    assert second.num_computed == 0 and second.block_ids == []
+    again = _seq([1, 2, 3, 4, 6])  # the same tokens are still found
+    manager.reuse_cached_prefix(again)
+    assert again.num_computed == 4
+
+
+def test_block_hashes_are_sha256_chains_and_a_cache_salt_separates_tenants():
+    import hashlib
+    from array import array
+
+    from shiftlm.serve.kv_blocks import block_hash, root_hash
+
+    assert block_hash(b"", [1, 2]) == hashlib.sha256(array("q", [1, 2]).tobytes()).digest()
+    assert block_hash(block_hash(b"", [1]), [2]) != block_hash(block_hash(b"", [3]), [2])
+    manager = BlockManager(num_blocks=8, block_size=4)
+    alice = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(cache_salt="alice"))
+    _compute_all(manager, alice)
+    manager.release(alice)
+    for salt, hit in ((None, 0), ("bob", 0), ("alice", 4)):
+        seq = Sequence("b", [1, 2, 3, 4, 5], SamplingParams(cache_salt=salt))
+        manager.reuse_cached_prefix(seq)
+        assert seq.num_computed == hit, salt
+        manager.release(seq)
+    assert root_hash("x") != root_hash("y") != root_hash(None)

@@ -132,7 +132,7 @@ def test_a_stop_string_is_cut_from_the_output(client):
         ({"model": "nope", "prompt": "a"}, 404),
         ({"model": MODEL, "prompt": "a", "temperature": 9}, 400),
         ({"model": MODEL, "prompt": "a", "n": "many"}, 400),
-        ({"model": MODEL, "prompt": "a" * 5000}, 413),
+        ({"model": MODEL, "prompt": "a" * 5000}, 400),
         ({"model": MODEL}, 400),
         ({"model": MODEL, "prompt": [999999]}, 400),
     ],

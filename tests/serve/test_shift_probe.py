@@ -143,5 +143,25 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
     text = log_path.read_text()
     assert "shift threshold auto:" in text
-    threshold = int(re.search(r"mode=shift threshold=(\d+)", text).group(1))
+    threshold = int(re.search(r"threshold=(\d+)", text).group(1))
     assert 0 <= threshold <= 128
+    banner = next(line for line in text.splitlines() if line.startswith("shiftlm serve: "))
+    if threshold >= 128:  # issue 36.5: the probe found SP x TP never faster: say full TP, no "shift"
+        assert "mode=shift" not in banner and "every step runs full TP" in banner
+        assert "tp x sp = 1 x 2" in banner
+    else:
+        assert f"mode=shift threshold={threshold}" in banner
+
+
+def test_the_banner_says_what_runs_after_tp1_sp2():
+    """Issue 36.5: when the probe finds SP x TP never faster (threshold = the step budget), the
+    banner says every step runs full TP over tp x sp ranks, not "mode=shift threshold=256"."""
+    from shiftlm.serve.options import ServeOptions
+    from shiftlm.serve.server import describe_layout
+
+    never = describe_layout(ServeOptions("m", tp=1, sp=2, shift_threshold=256, max_tokens_per_step=256))
+    assert "mode=shift" not in never and "every step runs full TP" in never
+    assert "all 2 ranks split every token's weights: tp x sp = 1 x 2" in never
+    shifts = describe_layout(ServeOptions("m", tp=1, sp=2, shift_threshold=64, max_tokens_per_step=256))
+    assert "mode=shift threshold=64" in shifts and "larger ones SP x TP" in shifts
+    assert describe_layout(ServeOptions("m")).endswith("one rank runs every step")
