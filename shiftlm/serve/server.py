@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.config import ConfigError, error_line
 from shiftlm.serve.options import ServeOptions
 
 # A rank that dies during startup must fail the others within minutes. Waiting for the next plan while
@@ -136,7 +136,7 @@ def _worker_main(
         _init_distributed(rank, world_size, options.device, store, options.cpu_bind, options.spin_wait)
         runner = _load_runner(options)
     except Exception as err:  # one clear line; rank 0 sees this rank exit and stops too
-        print(f"error: shiftlm serve rank {rank} failed to start: {err}", file=sys.stderr, flush=True)
+        print(error_line("serve", f"rank {rank} failed to start: {err}"), file=sys.stderr, flush=True)
         sys.exit(1)
     _freeze_startup_objects()
     try:
@@ -263,7 +263,7 @@ def run_server(options: ServeOptions) -> int:
             workers = _start_local_ranks(options)
         runner = _load_runner(options)
     except Exception as err:  # e.g. a rank died during rendezvous: say so in one line, stop the rest
-        print(f"error: shiftlm serve failed to start: {err}", file=sys.stderr, flush=True)
+        print(error_line("serve", f"failed to start: {err}"), file=sys.stderr, flush=True)
         _stop([proc for _, proc, _ in workers])
         return 1
     if rank != 0:
