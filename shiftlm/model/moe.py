@@ -30,6 +30,7 @@ from torch import nn
 
 from shiftlm.comm import (
     CommGroup,
+    all_gather,
     all_reduce,
     all_to_all,
     all_to_all_rows,
@@ -156,6 +157,9 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = _Weight(1, h)
         self.router_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.grouped: bool | None = None  # None: torch._grouped_mm where supported; False: per-expert GEMMs
+        # with ep > 1: "all_to_all" (each row to its expert's rank), or "all_gather" (every rank gathers
+        # all tokens, computes its experts' rows, and the outputs are reduce-scattered back; bench/moe.py)
+        self.dispatch = "all_to_all"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k] in x's dtype, expert indices [T, k]) of the rows of x, as transformers."""
@@ -183,20 +187,44 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = self.route(x)
-        # one row per (token, choice), sorted by expert (stable: a token's choices keep their order)
-        choice = index.flatten()
-        order = torch.argsort(choice, stable=True)
-        token = order // self.top_k
-        rows = torch.bincount(choice, minlength=self.config.num_experts)
-        out = self.experts_forward(x[token], rows) * weights.flatten()[order].unsqueeze(-1)
-        out = x.new_zeros(x.shape).index_add(0, token, out)
+        if self.ep.size > 1 and self.dispatch == "all_gather":
+            out = self.gathered_experts(x, weights, index)
+        else:
+            # one row per (token, choice), sorted by expert (stable: a token's choices keep their order)
+            choice = index.flatten()
+            order = torch.argsort(choice, stable=True)
+            token = order // self.top_k
+            rows = torch.bincount(choice, minlength=self.config.num_experts)
+            out = self.experts_forward(x[token], rows) * weights.flatten()[order].unsqueeze(-1)
+            out = x.new_zeros(x.shape).index_add(0, token, out)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out.view(shape)
 
+    def stacked_weights(self) -> list[torch.Tensor]:
+        """This rank's experts' gate, up and down weights stacked: [E_local, F, H], [E_local, F, H], [E_local, H, F]."""
+        return [torch.stack(w) for w in zip(*(expert.weights() for expert in self.experts.values()))]
+
+    def gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """All-gather dispatch (Megatron's AllGather token dispatcher): every ep rank gathers all ep ranks'
+        tokens and routing (equal token counts), computes the rows routed to its own experts, and a
+        reduce-scatter returns each rank the sum over experts of its tokens' outputs."""
+        ep, local = self.ep, self.local_experts
+        tokens = gather_along(x, ep, 0)
+        gathered_weights = gather_along(weights, ep, 0)
+        expert = all_gather(index, ep, 0) - self.first_expert
+        mine = (expert >= 0) & (expert < local)
+        choice = expert.masked_fill(~mine, local).flatten()  # other ranks' experts sort last
+        keep = torch.argsort(choice, stable=True)[: int(mine.sum())]
+        token = keep // self.top_k
+        rows = torch.bincount(choice[keep], minlength=local)
+        y = grouped_swiglu(tokens[token], rows, *self.stacked_weights(), grouped=self.grouped)
+        y = y * gathered_weights.flatten()[keep].unsqueeze(-1)
+        return reduce_scatter_along(tokens.new_zeros(tokens.shape).index_add(0, token, y), ep, 0)
+
     def experts_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (`rows[e]` for expert e, all experts) -> each through its expert."""
-        stacked = [torch.stack(w) for w in zip(*(expert.weights() for expert in self.experts.values()))]
+        stacked = self.stacked_weights()
         if self.ep.size == 1:
             return grouped_swiglu(x, rows, *stacked, grouped=self.grouped)
         ep, local = self.ep, self.local_experts

@@ -65,12 +65,14 @@ def layout_outputs(
     autocast: bool = False,
     ep: int = 1,
     dp: int | None = None,
+    dispatch: str = "all_to_all",
 ) -> Outputs:
     """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors (on
     the CPU). `device`: where the rank computes (default: the process group's, see `Mesh`);
     `autocast`: the forward in bf16 autocast over fp32 weights, as training runs on GPUs. `ep`: expert
     parallelism over `dp` data-parallel ranks (default dp = ep), each with a slice of the batch; the
-    MoE load-balancing loss joins the loss when the config asks (`output_router_logits`)."""
+    MoE load-balancing loss joins the loss when the config asks (`output_router_logits`); `dispatch`:
+    how tokens reach their experts' ranks (`moe.SparseMoE.dispatch`)."""
     from shiftlm.model import build_model
     from shiftlm.model.grads import sync_tp_replicated_grads
     from shiftlm.model.ring_attention import sequence_indices, unzigzag
@@ -83,6 +85,9 @@ def layout_outputs(
     check_batch(batch, dp)
     mesh = Mesh(parallel, device=device)
     model = build_model(config, mesh, checkpoint=model_dir)
+    for module in model.modules():
+        if hasattr(module, "dispatch"):
+            module.dispatch = dispatch
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
     rows = slice(mesh.coords.dp * batch // dp, (mesh.coords.dp + 1) * batch // dp)
     index = torch.from_numpy(sequence_indices(seq_len, cp, mesh.cp.rank, sp, mesh.sp.rank))

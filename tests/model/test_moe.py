@@ -113,6 +113,25 @@ def test_mixtral_at_ep4_and_its_tie(ranks, tiny_checkpoints, moe_reference):
     assert all(len([n for n in out.param_grads if ".experts." in n]) == 2 * 2 * 3 for out in outputs)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
+def test_all_gather_dispatch_equals_transformers(ranks, tiny_checkpoints, moe_reference, family):
+    """bench/moe.py's alternative: every ep rank gathers all tokens and computes its experts' rows."""
+    outputs = ranks.run(
+        2,
+        layout_outputs,
+        tiny_checkpoints[family],
+        ep=2,
+        batch=BATCH,
+        dispatch="all_gather",
+        param_grads=True,
+    )
+    reference, single = moe_reference(family), _one_rank(ranks, tiny_checkpoints[family])
+    _assert_close("logits vs HF", outputs[0].logits, reference.logits)
+    _assert_close("input-embedding grad vs HF", outputs[0].embedding_grad, reference.embedding_grad)
+    for name, grad in _merged_grads(outputs).items():
+        _assert_close(f"{name} grad vs one rank", grad, single.param_grads[name])
+
+
 def _ep_traffic(checkpoint):
     counters.reset()
     layout_outputs(checkpoint, ep=2, batch=BATCH)
@@ -275,3 +294,23 @@ def test_moe_configs_round_trip_through_config_json(tiny_checkpoints):
     qwen2 = ModelConfig.from_hf(tiny_checkpoints["qwen2-moe"])
     assert not qwen2.is_moe_layer(0) and qwen2.is_moe_layer(1) and qwen2.shared_expert_intermediate_size == 48
     assert ModelConfig.from_hf(tiny_checkpoints["qwen3-moe"]).qk_norm
+
+
+def test_train_and_serve_refuse_what_is_not_built_in_one_line(tiny_checkpoints):
+    """Training with ep > 1 or the aux loss, and serving a MoE model, are refused before any rank."""
+    from dataclasses import replace
+
+    from shiftlm.serve.options import ServeOptions
+    from shiftlm.train.config import TrainConfig
+    from shiftlm.train.setup import check_layout
+
+    mixtral = ModelConfig(
+        model_type="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
+    )
+    config = replace(TrainConfig(), parallel=ParallelConfig(dp=2, ep=2))
+    with pytest.raises(ConfigError, match="use parallel.ep = 1"):
+        check_layout(config, mixtral, 2)
+    with pytest.raises(ConfigError, match="output_router_logits false"):
+        check_layout(TrainConfig(), replace(mixtral, output_router_logits=True), 1)
+    with pytest.raises(ConfigError, match="does not serve yet"):
+        ServeOptions(model=tiny_checkpoints["mixtral"]).check()
