@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+# mixture-of-experts families (docs/moe.md): routed SwiGLU experts in place of (some) MLPs
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # silu: SwiGLU, what the engine runs; gelu: the plain 4h MLP of GPT shapes, which only the simulator
 # reads (the Megatron tables it is validated on)
 HIDDEN_ACTS = ("silu", "gelu")
@@ -110,6 +112,17 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     hidden_act: str = "silu"
+    # mixture of experts (num_experts 0: a dense model); see docs/moe.md
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's FFN width
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: a dense expert every token takes, sigmoid-gated
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1 (mixtral always does)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    output_router_logits: bool = False  # transformers adds the load-balancing loss to the loss when set
+    qk_norm: bool = False  # qwen3: RMSNorm over each query and key head before RoPE
     name: str = field(default="", compare=False)  # a label for reports (a preset or checkpoint name)
 
     def __post_init__(self) -> None:
@@ -125,6 +138,25 @@ class ModelConfig:
             )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (supported: silu)")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok = {self.num_experts_per_tok} must be between 1 and num_experts = "
+                f"{self.num_experts}: set the router's top-k to at most the number of experts"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` routes to experts (transformers' rule for qwen2_moe; every layer else)."""
+        return (
+            self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def gated_mlp(self) -> bool:
@@ -137,16 +169,34 @@ class ModelConfig:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of one layer's GEMMs (q, k, v, o and the MLP): what FLOPs are counted from."""
+        """Weights of one layer's GEMMs (q, k, v, o and the MLP): what FLOPs are counted from. For a
+        mixture of experts, the weights one token meets (router, its top-k experts, the shared expert),
+        averaged over the layers (qwen2_moe may keep dense MLPs in some)."""
         h, attention_width = self.hidden_size, self.num_heads * self.head_dim
-        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate_size
-        return h * (2 * attention_width + 2 * self.kv_dim) + mlp
+        return h * (2 * attention_width + 2 * self.kv_dim) + self._ffn_params(active=True)
+
+    def _ffn_params(self, active: bool) -> int:
+        """The FFN weights of a layer, averaged over layers: every expert's (`active` False) or the
+        top-k's a token uses (`active` True)."""
+        h, matrices = self.hidden_size, 3 if self.gated_mlp else 2
+        dense = matrices * h * self.intermediate_size
+        if not self.is_moe:
+            return dense
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = matrices * h * self.shared_expert_intermediate_size + (
+            h if self.shared_expert_intermediate_size else 0
+        )
+        moe = experts * matrices * h * self.moe_intermediate_size + self.num_experts * h + shared
+        sparse = self.moe_layers
+        return (sparse * moe + (self.num_layers - sparse) * dense) // self.num_layers
 
     @property
     def layer_params(self) -> int:
         """One layer's parameters: its GEMM weights, qwen2's q/k/v biases and the two norms."""
         bias = self.num_heads * self.head_dim + 2 * self.kv_dim if self.attention_bias else 0
-        return self.layer_matmul_params + bias + 2 * self.hidden_size
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        attention = self.layer_matmul_params - self._ffn_params(active=True)
+        return attention + self._ffn_params(active=False) + bias + qk_norm + 2 * self.hidden_size
 
     @property
     def embedding_params(self) -> int:
@@ -199,7 +249,7 @@ class ModelConfig:
                 f"hidden_act {raw['hidden_act']!r} in config.json: shiftlm runs SwiGLU (silu) models"
             )
         sliding = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not raw.get("use_sliding_window", False):
             sliding = None
         return cls(
             vocab_size=raw["vocab_size"],
@@ -213,7 +263,9 @@ class ModelConfig:
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(
+                raw.get("qkv_bias", raw.get("attention_bias", model_type in ("qwen2", "qwen2_moe")))
+            ),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_window=sliding,
             initializer_range=raw.get("initializer_range", 0.02),
@@ -221,6 +273,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             name=raw.get("_name_or_path") or "",
+            **_moe_fields(model_type, raw),
         )
 
     @classmethod
@@ -258,6 +311,9 @@ class ModelConfig:
             "llama": "LlamaForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "mistral": "MistralForCausalLM",
+            "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
         }
         raw: dict[str, Any] = {
             "architectures": [architectures[self.model_type]],
@@ -284,11 +340,61 @@ class ModelConfig:
         if self.model_type == "llama":
             raw["attention_bias"] = self.attention_bias
             raw["mlp_bias"] = False
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "mixtral"):
             raw["sliding_window"] = self.sliding_window
-        if self.model_type == "qwen2":
+        if self.model_type in ("qwen2", "qwen2_moe", "qwen3_moe"):
             raw["use_sliding_window"] = False
+        if self.is_moe:
+            raw.update(
+                num_experts_per_tok=self.num_experts_per_tok,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=self.output_router_logits,
+            )
+        if self.model_type == "mixtral":
+            raw["num_local_experts"] = self.num_experts
+        elif self.model_type in ("qwen2_moe", "qwen3_moe"):
+            raw.update(
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                attention_bias=self.attention_bias,
+            )
+            if self.model_type == "qwen2_moe":
+                raw["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+                raw["qkv_bias"] = self.attention_bias
         return raw
+
+
+def _moe_fields(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a `config.json` (none for the dense families)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    fields: dict[str, Any] = dict(
+        num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(raw.get("output_router_logits", False)),
+    )
+    if raw.get("router_jitter_noise") or raw.get("router_z_loss_coef"):
+        raise ConfigError(
+            f"{model_type} config.json asks for router jitter or a z-loss, which shiftlm does not implement: "
+            "set router_jitter_noise / router_z_loss_coef to 0"
+        )
+    if (
+        model_type == "mixtral"
+    ):  # every layer sparse, experts as wide as intermediate_size, top-k renormalised
+        return {**fields, "moe_intermediate_size": raw["intermediate_size"], "norm_topk_prob": True}
+    return {
+        **fields,
+        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        "qk_norm": model_type == "qwen3_moe",
+    }
 
 
 @dataclass(frozen=True)
@@ -307,9 +413,12 @@ class ParallelConfig:
     tp: int = 1
     sequence_parallel: bool = False
     cp: int = 1
+    # expert parallelism, folded over the dp x cp x sp ranks (not a factor of the world size): each
+    # expert lives on one of `ep` ranks, tokens travel to it by all-to-all (docs/moe.md)
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "cp", "sp", "tp"):
+        for name in ("dp", "pp", "cp", "sp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -361,11 +470,42 @@ class ParallelConfig:
                 f"{what} is more than the model's {model.num_layers} layers: lower pp"
                 + (" or the chunks per rank" if chunks > 1 else f" to <= {model.num_layers}")
             )
+        self.check_experts(model)
         if self.cp > 1 and model.sliding_window is not None:
             raise ConfigError(
                 f"cp = {self.cp} (ring attention) does not support sliding-window attention "
                 f"(sliding_window = {model.sliding_window}): use cp = 1 (sp and tp support it)"
             )
+
+    def check_experts(self, model: ModelConfig) -> None:
+        """ep divides the experts and the dp*cp*sp ranks it is folded over; tp (which also splits every
+        expert's FFN, expert TP = TP) divides the expert and shared-expert widths."""
+        token_ranks = self.dp * self.cp * self.sp
+        if self.ep > 1 and not model.is_moe:
+            raise ConfigError(
+                f"ep = {self.ep} needs a mixture-of-experts model: {model.model_type} is dense; use ep = 1"
+            )
+        if not model.is_moe:
+            return
+        if model.num_experts % self.ep:
+            raise ConfigError(
+                f"ep = {self.ep} must divide num_experts = {model.num_experts}: use ep in "
+                f"{_divisors(model.num_experts)}"
+            )
+        if token_ranks % self.ep:
+            raise ConfigError(
+                f"ep = {self.ep} must divide the data-parallel ranks dp*cp*sp = {token_ranks} it is folded "
+                f"over: raise dp to a multiple of {self.ep} or use ep in {_divisors(token_ranks)}"
+            )
+        for what, width in (
+            ("moe_intermediate_size (one expert's width)", model.moe_intermediate_size),
+            ("shared_expert_intermediate_size", model.shared_expert_intermediate_size),
+        ):
+            if width and width % self.tp:
+                raise ConfigError(
+                    f"tp = {self.tp} (which splits every expert too) must divide {what} = {width}: use tp in "
+                    f"{[d for d in _divisors(width) if d <= width]}"
+                )
 
     def check_sequence(self, seq_len: int) -> None:
         """The sequence splits into 2*cp zigzag chunks, each chunk pair over sp (and tp with Megatron SP)."""

@@ -6,7 +6,8 @@ Rank layout (docs/design.md "Rank layout"), order dp, pp, cp, sp, tp, TP innermo
 
 Groups: `tp` (TP consecutive ranks), `sp` (stride TP), `cp` (context parallelism, ring attention;
 stride SP*TP), `pp` (stride CP*SP*TP), `dp` (stride PP*CP*SP*TP), `dp_sp` (every rank that holds
-the same weights: dp x cp x sp), and `shift`: the SP*TP ranks of one (dp, pp, cp) slice. In the shift
+the same weights: dp x cp x sp), `ep` / `edp` (expert parallelism folded over dp x cp x sp, and the
+ranks holding the same experts; `expert_group_ranks`), and `shift`: the SP*TP ranks of one (dp, pp, cp) slice. In the shift
 group rank (sp, tp) holds shard index `j = tp*SP + sp` ("head order"): full-TP shard j is sub-slice `sp` of TP shard `tp`. The group's own
 rank order is sorted global rank, which is *not* head order, so `shard_index` is computed here and
 never read from the group.
@@ -68,6 +69,33 @@ def group_ranks(config: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]
         for varying in itertools.product(*(range(sizes[a]) for a in axes)):
             ranks.append(rank_of(config, **base, **dict(zip(axes, varying))))
         groups.append(ranks)
+    return groups
+
+
+def token_rank(config: ParallelConfig, coords: Coords) -> int:
+    """f = (dp*CP + cp)*SP + sp: a rank's place among the dp x cp x sp ranks that see different tokens."""
+    return (coords.dp * config.cp + coords.cp) * config.sp + coords.sp
+
+
+def expert_group_ranks(config: ParallelConfig, name: str) -> list[list[int]]:
+    """Expert parallelism folded over the token ranks (Megatron-Core's MoE parallel folding, with
+    expert TP = TP): for each (pp, tp), token rank f is ep rank f % EP of `ep` group f // EP; `edp`
+    (expert data parallel: the ranks holding the same experts, whose gradients are summed) groups
+    the token ranks with equal f % EP."""
+    token_ranks = config.dp * config.cp * config.sp
+    groups = []
+    for pp, tp in itertools.product(range(config.pp), range(config.tp)):
+        ranks_of = {}
+        for rank in range(config.world_size):
+            c = coords_of(config, rank)
+            if c.pp == pp and c.tp == tp:
+                ranks_of[token_rank(config, c)] = rank
+        if name == "ep":
+            groups += [
+                [ranks_of[f] for f in range(g, g + config.ep)] for g in range(0, token_ranks, config.ep)
+            ]
+        else:
+            groups += [[ranks_of[f] for f in range(e, token_ranks, config.ep)] for e in range(config.ep)]
     return groups
 
 
@@ -178,16 +206,21 @@ class Mesh:
             "dp_sp": ("dp", "cp", "sp"),
         }
         self.groups: dict[str, CommGroup] = {}
-        for name, axes in axes_of.items():
-            for ranks in group_ranks(config, axes):
-                # new_group must be called by every rank for every group, in the same order
-                pg = (
-                    dist.new_group(sorted(ranks), timeout=timeout)
-                    if initialized and world_size > 1 and len(ranks) > 1
-                    else None
-                )
-                if rank in ranks:
-                    self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
+        layout = [(name, ranks) for name, axes in axes_of.items() for ranks in group_ranks(config, axes)]
+        if config.ep > 1:
+            layout += [(name, ranks) for name in ("ep", "edp") for ranks in expert_group_ranks(config, name)]
+        for name, ranks in layout:
+            # new_group must be called by every rank for every group, in the same order
+            pg = (
+                dist.new_group(sorted(ranks), timeout=timeout)
+                if initialized and world_size > 1 and len(ranks) > 1
+                else None
+            )
+            if rank in ranks:
+                self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
+        if config.ep == 1:  # every expert here; expert gradients are summed like any other's
+            self.groups["ep"] = CommGroup("ep", (rank,), None, rank)
+            self.groups["edp"] = self.groups["dp_sp"]
 
     tp = property(lambda self: self.groups["tp"])
     sp = property(lambda self: self.groups["sp"])
@@ -196,6 +229,13 @@ class Mesh:
     dp = property(lambda self: self.groups["dp"])
     shift = property(lambda self: self.groups["shift"])
     dp_sp = property(lambda self: self.groups["dp_sp"])
+    ep = property(lambda self: self.groups["ep"])
+    edp = property(lambda self: self.groups["edp"])
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (which experts it holds)."""
+        return token_rank(self.config, self.coords) % self.config.ep
 
     @property
     def shard_index(self) -> int:

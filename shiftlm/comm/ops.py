@@ -9,6 +9,7 @@ twin, and every op is the identity on a group of one.
     reduce_scatter_along forward: reduce-scatter (dim),   backward: all-gather     (dim)
     split_along          forward: keep my chunk (dim),    backward: all-gather     (dim)
     all_to_all           forward: all-to-all (scatter s, gather g), backward: all-to-all (scatter g, gather s)
+    all_to_all_rows      forward: uneven all-to-all of rows,  backward: the same with the counts swapped
 
 Gloo has no reduce-scatter, so there it is an all-reduce followed by taking this rank's chunk.
 
@@ -155,6 +156,21 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_
     return torch.cat(outputs, dim=gather_dim)
 
 
+def all_to_all_uneven(
+    tensor: torch.Tensor, group: CommGroup, send_rows: list[int], recv_rows: list[int]
+) -> torch.Tensor:
+    """Rows [sum(send_rows[:i]), +send_rows[i]) of `tensor` go to group rank i; what arrives is
+    concatenated in source order (`recv_rows[i]` rows from rank i): MoE token dispatch and combine."""
+    if group.size == 1:
+        return tensor
+    record = _enter("all_to_all", group, tensor)
+    out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
+    # all_to_all_single: gloo's list all_to_all needs equal sizes, its alltoall_base takes splits
+    run_blocking(dist.all_to_all_single, out, tensor.contiguous(), recv_rows, send_rows, group=group.pg)
+    ledger.exit(record)
+    return out
+
+
 def broadcast(tensor: torch.Tensor, group: CommGroup, src_group_rank: int = 0) -> torch.Tensor:
     if group.size == 1:
         return tensor
@@ -229,6 +245,17 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send_rows, recv_rows):
+        ctx.group, ctx.send_rows, ctx.recv_rows = group, send_rows, recv_rows
+        return all_to_all_uneven(x, group, send_rows, recv_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_uneven(grad.contiguous(), ctx.group, ctx.recv_rows, ctx.send_rows), None, None, None
+
+
 def copy_to_group(x: torch.Tensor, group: CommGroup) -> torch.Tensor:
     """forward: identity, backward: all-reduce (enter a tensor-parallel region)."""
     return x if group.size == 1 else _CopyToGroup.apply(x, group)
@@ -273,3 +300,10 @@ class _GatherNoReduce(torch.autograd.Function):
 def gather_replicated(x: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor:
     """forward: all-gather along `dim`, backward: keep my chunk (the gradient is already whole on every rank)."""
     return x if group.size == 1 else _GatherNoReduce.apply(x, group, dim)
+
+
+def all_to_all_rows(
+    x: torch.Tensor, group: CommGroup, send_rows: list[int], recv_rows: list[int]
+) -> torch.Tensor:
+    """forward: uneven all-to-all of rows (`all_to_all_uneven`), backward: the same with the counts swapped."""
+    return x if group.size == 1 else _AllToAllUneven.apply(x, group, send_rows, recv_rows)

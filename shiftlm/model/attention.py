@@ -26,7 +26,7 @@ from torch import nn
 from shiftlm.comm import CommGroup, all_to_all_along, reduce_from_group
 from shiftlm.config import ModelConfig
 from shiftlm.model.deferred import linear, linears
-from shiftlm.model.layers import ColumnParallelLinear, RowParallelLinear
+from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from shiftlm.model.ring_attention import ring_attention
 from shiftlm.model.rope import apply_rope_qk
 from shiftlm.model.sharding import kv_heads_of_block
@@ -109,6 +109,9 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, self.kv_heads_local * d, tp, bias, sequence_parallel)
         self.v_proj = ColumnParallelLinear(h, self.kv_heads_local * d, tp, bias, sequence_parallel)
         self.o_proj = RowParallelLinear(self.heads_local * d, h, tp, sequence_parallel)
+        if config.qk_norm:  # qwen3: RMSNorm over each query and key head, before RoPE
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         # Ulysses: which of my local KV heads each destination sp rank (head block j) needs
         blocks = tp.size * sp.size
         kv_index = []
@@ -138,6 +141,8 @@ class Attention(nn.Module):
         projections = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = linears(x, tuple(p.weight for p in projections), tuple(p.bias for p in projections))
         q, k, v = (t.view(batch, tokens, -1, d) for t in (q, k, v))
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_qk(q, k, cos, sin)
         if self.sp.size > 1:
             q, k, v = self.scatter_heads(q, k, v)
@@ -158,6 +163,8 @@ class Attention(nn.Module):
         batch, tokens = x.shape[:2]
         q, k, v = linears(x, (views.q, views.k, views.v), (views.q_bias, views.k_bias, views.v_bias))
         q, k, v = (t.view(batch, tokens, -1, d) for t in (q, k, v))
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_qk(q, k, cos, sin)
         if backend is None:
             out = causal_attention(q, k, v, self.config.sliding_window)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from shiftlm.comm import gather_replicated
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.loss import IGNORE_INDEX
 
@@ -38,6 +38,13 @@ def fixed_batch(
     return ids, targets
 
 
+def check_batch(batch: int, dp: int) -> None:
+    if batch % dp:
+        raise ConfigError(
+            f"batch {batch} does not split over {dp} data-parallel (ep) ranks: use a multiple of {dp}"
+        )
+
+
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
     """(max abs error, max abs error / max abs reference)."""
     abs_err = (ours.double() - reference.double()).abs().max().item()
@@ -56,23 +63,35 @@ def layout_outputs(
     cp: int = 1,
     device: str | None = None,
     autocast: bool = False,
+    ep: int = 1,
+    dp: int | None = None,
+    dispatch: str = "all_to_all",
 ) -> Outputs:
     """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors (on
     the CPU). `device`: where the rank computes (default: the process group's, see `Mesh`);
-    `autocast`: the forward in bf16 autocast over fp32 weights, as training runs on GPUs."""
+    `autocast`: the forward in bf16 autocast over fp32 weights, as training runs on GPUs. `ep`: expert
+    parallelism over `dp` data-parallel ranks (default dp = ep), each with a slice of the batch; the
+    MoE load-balancing loss joins the loss when the config asks (`output_router_logits`); `dispatch`:
+    how tokens reach their experts' ranks (`moe.SparseMoE.dispatch`)."""
     from shiftlm.model import build_model
     from shiftlm.model.grads import sync_tp_replicated_grads
     from shiftlm.model.ring_attention import sequence_indices, unzigzag
     from shiftlm.model.weights import gather_full
 
     config = ModelConfig.from_hf(model_dir)
-    parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=sequence_parallel)
+    dp = ep if dp is None else dp
+    parallel = ParallelConfig(dp=dp, tp=tp, sp=sp, cp=cp, sequence_parallel=sequence_parallel, ep=ep)
     parallel.check_sequence(seq_len)
+    check_batch(batch, dp)
     mesh = Mesh(parallel, device=device)
     model = build_model(config, mesh, checkpoint=model_dir)
+    for module in model.modules():
+        if hasattr(module, "dispatch"):
+            module.dispatch = dispatch
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
+    rows = slice(mesh.coords.dp * batch // dp, (mesh.coords.dp + 1) * batch // dp)
     index = torch.from_numpy(sequence_indices(seq_len, cp, mesh.cp.rank, sp, mesh.sp.rank))
-    ids_local, targets_local = ids[:, index].to(mesh.device), targets[:, index].to(mesh.device)
+    ids_local, targets_local = ids[rows][:, index].to(mesh.device), targets[rows][:, index].to(mesh.device)
 
     captured = {}
 
@@ -85,15 +104,19 @@ def layout_outputs(
         logits = model(ids_local)
     num_targets = int((targets != IGNORE_INDEX).sum())
     loss = model.loss(logits.float(), targets_local).sum() / num_targets
+    if config.is_moe and config.output_router_logits:
+        loss = loss + config.router_aux_loss_coef * model.router_aux_loss()[0]
     loss.backward()
 
     with torch.no_grad():
         whole = gather_replicated(logits, mesh.tp, dim=-1)[..., : config.vocab_size]
         whole = unzigzag(gather_replicated(gather_replicated(whole, mesh.sp, dim=1), mesh.cp, dim=1), cp)
+        whole = gather_replicated(whole, mesh.dp, dim=0)
         grad = captured["embedding"].grad
         if model.sequence_parallel:
             grad = gather_replicated(grad, mesh.tp, dim=1)
         grad = unzigzag(gather_replicated(gather_replicated(grad, mesh.sp, dim=1), mesh.cp, dim=1), cp)
+        grad = gather_replicated(grad, mesh.dp, dim=0)
     sync_tp_replicated_grads(model)
     grads = gather_full(model, grads=True) if param_grads else None
     if grads is not None:
@@ -120,12 +143,17 @@ def reference_outputs(
     ids, targets = fixed_batch(config.vocab_size, batch, seq_len)
     ids, targets = ids.to(device), targets.to(device)
     embeddings = hf.get_input_embeddings()(ids).detach().requires_grad_(True)
+    aux = config.is_moe and config.output_router_logits
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-        logits = hf(inputs_embeds=embeddings).logits
+        out = hf(inputs_embeds=embeddings, **({"output_router_logits": True} if aux else {}))
+    logits = out.logits
     per_token = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    (per_token / int((targets != IGNORE_INDEX).sum())).backward()
+    loss = per_token / int((targets != IGNORE_INDEX).sum())
+    if aux:  # transformers' load_balancing_loss_func, weighted as its own loss weighs it
+        loss = loss + config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
     grads = None
     if param_grads:
         grads = {name: p.grad.detach().cpu() for name, p in hf.named_parameters() if p.grad is not None}

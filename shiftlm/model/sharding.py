@@ -45,12 +45,64 @@ def padded_vocab(config: ModelConfig, tp: int) -> int:
 
 
 _LAYER = re.compile(r"model\.layers\.\d+\.")
+_EXPERT = re.compile(r"experts\.\d+\.")
+# (gate, up, down) of an expert: the Qwen families use the MLP's names, Mixtral w1, w3, w2
+_EXPERT_ROLE = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+_FFN = ("mlp.", "block_sparse_moe.")
+
+
+def _key(name: str) -> str:
+    """A tensor's name without its layer (and expert) index."""
+    return _EXPERT.sub("experts.", _LAYER.sub("", name))
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight: held by one ep rank, its gradient summed over the `edp` group."""
+    return ".experts." in name
+
+
+def tp_partial_grad(name: str) -> bool:
+    """Replicated over TP, but each TP rank's gradient is a partial sum: the router and shared-expert
+    gate (each rank sees its share of the experts' outputs) and Qwen3's per-head q/k norms (each rank
+    normalises its own heads). `grads.sync_tp_replicated_grads` sums them over TP."""
+    return _key(name) in (
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate.weight",
+        "block_sparse_moe.gate.weight",
+        "mlp.shared_expert_gate.weight",
+    )
+
+
+def _ffn_part(key: str) -> tuple[str, str] | None:
+    """("expert" | "shared_expert", "gate" | "up" | "down") for an MoE projection's key, else None."""
+    for prefix in _FFN:
+        for part in ("experts.", "shared_expert."):
+            head = prefix + part
+            if key.startswith(head) and key.endswith(".weight"):
+                role = _EXPERT_ROLE.get(key[len(head) : -len(".weight")])
+                if role is not None:
+                    return part.rstrip("."), role
+    return None
 
 
 def shard_spec(name: str, config: ModelConfig, tp_rank: int, tp_size: int) -> ShardSpec:
     """The TP plan: HF tensor name -> this rank's slice of it."""
-    key = _LAYER.sub("", name)
+    key = _key(name)
     d = config.head_dim
+    moe = _ffn_part(key)
+    if moe is not None:  # expert TP = TP: an expert splits like the dense MLP
+        part, role = moe
+        width = config.moe_intermediate_size if part == "experts" else config.shared_expert_intermediate_size
+        per = width // tp_size
+        return ShardSpec(0 if role != "down" else 1, ((tp_rank * per, (tp_rank + 1) * per),))
     if key in ("model.embed_tokens.weight", "lm_head.weight"):
         per = padded_vocab(config, tp_size) // tp_size
         start = tp_rank * per
@@ -74,13 +126,20 @@ def shard_spec(name: str, config: ModelConfig, tp_rank: int, tp_size: int) -> Sh
         return ShardSpec(1, ((tp_rank * per, (tp_rank + 1) * per),))
     if key in ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight"):
         return ShardSpec(None)
+    if tp_partial_grad(name):
+        return ShardSpec(None)
     raise KeyError(f"no tensor-parallel rule for {name!r}")
 
 
 def full_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
     """The shape of tensor `name` in a Hugging Face checkpoint of this model."""
-    key = _LAYER.sub("", name)
+    key = _key(name)
     h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
+    moe = _ffn_part(key)
+    if moe is not None:
+        part, role = moe
+        width = config.moe_intermediate_size if part == "experts" else config.shared_expert_intermediate_size
+        return (h, width) if role == "down" else (width, h)
     shapes = {
         "model.embed_tokens.weight": (config.vocab_size, h),
         "lm_head.weight": (config.vocab_size, h),
@@ -97,5 +156,10 @@ def full_shape(name: str, config: ModelConfig) -> tuple[int, ...]:
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
         "model.norm.weight": (h,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "mlp.gate.weight": (config.num_experts, h),
+        "block_sparse_moe.gate.weight": (config.num_experts, h),
+        "mlp.shared_expert_gate.weight": (1, h),
     }
     return shapes[key]

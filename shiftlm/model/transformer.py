@@ -1,4 +1,5 @@
-"""The Llama-family decoder (llama, qwen2, mistral) built from parallel layers, as a whole model or a stage.
+"""The Llama-family decoder (llama, qwen2, mistral, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe:
+model/moe.py) built from parallel layers, as a whole model or a stage.
 
 Parameter names are the Hugging Face names (`model.layers.3.mlp.up_proj.weight`), layers keep their
 global index, so a pipeline stage holding layers [4, 8) names them `model.layers.4` ... `model.layers.7`.
@@ -15,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_group
+from shiftlm.comm import SINGLE, CommGroup, copy_to_group, gather_along, reduce_from_group
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
 from shiftlm.model.deferred import linear, swiglu
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from shiftlm.model.moe import SparseMoE, ffn_name, load_balancing_loss
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
 from shiftlm.model.sharding import padded_vocab
@@ -75,12 +77,19 @@ class DecoderLayer(nn.Module):
         sequence_parallel: bool,
         cp: CommGroup | None = None,
         layer_index: int = 0,
+        ep: CommGroup | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, tp, sp, sequence_parallel, cp, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp, sequence_parallel)
+        # the feed-forward block under its HF name: `mlp` (dense or Qwen MoE) or Mixtral's `block_sparse_moe`
+        self.ffn_name = ffn_name(config, layer_index)
+        if config.is_moe_layer(layer_index):
+            ffn: nn.Module = SparseMoE(config, tp, ep or SINGLE, sequence_parallel)
+        else:
+            ffn = MLP(config, tp, sequence_parallel)
+        setattr(self, self.ffn_name, ffn)
 
     def forward(
         self,
@@ -91,7 +100,7 @@ class DecoderLayer(nn.Module):
         full_tp: FullTP | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, full_tp)
-        return x + self.mlp(self.post_attention_layernorm(x), full_tp)
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x), full_tp)
 
 
 class _Body(nn.Module):
@@ -145,7 +154,7 @@ class Transformer(nn.Module):
             )
         self.model.layers = nn.ModuleDict(
             {
-                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp, i)
+                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp, i, mesh.ep)
                 for i in range(first, last)
             }
         )
@@ -220,6 +229,12 @@ class Transformer(nn.Module):
         if bool(self.vocab_padding.any()):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
+
+    def router_aux_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE load-balancing loss of the last forward (`moe.load_balancing_loss`): this rank's term
+        of it (add `config.router_aux_loss_coef` times it to the loss) and its global value."""
+        moe = [m for m in self.modules() if isinstance(m, SparseMoE)]
+        return load_balancing_loss(moe, self.mesh.dp_sp, self.mesh.tp)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy of vocab-parallel logits (targets -100 are ignored)."""

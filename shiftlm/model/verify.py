@@ -1,14 +1,16 @@
-"""`shiftlm verify`: check that TP x SP x CP layouts compute what Hugging Face `transformers` computes.
+"""`shiftlm verify`: check that TP x SP x CP (x EP) layouts compute what Hugging Face `transformers` computes.
 
     shiftlm verify                                   # a tiny built-in llama (GQA), several layouts
     shiftlm verify --model ./my-llama --tp 1,2 --sp 1,2 --json
     shiftlm verify --cp 1,2 --sp 1,2                 # context parallelism (ring attention) with Ulysses
     shiftlm verify --device cuda --dtype bfloat16    # on a GPU, in training's bf16 autocast
+    shiftlm verify --tiny mixtral --ep 1,2,4 --tp 1,2    # mixture of experts, expert parallel
 
 For each layout it starts tp*sp*cp local ranks (gloo on the CPU; NCCL with one GPU per rank under
 --device cuda, a one-rank layout in this process), runs a fixed batch forward and backward, and compares
 the logits and the loss gradient of the input embeddings with `transformers` on the same checkpoint and
-device. In fp32 the relative error must be within --tolerance. In bf16 (autocast over fp32 weights, as
+device. With --ep E, E data-parallel ranks each hold a slice of the batch and 1/E of the experts
+(tokens reach their experts by all-to-all); the batch is then at least E sequences. In fp32 the relative error must be within --tolerance. In bf16 (autocast over fp32 weights, as
 training runs on GPUs) both shiftlm and `transformers` are compared with `transformers` in fp32, and
 shiftlm's error must be within --bf16-slack times transformers' own bf16 error. Exit code 1 if any
 layout fails.
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
+
+from shiftlm.model.tiny import TINY_FAMILIES
 
 DEFAULT_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
 
@@ -43,13 +48,26 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="HF checkpoint directory (default: a tiny built-in llama with GQA)")
+    parser.add_argument(
+        "--tiny",
+        default="llama-gqa",
+        choices=TINY_FAMILIES,
+        help="without --model: the family of the tiny checkpoint written with transformers (default llama-gqa)",
+    )
     parser.add_argument("--tp", type=_int_list, help="tensor-parallel degrees, e.g. 1,2,4")
     parser.add_argument("--sp", type=_int_list, help="Ulysses sequence-parallel degrees, e.g. 1,2")
     parser.add_argument("--cp", type=_int_list, help="context-parallel (ring attention) degrees, e.g. 1,2")
     parser.add_argument(
+        "--ep",
+        type=_int_list,
+        help="expert-parallel degrees (mixture-of-experts models), each over that many data-parallel ranks",
+    )
+    parser.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron sequence-parallel norm regions"
     )
-    parser.add_argument("--batch", type=int, default=2, help="sequences in the random input batch")
+    parser.add_argument(
+        "--batch", type=int, help="sequences in the random input batch (default: 2, or the largest ep)"
+    )
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence of the input batch")
     parser.add_argument(
         "--tolerance", type=float, default=1e-5, help="max relative error (max|diff| / max|ref|)"
@@ -73,11 +91,17 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _layouts(args) -> list[tuple[int, int, int]]:
-    """(tp, sp, cp) triples: the product of the given degrees, or the default TP x SP set."""
-    if args.tp is None and args.sp is None and args.cp is None:
-        return [(tp, sp, 1) for tp, sp in DEFAULT_LAYOUTS]
-    return [(tp, sp, cp) for cp in (args.cp or [1]) for tp in (args.tp or [1]) for sp in (args.sp or [1])]
+def _layouts(args) -> list[tuple[int, int, int, int]]:
+    """(tp, sp, cp, ep) tuples: the product of the given degrees, or the default TP x SP set."""
+    if args.tp is None and args.sp is None and args.cp is None and args.ep is None:
+        return [(tp, sp, 1, 1) for tp, sp in DEFAULT_LAYOUTS]
+    return [
+        (tp, sp, cp, ep)
+        for ep in (args.ep or [1])
+        for cp in (args.cp or [1])
+        for tp in (args.tp or [1])
+        for sp in (args.sp or [1])
+    ]
 
 
 def run(args) -> int:
@@ -87,7 +111,7 @@ def run(args) -> int:
     from shiftlm.config import ModelConfig, ParallelConfig
     from shiftlm.launch import LocalWorkers, WorkerError
     from shiftlm.mesh import check_dtype, choose_device, device_name, visible_gpus
-    from shiftlm.model.parity import layout_outputs, reference_outputs, relative_error
+    from shiftlm.model.parity import check_batch, layout_outputs, reference_outputs, relative_error
     from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.model.weights import check_checkpoint_files
 
@@ -95,54 +119,56 @@ def run(args) -> int:
     transformers.logging.disable_progress_bar()
     model_dir = args.model
     if model_dir is None:
-        model_dir = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="shiftlm-verify-"), "llama-gqa"))
+        model_dir = str(make_tiny_checkpoint(tempfile.mkdtemp(prefix="shiftlm-verify-"), args.tiny))
     layouts = _layouts(args)
     if args.tp is None and args.sp is None and args.cp is None and args.device != "cpu" and visible_gpus():
         # the default set, cut to the layouts this node's GPUs can run (one rank per GPU)
-        layouts = [layout for layout in layouts if layout[0] * layout[1] * layout[2] <= visible_gpus()]
+        layouts = [layout for layout in layouts if math.prod(layout) <= visible_gpus()]
+    batch = args.batch or max(2, *(ep for *_, ep in layouts))
     # user errors (ConfigError and its subclasses) reach `shiftlm.cli.main`: one line and their exit code
     config = ModelConfig.from_hf(model_dir)
     check_checkpoint_files(model_dir)
-    most_ranks = max(tp * sp * cp for tp, sp, cp in layouts)
+    most_ranks = max(math.prod(layout) for layout in layouts)
     device, backend = choose_device(args.device, local_world=most_ranks if args.device != "cpu" else None)
     bf16 = args.dtype == "bfloat16"
     if bf16:
         check_dtype(device, torch.bfloat16)
-    for tp, sp, cp in layouts:
-        parallel = ParallelConfig(tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel)
+    for tp, sp, cp, ep in layouts:  # every layout checked before any rank starts
+        parallel = ParallelConfig(dp=ep, tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel, ep=ep)
         parallel.check_model(config)
         parallel.check_sequence(args.seq_len)
+        check_batch(batch, ep)
 
     log = sys.stderr if args.json else sys.stdout
     where = device_name(device)
     print(
         f"reference: transformers {transformers.__version__} on {model_dir} ({where}, {args.dtype})", file=log
     )
-    reference = reference_outputs(model_dir, args.batch, args.seq_len, device=str(device))
+    reference = reference_outputs(model_dir, batch, args.seq_len, device=str(device))
     # bf16: transformers' own bf16 error against its fp32 is the scale shiftlm's error is judged by
     hf_bf16 = (
-        reference_outputs(model_dir, args.batch, args.seq_len, device=str(device), autocast=True)
-        if bf16
-        else None
+        reference_outputs(model_dir, batch, args.seq_len, device=str(device), autocast=True) if bf16 else None
     )
     rows = []
-    for tp, sp, cp in layouts:
+    for tp, sp, cp, ep in layouts:
         start = time.perf_counter()
-        name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "")
+        ranks = tp * sp * cp * ep
+        name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
         kwargs = dict(
             tp=tp,
             sp=sp,
             cp=cp,
+            ep=ep,
             sequence_parallel=args.sequence_parallel,
-            batch=args.batch,
+            batch=batch,
             seq_len=args.seq_len,
             autocast=bf16,
         )
         try:
-            if device.type == "cuda" and tp * sp * cp == 1:  # one GPU: this process, no process group
+            if device.type == "cuda" and ranks == 1:  # one GPU: this process, no process group
                 ours = layout_outputs(model_dir, device=str(device), **kwargs)
             else:
-                with LocalWorkers(tp * sp * cp, backend=backend) as workers:
+                with LocalWorkers(ranks, backend=backend) as workers:
                     ours = workers.run(layout_outputs, model_dir, **kwargs)[0]
         except WorkerError as err:
             print(f"shiftlm verify: layout {name} failed:\n{err}", file=sys.stderr)
@@ -153,7 +179,8 @@ def run(args) -> int:
             "tp": tp,
             "sp": sp,
             "cp": cp,
-            "ranks": tp * sp * cp,
+            "ep": ep,
+            "ranks": ranks,
             "logits_max_abs": logits_abs,
             "logits_max_rel": logits_rel,
             "embedding_grad_max_abs": grad_abs,

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from shiftlm.comm import all_gather, all_reduce
 from shiftlm.config import CheckpointError
-from shiftlm.model.sharding import ShardSpec, full_shape, shard_spec
+from shiftlm.model.sharding import ShardSpec, full_shape, is_expert_param, shard_spec
 from shiftlm.model.transformer import Transformer
 
 
@@ -84,7 +84,7 @@ def init_weights(model: Transformer, seed: int = 0) -> None:
     for name, param in model.named_parameters():
         source = source_name(model, name)
         shape = full_shape(source, model.config)
-        if source.endswith("layernorm.weight") or source == "model.norm.weight":
+        if source.endswith("norm.weight"):  # layer, final and qwen3's q/k norms
             full = torch.ones(shape, device="cpu")
         elif source.endswith(".bias"):
             full = torch.zeros(shape, device="cpu")
@@ -199,15 +199,19 @@ def gather_full(model: Transformer, grads: bool = False) -> dict[str, torch.Tens
         tensor = param.grad if grads else param
         local[name] = torch.zeros_like(param) if tensor is None else tensor
     out = gather_to_full(model, local)
-    if grads:
-        out = {name: all_reduce(t, model.mesh.dp_sp) for name, t in out.items()}
+    if grads:  # an expert's replicas are the ranks holding the same experts (`edp`), not all of dp_sp
+        mesh = model.mesh
+        out = {
+            name: all_reduce(t, mesh.edp if is_expert_param(name) else mesh.dp_sp) for name, t in out.items()
+        }
     return out
 
 
 def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     """Write this rank's stages into `directory` in HF format (collective; not atomic by itself).
 
-    One safetensors file per pipeline rank, written by its (dp=0, cp=0, sp=0, tp=0) rank; global rank 0
+    One safetensors file per pipeline rank (per pipeline and ep rank with expert parallelism), written by
+    its (dp=0, cp=0, sp=0, tp=0) rank and, for experts, by the ep ranks of expert replica 0; global rank 0
     writes `config.json` and, with several files, the index. A rank may hold several stages
     (interleaved and V schedules).
     """
@@ -215,22 +219,27 @@ def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     distributed = dist.is_available() and dist.is_initialized() and mesh.world_size > 1
     # a tied head's copy on the last stage is not a checkpoint tensor: the embedding is saved by stage 0
     tensors = {n: t for stage in stages for n, t in gather_full(stage).items() if source_name(stage, n) == n}
-    c, pp = mesh.coords, mesh.config.pp
-    file = "model.safetensors" if pp == 1 else f"model-{c.pp + 1:05d}-of-{pp:05d}.safetensors"
-    writer = c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0
+    c, pp, ep = mesh.coords, mesh.config.pp, mesh.config.ep
+    # with expert parallelism each ep rank of the first expert replica (edp rank 0) writes its experts,
+    # ep rank 0 the rest: one file per (pp, ep) rank
+    files, part = pp * ep, c.pp * ep + mesh.ep_rank
+    file = "model.safetensors" if files == 1 else f"model-{part + 1:05d}-of-{files:05d}.safetensors"
+    token_writer = c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0
+    expert_writer = c.tp == 0 and mesh.edp.rank == 0
+    tensors = {n: t for n, t in tensors.items() if (expert_writer if is_expert_param(n) else token_writer)}
     directory.mkdir(parents=True, exist_ok=True)
-    if writer:
+    if tensors:
         save_file(
             {k: v.contiguous().cpu() for k, v in tensors.items()}, directory / file, metadata={"format": "pt"}
         )
-    names = [(name, file) for name in tensors] if writer else []
+    names = [(name, file) for name in tensors]
     if distributed:
         gathered: list = [None] * mesh.world_size
         dist.all_gather_object(gathered, names)
         names = [item for part in gathered for item in part]
     if mesh.rank == 0:
         (directory / "config.json").write_text(json.dumps(stages[0].config.to_hf_dict(), indent=2))
-        if pp > 1:
+        if files > 1:
             index = {"metadata": {}, "weight_map": dict(sorted(names))}
             (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 

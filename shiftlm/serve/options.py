@@ -128,6 +128,11 @@ class ServeOptions:
             )
         config = ModelConfig.from_hf(self.model)
         self.parallel.check_model(config)
+        if config.is_moe:
+            raise ConfigError(
+                f"{self.model} is a mixture-of-experts model ({config.model_type}), which shiftlm does not "
+                "serve yet (docs/moe.md): serve a dense llama, qwen2 or mistral checkpoint"
+            )
         if self.mode not in ("tp", "sp_tp", "shift"):
             raise ConfigError(f"--mode {self.mode!r} is not one of tp, sp_tp, shift")
         if self.attention_backend not in ("auto", "cpu-kernel", "sdpa"):

@@ -188,14 +188,14 @@ class ShardedGrads:
         `owned[i]`: (stage, name in that stage) of flat parameter i."""
         if tp.size == 1:
             return
-        from shiftlm.model.sharding import shard_spec
+        from shiftlm.model.sharding import shard_spec, tp_partial_grad
 
         norms = []
         for index, (stage, name) in enumerate(owned):
             spec = shard_spec(name, stage.config, tp.rank, tp.size)
             pieces = self.pieces(index)
             if spec.dim is None:
-                if stage.sequence_parallel:
+                if stage.sequence_parallel or tp_partial_grad(name):
                     norms += pieces
                 continue
             replicas = [r for r in range(tp.size) if shard_spec(name, stage.config, r, tp.size) == spec]

@@ -89,6 +89,11 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
     parallel = config.parallel
     # before the world size: a layout that cannot fit the model is the news
     parallel.check_model(model, resolved_chunks(config))
+    if parallel.ep > 1 or (model.is_moe and model.output_router_logits):
+        raise ConfigError(
+            "training with expert parallelism or the MoE load-balancing loss is not implemented yet "
+            "(docs/moe.md): use parallel.ep = 1 and a config.json with output_router_logits false"
+        )
     parallel.check_world_size(world_size)
     parallel.check_sequence(config.train.seq_len)
     check_data_format(config)

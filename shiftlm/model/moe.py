@@ -1,0 +1,266 @@
+"""Mixture-of-experts feed-forward: top-k router, dropless grouped expert GEMMs, expert parallelism.
+
+The layer computes what `transformers` computes for Mixtral, Qwen2-MoE and Qwen3-MoE (docs/moe.md):
+router logits `x W_r^T`, softmax in fp32, `torch.topk` on the probabilities (so ties resolve as
+transformers resolves them), optional renormalisation of the top-k (`norm_topk_prob`; Mixtral always),
+then sum_k p_k * expert_k(x), plus Qwen2-MoE's shared expert scaled by sigmoid(x W_s^T).
+
+Parameters keep the Hugging Face names (`mlp.experts.5.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.5.w1.weight`), one tensor per expert, so checkpoints map one-to-one; the
+forward stacks this rank's experts for one grouped GEMM per projection (`torch._grouped_mm` where the
+platform runs it, else one GEMM per expert over its contiguous rows).
+
+Parallelism (Megatron-Core's MoE parallel folding, expert TP = TP): every expert's FFN is split over the
+TP group like the dense MLP (gate/up by rows, down by columns; the outputs of the routed and shared
+experts are summed over TP once, by the layer's row-parallel exit), and the experts are split over the
+`ep` group, which is folded over the ranks that see different tokens (dp x cp x sp, `mesh.expert_group_ranks`).
+Each ep rank routes its own tokens, sends each (token, choice) row to the rank holding the chosen expert
+by one uneven all-to-all, computes, and returns the rows by the inverse all-to-all. No token is dropped.
+
+The router and the shared-expert gate are replicated over TP but each TP rank sees only its share of
+the experts' outputs, so their gradients are partial sums (`sharding.tp_partial_grad`, summed by
+`grads.sync_tp_replicated_grads`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shiftlm.comm import (
+    CommGroup,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_rows,
+    copy_to_group,
+    gather_along,
+    reduce_from_group,
+    reduce_scatter_along,
+)
+from shiftlm.config import ConfigError, ModelConfig
+
+SEQ_DIM = 1
+
+EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}  # (gate, up, down); the Qwen families use the MLP's names
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def ffn_name(config: ModelConfig, layer: int) -> str:
+    """The attribute (and HF name) of layer `layer`'s feed-forward block."""
+    return "block_sparse_moe" if config.model_type == "mixtral" and config.is_moe_layer(layer) else "mlp"
+
+
+class _Weight(nn.Module):
+    """A bare `.weight` (HF names a projection `<name>.weight`)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert's three projections (this TP rank's `width` rows/columns), by their HF names."""
+
+    def __init__(self, hidden: int, width: int, names: tuple[str, str, str]):
+        super().__init__()
+        self.names = names
+        for name, shape in zip(names, ((width, hidden), (width, hidden), (hidden, width))):
+            setattr(self, name, _Weight(*shape))
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(getattr(self, name).weight for name in self.names)  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.weights()
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (`_grouped_mm`'s CPU backward rejects the
+    stride-0 gradient a `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """`torch._grouped_mm` runs fp32 on the CPU and bf16 on CUDA, with 16-byte aligned rows."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dtype_ok = x.dtype == torch.float32 if x.device.type == "cpu" else x.dtype == torch.bfloat16
+    aligned = all(
+        w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights
+    )
+    return dtype_ok and aligned and all(w.dtype == x.dtype for w in weights)
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """down_e(silu(gate_e x) * up_e x) for consecutive row groups: group e is `rows[e]` rows of `x`.
+
+    gate/up: [E, F, H], down: [E, H, F]. One `_grouped_mm` per projection where supported (`grouped`
+    None: decide), else one GEMM per expert over its slice (the same arithmetic)."""
+    if grouped is None:
+        grouped = grouped_mm_supported(x, gate, up, down)
+    if grouped:
+        offsets = torch.cumsum(rows, 0).to(torch.int32)
+
+        def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _ContiguousGrad.apply(torch._grouped_mm(a, w.transpose(1, 2), offs=offsets))
+
+        return mm(F.silu(mm(x, gate)) * mm(x, up), down)
+    parts = []
+    for e, part in enumerate(x.split(rows.tolist(), dim=0)):
+        parts.append(F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e]))
+    return torch.cat(parts, dim=0) if parts else x.new_zeros(0, down.shape[1])
+
+
+class SparseMoE(nn.Module):
+    """The routed experts (this ep rank's, split over TP) and Qwen2-MoE's gated shared expert.
+
+    forward(x: this rank's tokens [B, S, H], split over TP along the sequence under Megatron sequence
+    parallelism) enters the TP region as the dense MLP does, and leaves it with one sum over TP of the
+    routed and shared experts' partial outputs. `router_stats` keeps the last forward's per-expert
+    top-k counts and probability sums for the load-balancing loss (`load_balancing_loss`)."""
+
+    def __init__(self, config: ModelConfig, tp: CommGroup, ep: CommGroup, sequence_parallel: bool = False):
+        super().__init__()
+        h, experts = config.hidden_size, config.num_experts
+        self.config, self.tp, self.ep, self.sequence_parallel = config, tp, ep, sequence_parallel
+        self.top_k = config.num_experts_per_tok
+        self.local_experts = experts // ep.size
+        self.first_expert = ep.rank * self.local_experts
+        self.gate = _Weight(experts, h)
+        names = EXPERT_NAMES.get(config.model_type, MLP_NAMES)
+        width = config.moe_intermediate_size // tp.size
+        self.experts = nn.ModuleDict(
+            {
+                str(e): Expert(h, width, names)
+                for e in range(self.first_expert, self.first_expert + self.local_experts)
+            }
+        )
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = Expert(h, config.shared_expert_intermediate_size // tp.size, MLP_NAMES)
+            self.shared_expert_gate = _Weight(1, h)
+        self.router_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.grouped: bool | None = None  # None: torch._grouped_mm where supported; False: per-expert GEMMs
+        # with ep > 1: "all_to_all" (each row to its expert's rank), or "all_gather" (every rank gathers
+        # all tokens, computes its experts' rows, and the outputs are reduce-scattered back; bench/moe.py)
+        self.dispatch = "all_to_all"
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k weights [T, k] in x's dtype, expert indices [T, k]) of the rows of x, as transformers."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        counts = torch.bincount(index.flatten(), minlength=self.config.num_experts).to(probs.dtype)
+        self.router_stats = (counts, probs.sum(dim=0), x.shape[0])
+        return weights.to(x.dtype), index
+
+    def forward(self, x: torch.Tensor, full_tp: object = None) -> torch.Tensor:
+        if full_tp is not None:
+            raise ConfigError(
+                "mixture-of-experts models do not run in full-TP serving mode yet: serve them with sp = 1"
+            )
+        if self.sequence_parallel:
+            out = self.partial(gather_along(x, self.tp, SEQ_DIM))
+            return reduce_scatter_along(out, self.tp, SEQ_DIM)
+        return reduce_from_group(self.partial(copy_to_group(x, self.tp)), self.tp)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of the layer's output for the tokens x (the same on every TP rank)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.route(x)
+        if self.ep.size > 1 and self.dispatch == "all_gather":
+            out = self.gathered_experts(x, weights, index)
+        else:
+            # one row per (token, choice), sorted by expert (stable: a token's choices keep their order)
+            choice = index.flatten()
+            order = torch.argsort(choice, stable=True)
+            token = order // self.top_k
+            rows = torch.bincount(choice, minlength=self.config.num_experts)
+            out = self.experts_forward(x[token], rows) * weights.flatten()[order].unsqueeze(-1)
+            out = x.new_zeros(x.shape).index_add(0, token, out)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out.view(shape)
+
+    def stacked_weights(self) -> list[torch.Tensor]:
+        """This rank's experts' gate, up and down weights stacked: [E_local, F, H], [E_local, F, H], [E_local, H, F]."""
+        return [torch.stack(w) for w in zip(*(expert.weights() for expert in self.experts.values()))]
+
+    def gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """All-gather dispatch (Megatron's AllGather token dispatcher): every ep rank gathers all ep ranks'
+        tokens and routing (equal token counts), computes the rows routed to its own experts, and a
+        reduce-scatter returns each rank the sum over experts of its tokens' outputs."""
+        ep, local = self.ep, self.local_experts
+        tokens = gather_along(x, ep, 0)
+        gathered_weights = gather_along(weights, ep, 0)
+        expert = all_gather(index, ep, 0) - self.first_expert
+        mine = (expert >= 0) & (expert < local)
+        choice = expert.masked_fill(~mine, local).flatten()  # other ranks' experts sort last
+        keep = torch.argsort(choice, stable=True)[: int(mine.sum())]
+        token = keep // self.top_k
+        rows = torch.bincount(choice[keep], minlength=local)
+        y = grouped_swiglu(tokens[token], rows, *self.stacked_weights(), grouped=self.grouped)
+        y = y * gathered_weights.flatten()[keep].unsqueeze(-1)
+        return reduce_scatter_along(tokens.new_zeros(tokens.shape).index_add(0, token, y), ep, 0)
+
+    def experts_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`rows[e]` for expert e, all experts) -> each through its expert."""
+        stacked = self.stacked_weights()
+        if self.ep.size == 1:
+            return grouped_swiglu(x, rows, *stacked, grouped=self.grouped)
+        ep, local = self.ep, self.local_experts
+        # how many rows each rank sends me per local expert: [ep, local]
+        received = all_to_all(rows.view(ep.size, local).contiguous(), ep, scatter_dim=0, gather_dim=0)
+        send = rows.view(ep.size, local).sum(dim=1).tolist()
+        recv = received.sum(dim=1).tolist()
+        arrived = all_to_all_rows(x, ep, send, recv)  # by source rank, then by expert
+        expert_of_row = (
+            torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.flatten())
+        )
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        y = grouped_swiglu(arrived[by_expert], received.sum(dim=0), *stacked, grouped=self.grouped)
+        y = y[torch.argsort(by_expert)]  # back to (source rank, expert) order
+        return all_to_all_rows(y, ep, recv, send)
+
+
+def load_balancing_loss(
+    moe_layers: list[SparseMoE], tokens: CommGroup, tp: CommGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `load_balancing_loss_func` (Switch Transformer's auxiliary loss) over the whole
+    batch, computed from every rank's share: (this rank's term to add to its loss, the global value).
+
+    E * sum_e (top-k count_e / R) * (probability sum_e / R), counts and sums over all MoE layers and all
+    R = layers x tokens rows of the global batch. The counts carry no gradient, so the loss is a sum of
+    per-rank terms `E * sum_e count_e * p_e(local) / R^2` once the counts and R are summed over the token
+    ranks (`tokens`: dp x cp x sp); each TP rank routes the same tokens and its gradients are summed
+    over TP, hence the 1/TP on its term."""
+    stats = [layer.router_stats for layer in moe_layers if layer.router_stats is not None]
+    if not stats:
+        raise ValueError("load_balancing_loss needs a forward pass through the MoE layers first")
+    counts = torch.stack([s[0] for s in stats]).sum(dim=0)
+    probs = torch.stack([s[1] for s in stats]).sum(dim=0)
+    rows = torch.tensor([float(sum(s[2] for s in stats))], dtype=counts.dtype, device=counts.device)
+    counts, rows = all_reduce(counts.clone(), tokens), all_reduce(rows, tokens)
+    experts = counts.numel()
+    local = experts * (counts * probs).sum() / rows[0] ** 2
+    value = all_reduce(local.detach().reshape(1).clone(), tokens)[0]
+    return local / tp.size, value
