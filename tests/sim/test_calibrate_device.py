@@ -61,3 +61,51 @@ def test_a_catalog_gpu_is_checked_against_the_catalog():
     assert hardware.extra["catalog_hbm_ratio"] == pytest.approx(2.9e12 / 3350e9)
     assert hardware.intra_node_bandwidth == 450e9  # links from the catalog: one GPU measures none
     assert hardware.attention_fraction == pytest.approx(3.0e14 / 7.0e14)
+
+
+def test_a_gpu_profile_drives_simulate_train(tmp_path):
+    """`shiftlm simulate train --gpu this` runs on what `calibrate_device` writes for a GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from shiftlm.config import ModelConfig
+
+    measured = {
+        "gemm": {(role, 8192, 2048, 2048): 6.5e14 for role in GEMM_ROLES},
+        "attention": {2048: (3.0e14, 2.5e14)},
+        "memory": 4.2e12,
+        "op": 5e-6,
+    }
+    profile = tmp_path / "hardware.json"
+    save_profile(device_profile(measured, "NVIDIA H200", 141e9, 1, "bf16"), profile)
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(ModelConfig(num_layers=2).to_hf_dict()))
+    command = [
+        sys.executable,
+        "-m",
+        "shiftlm",
+        "simulate",
+        "train",
+        "--gpu",
+        "this",
+        "--hardware",
+        str(profile),
+    ]
+    command += [
+        "--model",
+        str(model),
+        "--seq",
+        "512",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "4",
+        "--gpus",
+        "1",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    run = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["step_time_s"] > 0
