@@ -42,7 +42,7 @@ PHASES = {
     "verify": 200,
     "train_ab": 170,
     "train": 150,
-    "train_compile": 420,
+    "train_compile": 540,
     "calibrate": 150,
     "serve": 220,
     "serve_step": 120,
