@@ -14,6 +14,9 @@ Phases (each a subprocess with its own time limit, so one failure leaves the oth
   memory, and which SDPA kernel ran (profiler kernel names).
 - train: `torchrun --nproc-per-node 1 -m shiftlm train` on that model (the user's command): its own
   tokens/s, MFU and memory per step from metrics.jsonl.
+- train_compile: bench/gpu_train.py (shiftlm eager / compiled against transformers eager / compiled,
+  one process each, interleaved rounds) on that model; its JSON lands beside the others.
+- calibrate: `shiftlm calibrate` on the GPU, then `shiftlm simulate train --gpu this` for the same run.
 - serve: `shiftlm serve` on one GPU: greedy completions in fp32 equal transformers' `generate` on the
   same GPU; then `shiftlm bench serve` replays the Azure conversation trace against the ~1.1B model in
   bf16 (the default on GPUs).
@@ -39,6 +42,8 @@ PHASES = {
     "verify": 200,
     "train_ab": 170,
     "train": 150,
+    "train_compile": 540,
+    "calibrate": 150,
     "serve": 220,
     "serve_step": 120,
 }  # seconds each
@@ -323,6 +328,66 @@ def phase_train(out: Path, steps: int = 12) -> dict:
         "stderr_tail": result.stderr[-4000:],
         "metrics": metrics,
     }
+
+
+def phase_train_compile(out: Path) -> dict:
+    """bench/gpu_train.py in a subprocess (its variants are processes of their own)."""
+    command = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), f"--device={DEVICE}"]
+    command += ["--tiny"] if SMOKE else ["--rounds=2", "--steps=6", "--timeout=150"]
+    command += [f"--out={out / 'gpu_train_compile_detail.json'}", f"--work={work_dir() / 'gpu_train'}"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=PHASES["train_compile"] - 10)
+    summary = json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else None
+    return {
+        "command": " ".join(command[1:]),
+        "returncode": run.returncode,
+        "result": summary,
+        "stderr_tail": run.stderr[-3000:],
+    }
+
+
+def phase_calibrate(out: Path) -> dict:
+    """`shiftlm calibrate` (the GPU path), then the simulator's step for the bench's 1.1B run."""
+    profile = out / "hardware_this.json"
+    calibrate = [sys.executable, "-m", "shiftlm", "calibrate", "--out", str(profile), "--json"]
+    run = subprocess.run(calibrate, capture_output=True, text=True, timeout=PHASES["calibrate"] - 40)
+    result = {"calibrate_returncode": run.returncode, "calibrate_stderr_tail": run.stderr[-3000:]}
+    if run.returncode == 0:
+        result["profile"] = json.loads(run.stdout.strip().splitlines()[-1])
+        model = checkpoint(work_dir() / "llama-1b", MODEL_1B) / "config.json"
+        simulate = [
+            sys.executable,
+            "-m",
+            "shiftlm",
+            "simulate",
+            "train",
+            "--gpu",
+            "this",
+            "--hardware",
+            str(profile),
+            "--model",
+            str(model),
+            "--seq",
+            "64" if SMOKE else "2048",
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "4",
+            "--gpus",
+            "1",
+            "--recompute",
+            "none",
+            "--dtype",
+            "fp32" if SMOKE else "bf16",
+            "--json",
+        ]
+        sim = subprocess.run(simulate, capture_output=True, text=True, timeout=30)
+        result["simulate"] = {
+            "command": " ".join(simulate[3:]),
+            "returncode": sim.returncode,
+            "stdout_tail": sim.stdout[-4000:],
+            "stderr_tail": sim.stderr[-2000:],
+        }
+    return result
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> str:

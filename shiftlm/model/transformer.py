@@ -22,7 +22,7 @@ from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
 from shiftlm.model.deferred import linear, swiglu
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from shiftlm.model.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
+from shiftlm.model.loss import IGNORE_INDEX, chunked_head_cross_entropy, vocab_parallel_cross_entropy
 from shiftlm.model.moe import SparseMoE, ffn_name, load_balancing_loss
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
@@ -111,8 +111,13 @@ class Transformer(nn.Module):
     """A pipeline stage of the decoder: layers [first, last), plus embedding and/or head at the ends.
 
     forward(first stage: token ids [B, S_local]; other stages: hidden states) returns hidden states,
-    or, on the last stage, vocab-parallel logits [B, S_local, padded_vocab/TP] (padding columns -inf).
+    or, on the last stage, vocab-parallel logits [B, S_local, padded_vocab/TP] (padding columns -inf);
+    with `loss_chunk` > 0 (the trainer's `train.loss_chunk`) hidden states there too, and `loss` runs
+    the final norm and the head `loss_chunk` tokens at a time (model/loss.py), never holding the whole
+    batch's logits.
     """
+
+    loss_chunk = 0
 
     def __init__(
         self,
@@ -166,6 +171,8 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         vocab_ids = self.vocab_start + torch.arange(vocab_local)
         self.register_buffer("vocab_padding", vocab_ids >= config.vocab_size, persistent=False)
+        # known here, so the head never asks the device (a sync per micro-batch, a graph break)
+        self.has_vocab_padding = self.vocab_start + vocab_local > config.vocab_size
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -186,7 +193,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """`backend`: attention other than dense causal (multi-stream samples: `stream_mask.MaskedAttention`)."""
         hidden = self.hidden_states(x, positions, backend)
-        if not self.with_head:
+        if not self.with_head or self.loss_chunk:  # with loss_chunk the head runs inside `loss`
             return hidden
         return self.head(hidden)
 
@@ -218,15 +225,17 @@ class Transformer(nn.Module):
             hidden = layer(hidden, cos, sin, backend, full_tp)
         return hidden
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + vocab-parallel LM head; padding columns are -inf so they never win or weigh."""
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, brought into the TP region (every TP rank holds every token)."""
         hidden = self.model.norm(hidden)
         if self.sequence_parallel:
-            hidden = gather_along(hidden, self.mesh.tp, dim=1)
-        else:
-            hidden = copy_to_group(hidden, self.mesh.tp)
-        logits = linear(hidden, self.head_weight)  # deferrable: its weight gradient can wait for W
-        if bool(self.vocab_padding.any()):
+            return gather_along(hidden, self.mesh.tp, dim=1)
+        return copy_to_group(hidden, self.mesh.tp)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + vocab-parallel LM head; padding columns are -inf so they never win or weigh."""
+        logits = linear(self.head_input(hidden), self.head_weight)  # deferrable: W can wait
+        if self.has_vocab_padding:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
 
@@ -237,7 +246,15 @@ class Transformer(nn.Module):
         return load_balancing_loss(moe, self.mesh.dp_sp, self.mesh.tp)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy of vocab-parallel logits (targets -100 are ignored)."""
+        """Per-token cross-entropy of vocab-parallel logits (targets -100 are ignored); with
+        `loss_chunk`, of the layers' output (`forward`'s then): norm, head and loss chunk by chunk."""
+        if self.loss_chunk:
+            padding = self.vocab_padding if self.has_vocab_padding else None
+            hidden = self.head_input(logits)
+            tp = self.mesh.tp
+            return chunked_head_cross_entropy(
+                hidden, self.head_weight, targets, tp, self.vocab_start, padding, self.loss_chunk
+            )
         if self.mesh.tp.size == 1:
             return F.cross_entropy(
                 logits.flatten(0, -2).float(), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX

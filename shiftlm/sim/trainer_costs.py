@@ -16,7 +16,9 @@ Above the states, the step's transient peak is the larger of (a) the activations
 the in-flight micro-batches, counted from shiftlm's own layer (`layer_saved_elements`; Korthikanti's
 count is 20% short of it: no dropout masks, but fp32 RMSNorm keeps x and x-hat, SwiGLU keeps four
 ffn-wide tensors, attention keeps its output and o_proj's contiguous input) plus three logits-sized
-fp32 tensors (the logits, the cross-entropy's exponentials, the logits' gradient), and
+fp32 tensors (the logits, the cross-entropy's exponentials, the logits' gradient) over the tokens of
+one chunk of the fused head + loss (`train.loss_chunk`, `model/loss.py`; the whole micro-batch with
+`loss_chunk = 0`), and
 (b) the AdamW update's four temporaries over the owned range (`optimizer_transient`: the clipped
 gradient, the bias-corrected denominator, the decay factor and its complement; `train/optim.py`).
 Checked against the trainer's measured allocation peak in tests/train/test_memory_model.py and
@@ -39,9 +41,11 @@ from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, reduce_scatter_time
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.layout import Layout, group_placement
-from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params, working_set_bytes
+from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+from shiftlm.train.config import TrainSection
 
 FP32 = 4
+LOSS_CHUNK = TrainSection.loss_chunk  # the trainer's default, for plans made without a run's config
 
 
 def data_group(layout: Layout) -> int:
@@ -98,17 +102,21 @@ def trainer_memory(
     capacity: float,
     activation_bytes: int,
     reserve: float | None = None,
+    loss_chunk: int = LOSS_CHUNK,
 ) -> MemoryEstimate:
     """The generic estimate with the trainer's own states in place of 2/2/12 and its transient peak
-    (module docstring) as `activations`; under full recompute the generic activation count."""
+    (module docstring) as `activations`; under full recompute the generic activation count.
+    `loss_chunk`: the run's `train.loss_chunk` (tokens whose logits exist at once; 0: all)."""
     generic = estimate_memory(model, layout, peak_in_flight, capacity, activation_bytes)
     weights, gradients, optimizer = trainer_states(model, layout)
     activations = generic.activations
     if layout.recompute != "full":
         layers = model.num_layers / (layout.pp * layout.chunks)
         saved = peak_in_flight * layers * layer_saved_elements(model, layout) * activation_bytes
-        # the fp32 logits, the cross-entropy's saved exponentials and, in backward, the logits' gradient
-        activations = saved + 3 * working_set_bytes(model, layout, activation_bytes)
+        # the fp32 logits, the cross-entropy's exponentials and, in backward, the logits' gradient
+        tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
+        rows = min(tokens, loss_chunk) if loss_chunk else tokens
+        activations = saved + 3 * FP32 * rows * model.vocab_size / layout.tp
     activations = max(activations, optimizer_transient(model, layout))  # the step's transient peak
     memory = replace(
         generic, weights=weights, gradients=gradients, optimizer=optimizer, activations=activations

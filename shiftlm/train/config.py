@@ -26,6 +26,7 @@ from shiftlm.config import ConfigError, ParallelConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
+COMPILE_CHOICES = ("auto", "true", "false")
 ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages the trainer implements (a stage that lands is added here)
 
 
@@ -49,6 +50,12 @@ class TrainSection:
     seed: int = 0
     dtype: str = "auto"  # auto: bf16 autocast where the device supports it, fp32 on CPU
     device: str = "auto"  # auto: GPU LOCAL_RANK + NCCL where CUDA is visible, else CPU + gloo; cuda; cpu
+    # tokens per chunk of the fused LM head + loss (model/loss.py): the whole batch's logits never exist;
+    # 0 materialises them (the plain head and cross-entropy)
+    loss_chunk: int = 1024
+    compile: str = (
+        "auto"  # torch.compile each decoder layer (train/compile.py); auto: on CUDA only; true; false
+    )
 
 
 @dataclass
@@ -61,6 +68,9 @@ class OptimSection:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    fused: str = (
+        "auto"  # the AdamW update as one compiled kernel (train/optim.py); auto: on CUDA; true; false
+    )
 
 
 @dataclass
@@ -136,6 +146,8 @@ def _did_you_mean(name: str, choices: list[str]) -> str:
 
 def _coerce(value: Any, kind: type, where: str) -> Any:
     """Check a TOML value (or parse an override string) against the field's declared type."""
+    if isinstance(value, bool) and kind is str:  # a TOML `compile = true` for a choice of strings
+        return str(value).lower()
     if isinstance(value, str) and kind is not str:
         text = value.strip().lower()
         try:
@@ -234,7 +246,7 @@ def validate(config: TrainConfig) -> None:
     for section in (config.parallel, config.train, config.checkpoint, config.validation):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            minimum = 0 if f.name in ("zero", "every", "seed", "freq") else 1
+            minimum = 0 if f.name in ("zero", "every", "seed", "freq", "loss_chunk") else 1
             if f.type == "int" and value < minimum:
                 raise ConfigError(f"{f.name} = {value} must be >= {minimum}")
     train, optim = config.train, config.optim
@@ -249,6 +261,10 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"checkpoint.every_s = {config.checkpoint.every_s} must be >= 0 (0: off)")
     if train.bucket_mb <= 0:
         raise ConfigError(f"train.bucket_mb = {train.bucket_mb} must be > 0 (MiB per all-reduce bucket)")
+    if train.compile not in COMPILE_CHOICES:
+        raise ConfigError(f"train.compile = {train.compile!r}; use one of {', '.join(COMPILE_CHOICES)}")
+    if optim.fused not in COMPILE_CHOICES:
+        raise ConfigError(f"optim.fused = {optim.fused!r}; use one of {', '.join(COMPILE_CHOICES)}")
     if train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype = {train.dtype!r}; use one of {', '.join(DTYPES)}")
     if train.zero not in ZERO_STAGES:

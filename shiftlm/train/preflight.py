@@ -139,7 +139,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool =
         capacity, device, sharing = float("inf"), "a GPU (none here)", 1
         activation_bytes = 4 if t.dtype == "fp32" else 2
     reserve = None if sharing else CPU_RUNTIME_BYTES
-    memory = trainer_memory(model, layout, in_flight, capacity, activation_bytes, reserve)
+    memory = trainer_memory(model, layout, in_flight, capacity, activation_bytes, reserve, t.loss_chunk)
     ranks = sharing or max(nproc, 1)
     return {
         "per_rank_gib": {k: v for k, v in memory.as_dict().items() if k not in ("capacity", "fits")},

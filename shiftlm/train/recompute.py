@@ -55,11 +55,15 @@ def _same_linears() -> tuple[Any, Any]:
     return nullcontext(), plain_linears(plain_linears_active())
 
 
-def apply_recompute(stage: Transformer, mode: str) -> None:
-    """Make `stage`'s decoder layers recompute activations in backward: none | selective | full."""
+def apply_recompute(stage: Transformer, mode: str, compiled: bool = False) -> None:
+    """Make `stage`'s decoder layers recompute activations in backward: none | selective | full.
+
+    `compiled`: the layers' forwards are compiled blocks (`train/compile.py`), which this wraps. Then
+    `selective` runs the whole block under the mode (it acts on SDPA alone, so the same thing), since a
+    per-attention patch is a distinct object per layer and dynamo would compile every layer anew."""
     for layer in stage.model.layers.values():
         if mode == "full":
             layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_linears)
         elif mode == "selective":
-            attention = layer.self_attn
-            attention.forward = partial(_attention_with_core_recompute, attention.forward)
+            owner = layer if compiled else layer.self_attn
+            owner.forward = partial(_attention_with_core_recompute, owner.forward)

@@ -19,6 +19,7 @@ import torch
 from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh, check_dtype
 from shiftlm.model import Transformer, build_model, stage_layers
+from shiftlm.model.deferred import plain_linears
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.recompute import apply_recompute
@@ -30,7 +31,9 @@ def build_stages(
 ) -> list[Transformer]:
     """This rank's pipeline stages, in `stage_keys` order: one, `chunks` of them for interleaved / V
     schedules, 2 x 2 for BitPipe (both replicas' copies start from the same seeded init or checkpoint).
-    Activation recomputation (`train.recompute`) is applied here."""
+    Compiled blocks (`train.compile`) and activation recomputation (`train.recompute`, around the
+    compiled blocks) are applied here."""
+    from shiftlm.train.compile import compile_blocks
     from shiftlm.train.pipeline import resolved_chunks, stage_keys
 
     total = mesh.config.pp * resolved_chunks(config)
@@ -41,7 +44,10 @@ def build_stages(
         for s, _ in stage_keys(config, mesh)
     ]
     for stage in stages:
-        apply_recompute(stage, config.train.recompute)
+        stage.loss_chunk = config.train.loss_chunk
+    compiled = compile_blocks(stages, mesh.device, config.train.compile)
+    for stage in stages:
+        apply_recompute(stage, config.train.recompute, compiled)
     return stages
 
 
@@ -115,7 +121,8 @@ class StepRunner:
             total = torch.zeros((), device=self.mesh.device)
             stage = self.stages[0]
             for x, y, context in zip(inputs, targets, contexts):
-                logits = stage(x) if context is None else stage(x, context.positions, context.backend)
+                with plain_linears():  # no pipeline, no deferred weight gradients: autograd's linears
+                    logits = stage(x) if context is None else stage(x, context.positions, context.backend)
                 loss = normalised_loss(stage, logits, y, target_tokens)
                 loss.backward()
                 total += loss.detach().float()

@@ -246,19 +246,7 @@ class Trainer(RunCheckpoints):
         for step in range(self.start_step, cfg.steps):
             faults.set_step(step + 1)
             tick = time.perf_counter()
-            self._zero_grad()
-            micro_batches = self.reader.step(step)
-            target_tokens = self._global_target_tokens(micro_batches)
-            self.grad_sync.begin_step(len(micro_batches))
-            loss = self.runner.run(micro_batches, target_tokens)
-            self._sum_grads()
-            grad_norm = global_grad_norm(
-                self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer
-            )
-            lr = learning_rate(step, cfg.steps, self.config.optim)
-            self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))
-            # the loss lives on the last stage, split over the data group: sum it to every rank
-            loss = all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
+            loss, grad_norm, lr = self.step(step, self.reader.step(step))
             result.losses[step + 1] = loss
             result.last_step = step + 1
             freq = self.config.validation.freq
@@ -309,6 +297,22 @@ class Trainer(RunCheckpoints):
             result.loss_plot = self.log.finish()
             result.metrics = self.log.metrics_file if self.log.metrics_file.is_file() else None
         return result
+
+    def step(self, step: int, micro_batches: list) -> tuple[float, float, float]:
+        """One optimizer step (`step` counts from 0) on this DP rank's `micro_batches`: forward and
+        backward, gradient sums, clipping, AdamW. Returns the global mean loss, the gradient norm and
+        the learning rate. (bench/gpu_train.py times it on batches of its own.)"""
+        self._zero_grad()
+        target_tokens = self._global_target_tokens(micro_batches)
+        self.grad_sync.begin_step(len(micro_batches))
+        loss = self.runner.run(micro_batches, target_tokens)
+        self._sum_grads()
+        grad_norm = global_grad_norm(self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer)
+        lr = learning_rate(step, self.config.train.steps, self.config.optim)
+        self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))
+        # the loss lives on the last stage, split over the data group: sum it to every rank
+        loss = all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
+        return loss, grad_norm, lr
 
     def validation_loss(self) -> float:
         """Mean loss over the held-out batches (the same ones every time), computed by the training

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from shiftlm.comm import CommGroup, all_gather_flat, all_reduce
+from shiftlm.train.compile import compile_usable
 from shiftlm.train.config import OptimSection
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.optim import adamw_update
@@ -62,6 +63,7 @@ class ShardedAdamW:
         self.exp_avg_sq = torch.zeros(size, device=flat.device)
         self.grad_shard: torch.Tensor | None = None  # ZeRO-2/3: the gradients, laid out like the moments
         self.step_count = 0
+        self.fused = compile_usable(optim.fused, flat.device, "optim.fused")  # one compiled update kernel
         self.shards = None  # stage 3: the ParameterShards holding the fp32 master shards
         self._refill: dict[int, torch.Tensor] = {}  # stages 1-2: the all-gather's input copy per unit
 
@@ -114,6 +116,7 @@ class ShardedAdamW:
                 self.step_count,
                 lr,
                 self.optim,
+                self.fused,
             )
         if self.sharded and self.shards is None:  # stages 1 and 2: refill the full parameters
             for index, ((offset, length), (a, b)) in enumerate(zip(self.flat.units, self.ranges)):

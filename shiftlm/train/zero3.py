@@ -161,11 +161,12 @@ class ParameterShards:
             if stage.with_embedding:
                 modules.append((stage.model.embed_tokens, "forward"))
             modules += [(layer, "forward") for layer in stage.model.layers.values()]
-            if stage.with_head:
-                modules.append((stage, "head"))
+            if stage.with_head:  # the head runs in `loss` when it is chunked (`Transformer.loss_chunk`)
+                modules.append((stage, "loss" if stage.loss_chunk else "head"))
             for position, ((owner, attribute), unit) in enumerate(zip(modules, units)):
-                extra = [units[0]] if is_tied and attribute == "head" else []
-                if attribute == "head":  # the final norm's unit, then the LM head's
+                head = attribute in ("head", "loss")
+                extra = [units[0]] if is_tied and head else []
+                if head:  # the final norm's unit, then the LM head's
                     extra += units[len(modules) :]
                 embedding = stage.with_embedding and position == 0
                 nxt = units[position + 1] if position + 1 < len(units) else None

@@ -1,0 +1,155 @@
+"""Compiled blocks (`train.compile`): one graph per block, the eager losses on every layout, and eager
+with one warning line where inductor cannot build."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shiftlm.config import ConfigError, ModelConfig
+from shiftlm.model import build_model
+from shiftlm.model.deferred import plain_linears
+from shiftlm.model.rope import rope_cos_sin
+from shiftlm.train.compile import CompiledBlock, compile_blocks, inductor_problem, wants_compile
+from shiftlm.train.config import load_config
+from shiftlm.train.trainer import train
+
+STEPS = 5
+BASE = [
+    "--model.name=micro",
+    "--train.seq_len=16",
+    "--train.global_batch=4",
+    "--train.micro_batch=1",
+    f"--train.steps={STEPS}",
+    "--optim.warmup_steps=2",
+    "--checkpoint.resume=false",
+    "--log.progress=off",
+]
+
+
+def train_losses(overrides: list[str], log_dir: str) -> dict[int, float]:
+    config = load_config(None, [*BASE, f"--log.dir={log_dir}", *overrides])
+    result = train(config, quiet=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return result.losses
+
+
+def _layer_inputs(model, batch: int = 2, seq: int = 8):
+    x = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True)
+    positions = torch.arange(seq).expand(batch, -1)
+    cos, sin = (t.unsqueeze(-2) for t in rope_cos_sin(model.inv_freq, positions, x.dtype))
+    return x, cos, sin
+
+
+def test_a_block_and_the_whole_model_trace_without_graph_breaks():
+    config = ModelConfig(vocab_size=250, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
+    model = build_model(config, seed=0)  # 250 rows: the head masks padding columns
+    torch._dynamo.reset()
+    with plain_linears():
+        block = torch._dynamo.explain(model.model.layers["0"].forward)(*_layer_inputs(model))
+        whole = torch._dynamo.explain(model.forward)(torch.randint(0, 250, (2, 8)))
+    assert (block.graph_count, block.graph_break_count) == (1, 0), block.break_reasons
+    assert (whole.graph_count, whole.graph_break_count) == (1, 0), whole.break_reasons
+
+
+def test_every_layer_reuses_the_first_layers_graph():
+    """Compile time does not grow with depth: 6 layers, one dynamo graph."""
+    from torch._dynamo.utils import counters
+
+    config = ModelConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=4)
+    model = build_model(config, seed=0)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_blocks([model], torch.device("cpu"))
+    with plain_linears():
+        model(torch.randint(0, 256, (2, 8))).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.fixture(scope="module")
+def eager_losses(ranks, tmp_path_factory):
+    return ranks.run(1, train_losses, ["--train.compile=false"], str(tmp_path_factory.mktemp("eager")))[0]
+
+
+ONE_RANK = {
+    "plain": [],
+    "recompute_full": ["--train.recompute=full"],
+    "recompute_selective": ["--train.recompute=selective"],
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_RANK))
+def test_compiled_one_rank_matches_eager(ranks, tmp_path, eager_losses, name):
+    losses = ranks.run(1, train_losses, ["--train.compile=true", *ONE_RANK[name]], str(tmp_path))[0]
+    assert list(losses) == list(range(1, STEPS + 1))
+    for step, reference in eager_losses.items():
+        assert losses[step] == pytest.approx(reference, rel=1e-5), f"step {step}"
+
+
+LAYOUTS = {
+    "tp2": ["--parallel.tp=2"],
+    "sp2": ["--parallel.sp=2"],
+    "pp2_1f1b": ["--parallel.pp=2", "--train.schedule=1f1b"],
+    "pp2_zb_v": ["--parallel.pp=2", "--train.schedule=zb_v"],  # deferrable micro-batches run eagerly
+    "zero3": ["--parallel.dp=2", "--train.micro_batch=2", "--train.zero=3"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_compiled_two_rank_layouts_match_eager_one_rank(ranks, tmp_path, eager_losses, layout):
+    losses = ranks.run(2, train_losses, ["--train.compile=true", *LAYOUTS[layout]], str(tmp_path))
+    assert losses[0] == losses[1]
+    for step, reference in eager_losses.items():
+        assert losses[0][step] == pytest.approx(reference, rel=1e-5), f"step {step}"
+
+
+def test_compile_setting():
+    assert wants_compile("auto", torch.device("cuda")) and not wants_compile("auto", torch.device("cpu"))
+    assert wants_compile("true", torch.device("cpu")) and not wants_compile("false", torch.device("cuda"))
+    with pytest.raises(ConfigError, match="train.compile = 'yes'; use one of auto, true, false"):
+        load_config(None, ["--train.compile=yes"])
+
+
+def test_toml_bool_is_accepted(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\ncompile = true\n")
+    assert load_config(path).train.compile == "true"
+
+
+def test_missing_compiler_warns_once_and_stays_eager(monkeypatch, caplog):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    cpu = torch.device("cpu")
+    assert "No working C++ compiler" in inductor_problem(cpu)
+    model = build_model(ModelConfig(num_layers=2), seed=0)
+    eager_forward = model.model.layers["0"].forward
+    with caplog.at_level(logging.WARNING, logger="shiftlm.train.compile"):
+        assert not compile_blocks([model], cpu)
+    assert len(caplog.records) == 1 and "running eagerly" in caplog.records[0].getMessage()
+    assert model.model.layers["0"].forward == eager_forward
+    assert CompiledBlock.broken is None
+
+
+def test_missing_compiler_cli_prints_one_line_and_trains(tmp_path):
+    """`shiftlm train --train.compile=true` with no working compiler: exit 0, one warning, no traceback."""
+    env = {**os.environ, "CXX": "/nonexistent/g++", "PYTHONPATH": os.getcwd()}
+    args = [f"--log.dir={tmp_path}", "--train.steps=2", "--train.compile=true", *BASE[:4], BASE[-1]]
+    run = subprocess.run(
+        [sys.executable, "-m", "shiftlm", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "train.compile" in line]
+    assert len(warnings) == 1 and "No working C++ compiler" in warnings[0], run.stderr
