@@ -31,18 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu import MODEL_1B  # TinyLlama-1.1B's shape, the one the GPU checks use
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("shiftlm_eager", "shiftlm_compiled", "hf_eager", "hf_compiled")
-# TinyLlama-1.1B's shape (Zhang et al. 2024), as bench/gpu.py
-MODEL_1B = dict(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-)
 MODEL_TINY = dict(
     MODEL_1B,
     vocab_size=2048,

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch.distributed as dist
 
 from shiftlm.config import ModelConfig
 
@@ -28,3 +29,15 @@ def tied_qwen2_config(directory, num_kv_heads: int = 2) -> str:
 def tied_qwen2_model(tmp_path_factory) -> str:
     """`--model.name=DIR` of a qwen2 micro model (q/k/v biases, GQA, LM head tied to the embedding)."""
     return tied_qwen2_config(tmp_path_factory.mktemp("tied_qwen2"))
+
+
+def run_training(base: list[str], overrides: list[str], log_dir: str, stop_after: int | None = None):
+    """One `shiftlm train` run on this rank (call it through `ranks.run`): its losses by step."""
+    from shiftlm.train.config import load_config
+    from shiftlm.train.trainer import train
+
+    config = load_config(None, [*base, f"--log.dir={log_dir}", *overrides])
+    result = train(config, stop_after=stop_after, quiet=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return result.losses

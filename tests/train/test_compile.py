@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shiftlm.config import ConfigError, ModelConfig
 from shiftlm.model import build_model
@@ -18,7 +17,7 @@ from shiftlm.model.deferred import plain_linears
 from shiftlm.model.rope import rope_cos_sin
 from shiftlm.train.compile import CompiledBlock, compile_blocks, inductor_problem, wants_compile
 from shiftlm.train.config import load_config
-from shiftlm.train.trainer import train
+from tests.train.conftest import run_training
 
 STEPS = 5
 BASE = [
@@ -34,11 +33,7 @@ BASE = [
 
 
 def train_losses(overrides: list[str], log_dir: str) -> dict[int, float]:
-    config = load_config(None, [*BASE, f"--log.dir={log_dir}", *overrides])
-    result = train(config, quiet=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return result.losses
+    return run_training(BASE, overrides, log_dir)
 
 
 def _layer_inputs(model, batch: int = 2, seq: int = 8):

@@ -5,10 +5,8 @@ is not a power of two), for llama and a tied qwen2; checkpoints written at cp=2 
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
-from shiftlm.train.config import load_config
-from shiftlm.train.trainer import train
+from tests.train.conftest import run_training
 
 STEPS = 6
 BASE = [
@@ -23,11 +21,7 @@ BASE = [
 
 
 def train_losses(overrides: list[str], log_dir: str, stop_after: int | None = None) -> dict[int, float]:
-    config = load_config(None, [*BASE, f"--log.dir={log_dir}", *overrides])
-    result = train(config, stop_after=stop_after, quiet=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return result.losses
+    return run_training(BASE, overrides, log_dir, stop_after)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
-from shiftlm.train.config import load_config
-from shiftlm.train.trainer import train
+from tests.train.conftest import run_training
 
 STEPS = 20
 BASE = [
@@ -22,11 +20,7 @@ BASE = [
 
 
 def train_losses(overrides: list[str], log_dir: str) -> dict[int, float]:
-    config = load_config(None, [*BASE, f"--log.dir={log_dir}", *overrides])
-    result = train(config, quiet=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return result.losses
+    return run_training(BASE, overrides, log_dir)
 
 
 @pytest.fixture(scope="module")
