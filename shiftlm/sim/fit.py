@@ -184,3 +184,79 @@ def _bounds(name: str) -> tuple[float, float]:
 
 def _start_value(name: str, start: Efficiency) -> float:
     return getattr(start, name.split("@", 1)[0])
+
+
+@dataclass(frozen=True)
+class TablesFit:
+    """`--refit`'s two stages on a set of tables: the shared constants on the tables of no
+    particular framework, then each framework's own parameters on its tables, shared ones fixed."""
+
+    efficiency: Efficiency
+    scoped: dict[str, float]  # "parameter@scope" -> value, only for scopes some fit row runs on
+    objective_pct: float
+    software_objective_pct: float | None
+    evaluations: int
+    simulations: int
+
+
+def _scopes(cases: Mapping[str, Sequence[Case]]) -> set[str]:
+    """The hardware names and frameworks that some fit row of `cases` runs on."""
+    return {
+        scope
+        for table, rows in cases.items()
+        for index, case in enumerate(rows)
+        if is_fit_row(table, index)
+        for scope in (case.hardware.name, case.software)
+        if scope
+    }
+
+
+def fittable(parameters: Sequence[str], cases: Mapping[str, Sequence[Case]]) -> tuple[str, ...]:
+    """`parameters` less every "field@scope" whose scope no fit row of `cases` runs on: a table left
+    out takes its cluster's or framework's own constants with it (they stay at the shared value)."""
+    scopes = _scopes(cases)
+    return tuple(name for name in parameters if "@" not in name or name.split("@", 1)[1] in scopes)
+
+
+def fit_shared(
+    cases: Mapping[str, Sequence[Case]], parameters: Sequence[str], start: Efficiency
+) -> FitResult | None:
+    """Stage 1: the shared constants on the tables whose runs name no framework (None if none of
+    them has a fit row)."""
+    shared = {table: rows for table, rows in cases.items() if not any(case.software for case in rows)}
+    if not any(is_fit_row(table, index) for table, rows in shared.items() for index in range(len(rows))):
+        return None
+    return fit(shared, start, fittable(parameters, shared))
+
+
+def fit_frameworks(
+    cases: Mapping[str, Sequence[Case]], shared: Efficiency, parameters: Sequence[str]
+) -> FitResult | None:
+    """Stage 2: each framework's own parameters on its tables, the shared constants fixed."""
+    framework = {table: rows for table, rows in cases.items() if any(case.software for case in rows)}
+    names = fittable(parameters, framework)
+    return fit(framework, shared, names) if names else None
+
+
+def combine(first: FitResult | None, second: FitResult | None, start: Efficiency) -> TablesFit:
+    """The two stages' results as one (a stage that had no fit rows is None)."""
+    runs = [r for r in (first, second) if r]
+    return TablesFit(
+        first.efficiency if first else start,
+        (first.clusters if first else {}) | (second.clusters if second else {}),
+        first.objective_pct if first else math.nan,
+        second.objective_pct if second else None,
+        sum(r.evaluations for r in runs),
+        sum(r.simulations for r in runs),
+    )
+
+
+def fit_tables(
+    cases: Mapping[str, Sequence[Case]],
+    parameters: Sequence[str],
+    software: Sequence[str],
+    start: Efficiency,
+) -> TablesFit:
+    """`--refit`: the shared constants, then each framework's own with the shared ones fixed."""
+    first = fit_shared(cases, parameters, start)
+    return combine(first, fit_frameworks(cases, first.efficiency if first else start, software), start)
