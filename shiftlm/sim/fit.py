@@ -160,7 +160,7 @@ def fit(
     for _ in range(MAX_SWEEPS if sweeps is None else sweeps):
         before = dict(point)
         for name in parameters:
-            low, high = _bounds(name)
+            low, high = parameter_bounds(name)
             best = _golden_section(lambda value, n=name: objective({**point, n: value}), low, high, steps)
             point[name] = float(f"{best:.3g}")
         collect_paths()
@@ -174,7 +174,7 @@ def fit(
     return FitResult(efficiency, clusters, sum(exact) / len(exact), evaluations, simulations)
 
 
-def _bounds(name: str) -> tuple[float, float]:
+def parameter_bounds(name: str) -> tuple[float, float]:
     """A shared parameter's bounds; a cluster's NVLink factor may exceed its README's rate."""
     base = name.split("@", 1)[0]
     if "@" in name and base == "intra_comm":

@@ -19,7 +19,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from shiftlm.sim.efficiency import Efficiency
-from shiftlm.sim.fit import BOUNDS, FitResult, TablesFit, _bounds, combine, fit_frameworks, fit_shared
+from shiftlm.sim.fit import (
+    BOUNDS,
+    FitResult,
+    TablesFit,
+    combine,
+    fit_frameworks,
+    fit_shared,
+    parameter_bounds,
+)
 from shiftlm.sim.measured import Case
 from shiftlm.sim.validate import is_fit_row, mape, replay
 
@@ -106,7 +114,7 @@ def _probe_job(job: tuple) -> tuple[str, str, float]:
     name, table, rows, efficiency, scoped = job
     base = _fit_split_mape(table, rows, efficiency, scoped)
     value = scoped[name] if "@" in name else getattr(efficiency, name)
-    low, high = _bounds(name)
+    low, high = parameter_bounds(name)
     moved = 0.0
     for factor in (1 - PROBE, 1 + PROBE):
         probe = min(max(value * factor, low), high)
