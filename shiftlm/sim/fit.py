@@ -199,23 +199,31 @@ class TablesFit:
     simulations: int
 
 
-def _scopes(cases: Mapping[str, Sequence[Case]]) -> set[str]:
-    """The hardware names and frameworks that some fit row of `cases` runs on."""
-    return {
-        scope
-        for table, rows in cases.items()
-        for index, case in enumerate(rows)
-        if is_fit_row(table, index)
-        for scope in (case.hardware.name, case.software)
-        if scope
-    }
+def _determines(name: str, case: Case) -> bool:
+    """Whether a run can determine the scoped constant `name`: a cluster's InfiniBand share only
+    moves runs that span nodes (a single-node table on the same cluster says nothing about it)."""
+    if name.split("@", 1)[0] == "inter_comm":
+        return case.layout.gpus > case.hardware.gpus_per_node
+    return True
 
 
 def fittable(parameters: Sequence[str], cases: Mapping[str, Sequence[Case]]) -> tuple[str, ...]:
-    """`parameters` less every "field@scope" whose scope no fit row of `cases` runs on: a table left
-    out takes its cluster's or framework's own constants with it (they stay at the shared value)."""
-    scopes = _scopes(cases)
-    return tuple(name for name in parameters if "@" not in name or name.split("@", 1)[1] in scopes)
+    """`parameters` less every "field@scope" that no fit row of `cases` on that scope (its cluster
+    or framework) determines: a table left out takes the constants only it determines with it (they
+    stay at the shared value)."""
+    fit_rows = [
+        case for table, rows in cases.items() for index, case in enumerate(rows) if is_fit_row(table, index)
+    ]
+
+    def kept(name: str) -> bool:
+        if "@" not in name:
+            return True
+        scope = name.split("@", 1)[1]
+        return any(
+            scope in (case.hardware.name, case.software) and _determines(name, case) for case in fit_rows
+        )
+
+    return tuple(name for name in parameters if kept(name))
 
 
 def fit_shared(

@@ -120,12 +120,11 @@ def _loto_report(report: dict, held_out: dict, cases: dict, fitted, clusters: di
     full refit fitted, each with the tables whose fit rows determine it (`loto.determination`)."""
     from shiftlm.sim.loto import DETERMINES_PCT, PROBE, determination
 
-    names = [*FIT_PARAMETERS, *clusters]
+    names = [*FIT_PARAMETERS, *(name for name in clusters if name not in FIT_PARAMETERS)]
 
     def constants(efficiency, scoped) -> dict:
-        return {
-            name: scoped[name] if "@" in name else getattr(efficiency, name) for name in FIT_PARAMETERS
-        } | scoped
+        # a "field@scope" constant absent from `scoped` was not fitted (its only table was left out)
+        return {name: getattr(efficiency, name) for name in FIT_PARAMETERS if "@" not in name} | scoped
 
     tables = {
         table: {

@@ -53,11 +53,19 @@ def test_each_table_is_scored_by_a_refit_that_never_saw_it():
 
 
 def test_a_framework_constant_leaves_with_the_last_table_that_runs_that_framework():
-    cases = load_cases(default_data_dir(), ["megatron_2021_table1", "llmfoundry_h100", "torchtitan_h100"])
+    cases = load_cases(default_data_dir(), ["megatron_2021_table1", "llmfoundry_a100", "torchtitan_h100"])
     names = ("gemm", "attention_kernel@llm-foundry")
     assert fittable(names, cases) == names
-    without = {t: rows for t, rows in cases.items() if t != "llmfoundry_h100"}
+    without = {t: rows for t, rows in cases.items() if t != "llmfoundry_a100"}
     assert fittable(names, without) == ("gemm",)  # torchtitan's table runs another framework
+
+
+def test_a_cluster_interconnect_constant_leaves_with_the_last_table_that_spans_its_nodes():
+    cases = load_cases(default_data_dir(), ["vtrain_single_node", "vtrain_multi_node"])
+    names = ("gemm", "inter_comm@a100-80gb-vtrain")
+    assert fittable(names, cases) == names
+    # the single-node table runs on the same cluster but never crosses its InfiniBand
+    assert fittable(names, {"vtrain_single_node": cases["vtrain_single_node"]}) == ("gemm",)
 
 
 def test_determination_counts_only_the_tables_a_constant_moves():
