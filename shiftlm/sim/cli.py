@@ -3,7 +3,7 @@
     shiftlm simulate train --model llama3-70b --gpu h100 --gpus 64 --tp 8 --pp 4 --seq 8192 \\
         --micro-batch 1 --global-batch 256 --schedule zb_v
     shiftlm simulate train --hidden 12288 --layers 96 --heads 96 --gpu a100 --gpus 64 --tp 8 --pp 8
-    shiftlm simulate validate [--data DIR] [--refit] [--json]
+    shiftlm simulate validate [--data DIR] [--refit] [--leave-one-table-out] [--json]
     shiftlm plan train --model llama3-8b --gpu h100 --gpus 64 --seq 8192 --global-batch 512 --out train.toml
     shiftlm calibrate --out ~/.cache/shiftlm/hardware.json
 
@@ -137,6 +137,12 @@ def _register_simulate_validate(subparsers) -> None:
     parser.add_argument(
         "--no-single-node", action="store_true", help="skip the 1,440 vTrain single-node rows"
     )
+    parser.add_argument(
+        "--leave-one-table-out",
+        action="store_true",
+        help="refit without each table in turn and report its error (minutes; parallel processes)",
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="refit processes (default: all cores)")
     parser.add_argument(
         "--plot",
         type=Path,

@@ -226,6 +226,12 @@ def layer_pass_costs(
     backward_input += comm_forward  # the conjugate collectives of the forward ones
     if recompute == "full":
         backward_input += forward + comm_forward
+    elif recompute == "op":
+        # torchtitan's per-op selective checkpointing saves the attention kernel's output and every
+        # other matmul of a block's forward (`_save_list`, the mm counter of
+        # torchtitan/parallelisms/parallelize_llama.py); the backward replays the other matmuls and
+        # every pointwise op: of wq, wk, wv, wo, w1, w3, w2 it recomputes wk, wo and w3
+        backward_input += op_sac_gemm_share(model) * (forward - other_time) + other_time - attention_time
     elif recompute == "selective" and not shard.flash_attention:
         backward_input += kernels_time(
             [op for op in others if op.name in ("qk", "softmax+dropout", "av")], hardware, efficiency, dtype
@@ -246,6 +252,16 @@ def layer_pass_costs(
     backward = overlapped(backward_input + wgrad_time, host_backward, efficiency.host_overlap)
     forward_total = overlapped(forward_device, host_forward, efficiency.host_overlap)
     return PassCosts(forward_total, backward - wgrad_time, wgrad_time)
+
+
+def op_sac_gemm_share(model: ModelConfig) -> float:
+    """The share of a layer's forward GEMM FLOPs that per-op selective checkpointing recomputes:
+    the 2nd, 4th and 6th of the block's matmuls, in the order the forward runs them (wq, wk, wv,
+    wo, then w1, w3, w2 for a gated MLP, or w1, w2)."""
+    h, q, kv, f = model.hidden_size, model.num_heads * model.head_dim, model.kv_dim, model.intermediate_size
+    mlp = [h * f, h * f, f * h] if model.gated_mlp else [h * f, f * h]
+    matmuls = [h * q, h * kv, h * kv, q * h, *mlp]
+    return sum(matmuls[1::2]) / sum(matmuls)
 
 
 def overlapped(device: float, host: float, p: float) -> float:

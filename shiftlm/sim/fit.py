@@ -160,7 +160,7 @@ def fit(
     for _ in range(MAX_SWEEPS if sweeps is None else sweeps):
         before = dict(point)
         for name in parameters:
-            low, high = _bounds(name)
+            low, high = parameter_bounds(name)
             best = _golden_section(lambda value, n=name: objective({**point, n: value}), low, high, steps)
             point[name] = float(f"{best:.3g}")
         collect_paths()
@@ -174,7 +174,7 @@ def fit(
     return FitResult(efficiency, clusters, sum(exact) / len(exact), evaluations, simulations)
 
 
-def _bounds(name: str) -> tuple[float, float]:
+def parameter_bounds(name: str) -> tuple[float, float]:
     """A shared parameter's bounds; a cluster's NVLink factor may exceed its README's rate."""
     base = name.split("@", 1)[0]
     if "@" in name and base == "intra_comm":
@@ -184,3 +184,87 @@ def _bounds(name: str) -> tuple[float, float]:
 
 def _start_value(name: str, start: Efficiency) -> float:
     return getattr(start, name.split("@", 1)[0])
+
+
+@dataclass(frozen=True)
+class TablesFit:
+    """`--refit`'s two stages on a set of tables: the shared constants on the tables of no
+    particular framework, then each framework's own parameters on its tables, shared ones fixed."""
+
+    efficiency: Efficiency
+    scoped: dict[str, float]  # "parameter@scope" -> value, only for scopes some fit row runs on
+    objective_pct: float
+    software_objective_pct: float | None
+    evaluations: int
+    simulations: int
+
+
+def _determines(name: str, case: Case) -> bool:
+    """Whether a run can determine the scoped constant `name`: a cluster's InfiniBand share only
+    moves runs that span nodes (a single-node table on the same cluster says nothing about it)."""
+    if name.split("@", 1)[0] == "inter_comm":
+        return case.layout.gpus > case.hardware.gpus_per_node
+    return True
+
+
+def fittable(parameters: Sequence[str], cases: Mapping[str, Sequence[Case]]) -> tuple[str, ...]:
+    """`parameters` less every "field@scope" that no fit row of `cases` on that scope (its cluster
+    or framework) determines: a table left out takes the constants only it determines with it (they
+    stay at the shared value)."""
+    fit_rows = [
+        case for table, rows in cases.items() for index, case in enumerate(rows) if is_fit_row(table, index)
+    ]
+
+    def kept(name: str) -> bool:
+        if "@" not in name:
+            return True
+        scope = name.split("@", 1)[1]
+        return any(
+            scope in (case.hardware.name, case.software) and _determines(name, case) for case in fit_rows
+        )
+
+    return tuple(name for name in parameters if kept(name))
+
+
+def fit_shared(
+    cases: Mapping[str, Sequence[Case]], parameters: Sequence[str], start: Efficiency
+) -> FitResult | None:
+    """Stage 1: the shared constants on the tables whose runs name no framework (None if none of
+    them has a fit row)."""
+    shared = {table: rows for table, rows in cases.items() if not any(case.software for case in rows)}
+    if not any(is_fit_row(table, index) for table, rows in shared.items() for index in range(len(rows))):
+        return None
+    return fit(shared, start, fittable(parameters, shared))
+
+
+def fit_frameworks(
+    cases: Mapping[str, Sequence[Case]], shared: Efficiency, parameters: Sequence[str]
+) -> FitResult | None:
+    """Stage 2: each framework's own parameters on its tables, the shared constants fixed."""
+    framework = {table: rows for table, rows in cases.items() if any(case.software for case in rows)}
+    names = fittable(parameters, framework)
+    return fit(framework, shared, names) if names else None
+
+
+def combine(first: FitResult | None, second: FitResult | None, start: Efficiency) -> TablesFit:
+    """The two stages' results as one (a stage that had no fit rows is None)."""
+    runs = [r for r in (first, second) if r]
+    return TablesFit(
+        first.efficiency if first else start,
+        (first.clusters if first else {}) | (second.clusters if second else {}),
+        first.objective_pct if first else math.nan,
+        second.objective_pct if second else None,
+        sum(r.evaluations for r in runs),
+        sum(r.simulations for r in runs),
+    )
+
+
+def fit_tables(
+    cases: Mapping[str, Sequence[Case]],
+    parameters: Sequence[str],
+    software: Sequence[str],
+    start: Efficiency,
+) -> TablesFit:
+    """`--refit`: the shared constants, then each framework's own with the shared ones fixed."""
+    first = fit_shared(cases, parameters, start)
+    return combine(first, fit_frameworks(cases, first.efficiency if first else start, software), start)

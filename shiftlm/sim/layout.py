@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.train.config import RECOMPUTE_MODES
 
+# recompute modes of other frameworks that validation replays and shiftlm's trainer does not run:
+# torchtitan's per-op selective checkpointing ("op", `costs.op_sac_gemm_share`)
+REPLAYED_RECOMPUTE = ("op",)
+
 SHIFTLM_ORDER = ("tp", "sp", "cp", "pp", "dp")
 MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-cp-ep-dp-pp"
 
@@ -79,7 +83,7 @@ class Layout(ParallelConfig):
                 f"global batch {self.global_batch} is not a multiple of dp x micro-batch "
                 f"= {self.dp * self.micro_batch}; change --global-batch or --micro-batch"
             )
-        if self.recompute not in RECOMPUTE_MODES:
+        if self.recompute not in RECOMPUTE_MODES + REPLAYED_RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError("--zero must be 0, 1, 2 or 3")

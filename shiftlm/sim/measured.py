@@ -9,10 +9,11 @@ H100 table tokens per second per GPU, the others iteration time.
 
 llm-foundry's H100 bf16 table (MosaicML MPT models, Composer + PyTorch FSDP FULL_SHARD, i.e. ZeRO-3
 over all GPUs, bf16 autocast, flash attention, full activation checkpointing where the row says so)
-is never fitted: it checks that the A100-fitted constants carry to H100 through the published
-achievable-matmul share (`Hardware.matmul_fraction`). Its A100 80GB table (the same framework and
-models on A100) fits only the framework's own parameters ("field@llm-foundry", `Case.software`),
-which then carry to the H100 rows.
+and its A100 80GB table (the same framework and models) fit only the framework's own parameters
+("field@llm-foundry", `Case.software`), every other row of each: two tables determine each of them,
+and under leave-one-table-out each GPU generation predicts the other (the shared constants carry to
+H100 through the published achievable-matmul share, `Hardware.matmul_fraction`). torchtitan's H100
+table is never fitted.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from shiftlm.data import MEASURED_DIR
 from shiftlm.hardware import CATALOG, GIGA, Hardware, with_links
-from shiftlm.presets import ModelConfig, gpt_style
+from shiftlm.presets import PRESETS, ModelConfig, gpt_style
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
 
 H100 = CATALOG["h100-sxm"]
@@ -74,6 +75,7 @@ TABLES = {
     "vtrain_single_node": "vtrain_a100_single_node.csv",
     "llmfoundry_h100": "llmfoundry_h100_bf16.csv",
     "llmfoundry_a100": "llmfoundry_a100_bf16.csv",
+    "torchtitan_h100": "torchtitan_h100_bf16.csv",
 }
 
 
@@ -227,6 +229,46 @@ def _llmfoundry(table: str, hardware: Hardware):
     return case
 
 
+TORCHTITAN = "torchtitan"
+# Meta's Grand Teton hosts of torchtitan's published benchmarks (benchmarks/llama3_h100_202412_torchtitan.md):
+# H100 with 96 GB of HBM2e at 2.4 TB/s, 8 per host on NVLink, 400 Gb/s RDMA per GPU, 500 W power
+# limit. The page says the peak FLOP/s of these parts lies between H100 SXM's and NVL's and is not
+# known: the SXM datasheet peak (and its published achievable share) is an upper bound.
+GRAND_TETON = replace(H100, name="h100-grand-teton", hbm_bytes=96 * 2**30, hbm_bandwidth=2.4e12)
+
+
+def _torchtitan(row: dict) -> Case:
+    """A bf16 row of torchtitan's published Llama 3.1 benchmarks: FSDP2 (ZeRO-3 over the FSDP
+    ranks), eager (no torch.compile, no Float8), flash SDPA, per-op selective checkpointing."""
+    gpus, tp, local = int(row["gpus"]), int(row["tp"]), int(row["local_batch"])
+    fsdp = int(row["fsdp"])
+    layout = Layout(
+        dp=fsdp,
+        tp=tp,
+        micro_batch=local,
+        global_batch=int(row["global_batch"]),
+        seq_len=int(row["seq"]),
+        recompute={"selective_op": "op", "full": "full"}[row["activation_checkpointing"]],
+        zero=3,
+        sequence_parallel=tp > 1,
+        flash_attention=True,
+        overlap_grad_sync=True,
+    )
+    assert layout.gpus == gpus and layout.microbatches == 1, row
+    label = f"{row['model']} {gpus}gpu fsdp{fsdp} tp{tp} lbs{local} ({row['techniques']})"
+    return Case(
+        "torchtitan_h100",
+        label,
+        PRESETS[row["model"]],
+        layout,
+        GRAND_TETON,
+        float(row["tokens_per_s_per_gpu"]),
+        "tokens_per_s_per_gpu",
+        "bf16",
+        TORCHTITAN,
+    )
+
+
 PARSERS = {
     "megatron_2021_table1": _megatron_table1,
     "korthikanti_2022_table5": _korthikanti_table5,
@@ -234,6 +276,7 @@ PARSERS = {
     "vtrain_single_node": _vtrain("vtrain_single_node"),
     "llmfoundry_h100": _llmfoundry("llmfoundry_h100", H100),
     "llmfoundry_a100": _llmfoundry("llmfoundry_a100", A100),
+    "torchtitan_h100": _torchtitan,
 }
 
 

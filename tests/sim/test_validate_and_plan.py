@@ -71,13 +71,16 @@ def test_fitted_model_stays_within_its_held_out_error(table, bound):
     assert held_out and mape(held_out) <= bound
 
 
-def test_the_h100_table_is_never_fitted_and_the_a100_one_only_for_its_framework():
-    cases = load_cases(default_data_dir(), ["llmfoundry_h100", "llmfoundry_a100"])
+def test_the_h100_tables_are_never_fitted_and_the_a100_one_only_for_its_framework():
+    cases = load_cases(default_data_dir(), ["llmfoundry_h100", "llmfoundry_a100", "torchtitan_h100"])
     assert len(cases["llmfoundry_h100"]) == 52 and len(_held_out("llmfoundry_h100")) == 52
+    assert len(cases["torchtitan_h100"]) == 2 and len(_held_out("torchtitan_h100")) == 2
     assert len(cases["llmfoundry_a100"]) == 44 and len(_held_out("llmfoundry_a100")) == 22
     # the A100 table's fit rows fit only llm-foundry's own parameters: stage 1 (the shared
     # constants) of `simulate validate --refit` sees no table with a framework
-    assert all(case.software == "llm-foundry" for rows in cases.values() for case in rows)
+    assert all(
+        case.software == "llm-foundry" for t in ("llmfoundry_h100", "llmfoundry_a100") for case in cases[t]
+    )
     assert "attention_kernel@llm-foundry" in FITTED_CLUSTER and "attention_kernel" not in FIT_PARAMETERS
 
 
