@@ -255,8 +255,11 @@ def _register_plan_train(subparsers) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    import torch
+
     from shiftlm.hardware import DEFAULT_PROFILE, save_profile
     from shiftlm.sim.calibrate import calibrate
+    from shiftlm.sim.calibrate_device import calibrate_device
 
     out = args.out or DEFAULT_PROFILE
     if args.serve_model is not None and not (args.serve_model / "config.json").exists():
@@ -264,7 +267,10 @@ def _calibrate(args: argparse.Namespace) -> int:
             f"--serve-model {args.serve_model} has no config.json; pass an HF checkpoint directory"
         )
     log = (lambda _: None) if args.json else print
-    hardware = calibrate(log=log)
+    if torch.cuda.is_available():  # the GPU a training rank runs on, as a step uses it
+        hardware = calibrate_device(torch.device("cuda", torch.cuda.current_device()), log)
+    else:
+        hardware = calibrate(log=log)
     save_profile(hardware, out)
     report = {"profile": str(out)} | asdict(hardware)
     flag = "--gpu this" if out == DEFAULT_PROFILE else f"--gpu this --hardware {out}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shiftlm.hardware import GEMM_ROLES, load_profile, save_profile
-from shiftlm.sim.calibrate import (
+from shiftlm.sim.calibrate_device import (
     ATTENTION_SEQS,
     STEP_GEMM_ROWS,
     STEP_GEMM_WIDTHS,

@@ -106,7 +106,7 @@ def test_inference_gemm_probe_runs_the_serving_engines_own_linear(monkeypatch):
     import torch
 
     import shiftlm.serve.shift_model as shift_model
-    from shiftlm.sim.calibrate import _gemm_pass
+    from shiftlm.sim.calibrate import gemm_pass
     from shiftlm.sim.costs import INFERENCE_ROLE
 
     engine_linear, calls = shift_model.inference_linear, []
@@ -119,7 +119,7 @@ def test_inference_gemm_probe_runs_the_serving_engines_own_linear(monkeypatch):
     weights = [torch.randn(64, 32, requires_grad=True) for _ in range(4)]
     biases = [torch.randn(64) for _ in range(4)]
     torch.manual_seed(0)
-    outputs = _gemm_pass(INFERENCE_ROLE, 16, weights, biases)()
+    outputs = gemm_pass(INFERENCE_ROLE, 16, weights, biases)()
     torch.manual_seed(0)
     x = torch.randn(16, 32)
     assert calls == [False] * 4
