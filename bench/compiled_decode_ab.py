@@ -1,4 +1,4 @@
-"""The compiled decode step (serve/compiled_step.py) vs the eager step, in one process.
+"""The compiled decode step (serve/worker/compiled_step.py) vs the eager step, in one process.
 
     python bench/compiled_decode_ab.py                                   # default cases
     python bench/compiled_decode_ab.py --cases 1,160 32,160 --rounds 6
@@ -27,7 +27,7 @@ DEFAULT_CASES = ["1,160", "1,512", "2,160", "32,160"]
 
 
 def plan_of(seqs: int, context: int):
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 
     blocks = context // 16 + 1
     chunks = tuple(
@@ -81,7 +81,7 @@ def main() -> int:
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     sys.path.insert(0, str(ROOT / "bench"))
     from vs_vllm import make_checkpoint

@@ -34,8 +34,8 @@ def child(model: str, cases: list[tuple[int, int, int]], reps: int) -> dict[str,
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
 
     torch.set_num_threads(1)
     need = max(s * ((c + t) // 16 + 1) for s, c, t in cases)

@@ -99,7 +99,7 @@ def checkpoint(path: Path, shape: dict, tokenizer: bool = True) -> Path:
         model = tf.LlamaForCausalLM(config).float()
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
-        from shiftlm.serve.tokenizer import write_char_tokenizer
+        from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 
         write_char_tokenizer(path, vocab_size=shape["vocab_size"])
     del model
@@ -485,7 +485,7 @@ def phase_serve_step(out: Path, context: int = 512) -> dict:
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     sys.path.insert(0, str(ROOT / "bench"))
     from serve_kernels import _decode_plan

@@ -40,9 +40,9 @@ def parse_args(argv=None):
 
 
 def run_once(runner, args, mode: str, k: int) -> dict:
-    from shiftlm.serve.engine import Engine
-    from shiftlm.serve.scheduler import SchedulerConfig
-    from shiftlm.serve.sequence import SamplingParams
+    from shiftlm.serve.engine.core import Engine
+    from shiftlm.serve.engine.scheduler import SchedulerConfig
+    from shiftlm.serve.engine.sequence import SamplingParams
 
     blocks = 4 * (args.prompt + k * (args.tokens + 1)) // args.block_size + 8
     max_len = blocks * args.block_size
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model.tiny import make_tiny_checkpoint
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint(Path(tmp) / "model", "llama-gqa")

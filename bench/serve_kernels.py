@@ -51,7 +51,7 @@ def _best(fn, reps: int = 30, warm: int = 3) -> float:
 
 
 def _decode_plan(seqs: int, context: int = 160):
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 
     blocks = (context + 1) // 16 + 1
     chunks = tuple(
@@ -84,13 +84,16 @@ def _tp2_steps(model_dir: str, shm_on: bool) -> dict | None:
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
-    os.environ["SHIFTLM_SHM_COLLECTIVES"] = "1" if shm_on else "0"
     rank = dist.get_rank()
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     runner = ModelRunner.load(
-        Path(model_dir), Mesh(ParallelConfig(tp=2)), num_blocks=64 * 12 + 16, block_size=16
+        Path(model_dir),
+        Mesh(ParallelConfig(tp=2)),
+        num_blocks=64 * 12 + 16,
+        block_size=16,
+        shm_collectives=shm_on,
     )
     if rank != 0:
         runner.serve_steps()
@@ -113,7 +116,7 @@ def _tp2_steps(model_dir: str, shm_on: bool) -> dict | None:
 def _tp1_steps(model_dir: Path) -> dict:
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     out = {}
     for gemv_rows in (2, 0, None):
@@ -136,9 +139,9 @@ def _two_rank_steps(model_dir: str, tp: int, sp: int) -> dict | None:
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import Mode
-    from shiftlm.serve.shift_probe import probe_plan
+    from shiftlm.serve.plan import Mode
+    from shiftlm.serve.worker.runner import ModelRunner
+    from shiftlm.serve.worker.shift_probe import probe_plan
 
     rank = dist.get_rank()
     os.sched_setaffinity(0, {rank % os.cpu_count()})

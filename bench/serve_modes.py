@@ -30,10 +30,10 @@ from pathlib import Path
 from shiftlm.data import trace_path
 from shiftlm.launch import LocalWorkers
 from shiftlm.model.tiny import make_tiny_checkpoint
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import local_server
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.replay import bench_url, steps_so_far
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
-from shiftlm.serve.tokenizer import write_char_tokenizer
 from shiftlm.serve.trace import load_trace, scale_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def switch_cost(model_dir: str, repeats: int) -> dict[str, float] | None:
     """Median ms of a decode step (8 sequences, 100 tokens of context) by (its mode, the previous step's)."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=1, sp=2))
     runner = ModelRunner.load(model_dir, mesh, num_blocks=64, block_size=16)

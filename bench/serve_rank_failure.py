@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 
 from shiftlm.model.tiny import make_tiny_checkpoint
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import local_server
-from shiftlm.serve.tokenizer import write_char_tokenizer
 
 
 def one_run(model_dir: Path, fault: str, rank_timeout: float) -> dict:

@@ -42,7 +42,7 @@ from serve_modes import TRACE, step_table  # bench/ is on sys.path
 
 from shiftlm.hardware import DEFAULT_PROFILE, load_profile
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.tokenizer import write_char_tokenizer
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.trace import load_trace, scale_trace
 from shiftlm.sim.serve_calibrate import EngineProfile, engine_setup, profile_engine
 from shiftlm.sim.serve_runner import ServeLayout

@@ -57,7 +57,7 @@ def make_checkpoint(path: Path) -> Path:
     import torch
     import transformers as tf
 
-    from shiftlm.serve.tokenizer import write_char_tokenizer
+    from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 
     config = tf.LlamaConfig(
         vocab_size=8000,
@@ -285,8 +285,8 @@ def step_sweep(model: Path, contexts: list[int], batches: list[int]) -> list[dic
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
 
     torch.set_num_threads(1)
     runner = ModelRunner.load(model, Mesh(ParallelConfig()), num_blocks=8192, block_size=16)

@@ -20,6 +20,10 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # silu: SwiGLU, what the engine runs; gelu: the plain 4h MLP of GPT shapes, which only the simulator
 # reads (the Megatron tables it is validated on)
 HIDDEN_ACTS = ("silu", "gelu")
+# What the trainer implements, read by it and by the simulator and planners (which may not import train/)
+RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages the trainer implements (a stage that lands is added here)
+LOSS_CHUNK = 1024  # tokens per chunk of the LM head + cross-entropy (train.loss_chunk's default)
 
 
 class ConfigError(ValueError):
@@ -443,10 +447,11 @@ class ParallelConfig:
                 f"or change the layout so that {product} = {world_size}"
             )
 
-    def check_model(self, model: ModelConfig, chunks: int = 1) -> None:
+    def check_model(self, model: ModelConfig, chunks: int = 1, shift: bool = False) -> None:
         """Fail early, with the fix, on layouts this model cannot be split into: the one place the
         trainer, the server, `verify`, the simulator and the planners check divisibility. `chunks`:
-        pipeline stages per rank (interleaved and V schedules)."""
+        pipeline stages per rank (interleaved and V schedules); `shift`: serving, whose full-TP mode
+        splits every weight over all sp*tp ranks."""
         p, heads, kv = self.shift_size, model.num_heads, model.num_kv_heads
         if heads % p:
             raise ConfigError(
@@ -457,6 +462,12 @@ class ParallelConfig:
             raise ConfigError(
                 f"num_key_value_heads = {kv} and sp*tp = {p} must divide one another so that every "
                 f"rank's query heads share whole KV heads: use sp*tp in {valid}"
+            )
+        if shift and model.intermediate_size % p:
+            valid = [d for d in _divisors(heads) if model.intermediate_size % d == 0]
+            raise ConfigError(
+                f"sp*tp = {p} must divide intermediate_size = {model.intermediate_size} (full TP splits "
+                f"the MLP over all {p} serving ranks): use sp*tp in {valid}"
             )
         if model.intermediate_size % self.tp:
             raise ConfigError(

@@ -87,10 +87,10 @@ def serve_under_guard(model_dir: str, tp: int, sp: int, guarded: bool = True) ->
     """Load the checkpoint, run a prefill and a decode step in both modes, sample on rank 0."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.sampling import SampleRow, make_generator, sample_rows
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
-    from shiftlm.serve.sequence import SamplingParams
+    from shiftlm.serve.engine.sampling import SampleRow, make_generator, sample_rows
+    from shiftlm.serve.engine.sequence import SamplingParams
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp), device="cpu")
     out = []
@@ -133,10 +133,10 @@ def engine_under_guard(model_dir: str, guarded: bool = True) -> dict | None:
     next to a hogwild stream group, in shift mode (full TP and SP x TP steps)."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.engine import Engine
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
-    from shiftlm.serve.sequence import SamplingParams
+    from shiftlm.serve.engine.core import Engine
+    from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+    from shiftlm.serve.engine.sequence import SamplingParams
+    from shiftlm.serve.worker.runner import ModelRunner
     from tests.serve.fakes import LetterTokenizer
 
     mesh = Mesh(ParallelConfig(tp=2, sp=2), device="cpu")

@@ -139,8 +139,10 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_checker_catches_an_upward_import_even_inside_a_function(tmp_path):
-    root = _tree(tmp_path, {"model/layers.py": "def f():\n    from shiftlm.serve.engine import Engine\n"})
-    assert violations(root) == ["model/layers.py:2: model imports serve (shiftlm.serve.engine)"]
+    root = _tree(
+        tmp_path, {"model/layers.py": "def f():\n    from shiftlm.serve.engine.core import Engine\n"}
+    )
+    assert violations(root) == ["model/layers.py:2: model imports serve (shiftlm.serve.engine.core)"]
 
 
 def test_the_checker_catches_train_importing_sim_cli_modules_and_private_names(tmp_path):
@@ -149,11 +151,11 @@ def test_the_checker_catches_train_importing_sim_cli_modules_and_private_names(t
         {
             "train/trainer.py": "from shiftlm.sim.memory import estimate_memory\n",
             "train/quickstart.py": "from shiftlm.train.cli import launch\n",
-            "serve/api.py": "from shiftlm.serve.protocol import _Fields\n",
+            "serve/http/app.py": "from shiftlm.serve.http.protocol import _Fields\n",
         },
     )
     assert violations(root) == [
-        "serve/api.py:1: imports private _Fields from shiftlm.serve.protocol",
+        "serve/http/app.py:1: imports private _Fields from shiftlm.serve.http.protocol",
         "train/quickstart.py:1: imports the cli module shiftlm.train.cli",
         "train/trainer.py:1: train imports sim (shiftlm.sim.memory)",
     ]

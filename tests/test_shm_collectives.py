@@ -111,18 +111,16 @@ def _serving_step(model_dir: str, layout: tuple[int, int], shm_on: bool):
     from shiftlm.comm import shm
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
 
-    previous = os.environ.get("SHIFTLM_SHM_COLLECTIVES")
-    os.environ["SHIFTLM_SHM_COLLECTIVES"] = "1" if shm_on else "0"
     shm.disable_all()
     names = ("all_reduce", "broadcast", "gather", "all_gather", "all_to_all")
     saved = {name: getattr(dist, name) for name in names}
     try:
         tp, sp = layout
         mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
-        runner = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=4)
+        runner = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=4, shm_collectives=shm_on)
         assert (runner._local is not None) == shm_on and (shm.channel(mesh.shift) is not None) == shm_on
         if shm_on:
             for name in names:
@@ -139,10 +137,6 @@ def _serving_step(model_dir: str, layout: tuple[int, int], shm_on: bool):
         for name, fn in saved.items():
             setattr(dist, name, fn)
         shm.disable_all()
-        if previous is None:
-            os.environ.pop("SHIFTLM_SHM_COLLECTIVES", None)
-        else:
-            os.environ["SHIFTLM_SHM_COLLECTIVES"] = previous
 
 
 @needs_kernels

@@ -7,7 +7,7 @@ one sub-block of heads"; afterwards rank (sp, tp) holds head block j = tp*SP + s
 With fewer KV heads than blocks, each block receives the KV head floor(j*KV/P) it attends with.
 
 The attention itself is a backend seam: by default dense causal SDPA (training); serving passes a paged
-backend (serve/paged_attention.py) that writes K/V into its cache and reads each sequence's context.
+backend (serve/worker/paged_attention.py) that writes K/V into its cache and reads each sequence's context.
 With `FullTP` the same layer runs as tensor parallelism over all P ranks of the shift group (Shift
 Parallelism's latency mode): rank (sp, tp) uses head block j = tp*SP + sp, which is sub-slice sp of its
 TP shard, as `narrow` views of its own weights, and sums the row-parallel output over all P ranks.

@@ -1,5 +1,5 @@
 """shiftlm's CPU kernels (csrc/cpu_kernels.cpp): paged attention of decode rows straight from the KV
-cache blocks (serve/paged_attention.py) and the fused RMSNorm and SwiGLU of the no-grad (serving)
+cache blocks (serve/worker/paged_attention.py) and the fused RMSNorm and SwiGLU of the no-grad (serving)
 forward, built on first use with PyTorch's C++ extension loader and cached by it (TORCH_EXTENSIONS_DIR,
 default ~/.cache/torch_extensions).
 

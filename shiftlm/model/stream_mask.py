@@ -1,6 +1,6 @@
 """Who sees whom in a stream group: the one function that builds the attention mask (and, for
 hogwild, the query rotation) of K parallel streams over a shared prompt. Serving (the paged cache,
-`serve/streams.py`) and training on multi-stream samples (`train/streams.py`) both call it, so the
+`serve/engine/streams.py`) and training on multi-stream samples (`train/streams.py`) both call it, so the
 model is trained with exactly the visibility it is served with.
 
 Every token carries a tag `(stream, position)`: prompt tokens have stream `PROMPT` (-1) and their

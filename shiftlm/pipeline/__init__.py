@@ -5,4 +5,4 @@
 The public modules (the `shiftlm schedule` command is `cli`, reached through `shiftlm.cli`)."""
 
 __all__ = ["actions", "schedules", "greedy", "lowering", "validate", "simulator", "executor", "tied",
-           "plot"]  # fmt: skip
+           "plot", "peak"]  # fmt: skip

@@ -1,8 +1,14 @@
-"""Serving: the torch-free `scheduler` (continuous batching, chunked prefill, prefix caching, the
-shift policy) over `kv_blocks`; the `engine` step and its thread-safe `async_engine` front (the
-one interface the HTTP `api` uses); `server` starts the ranks; `options` are vLLM's flags.
+"""Serving, in three rooms and the plan where two of them meet (docs/architecture.md, "Serving"):
 
-The public modules; the others are the engine's and the API's internals (`shiftlm serve` is `cli`)."""
+- `http/`: the OpenAI-compatible front (FastAPI app, protocol, SSE, auth, access log); the only
+  room that knows HTTP. It talks to the engine through `engine.async_engine.AsyncEngine` alone.
+- `engine/`: the engine core on rank 0: scheduler (continuous batching, chunked prefill, prefix
+  caching, the shift policy) over the KV block manager, requests, sampling, streams, metrics.
+- `worker/`: what every rank runs: the model runner, the shift model and its attention backends,
+  the plan codec, the rank loop and its heartbeats.
+- `plan`: the step plan (`Mode`, `ScheduledChunk`, `StepPlan`) and the `Runner` interface.
 
-__all__ = ["engine", "async_engine", "api", "server", "options", "scheduler", "sequence", "kv_blocks",
-           "runner", "sampling", "streams", "metrics", "tokenizer", "trace", "replay", "local_server"]  # fmt: skip
+`options` resolves the flags once into a `ServeSetup`; `server` starts the ranks and joins the rooms;
+`cli` is `shiftlm serve`; `trace`, `replay` and `local_server` are the load generator's."""
+
+__all__ = ["http", "engine", "worker", "plan", "options", "server", "trace", "replay", "local_server"]

@@ -1,14 +1,31 @@
-"""The options of `shiftlm serve`, named as vLLM names them, and their checks before any rank starts."""
+"""The options of `shiftlm serve`, named as vLLM names them, resolved and checked once before any
+rank starts.
+
+    setup = ServeOptions.from_args(args).resolve()   # ConfigError (exit 2/3) on anything wrong
+    setup.runner      # worker.start.RunnerOptions: what every rank needs (device, dtype, model config)
+    setup.scheduler   # engine.scheduler.SchedulerConfig
+    setup.api         # http.app.ApiOptions
+
+`resolve` is the only place that reads the checkpoint's config.json, chooses the device and dtype,
+and reads the SHIFTLM_* environment; everything downstream takes the resolved values.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from shiftlm.config import ConfigError, ParallelConfig
+from shiftlm.config import CheckpointError, ConfigError, ModelConfig, ParallelConfig
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.http.app import ApiOptions
+from shiftlm.serve.plan import MODE_NAMES
+from shiftlm.serve.worker.runner import ATTENTION_BACKENDS
+from shiftlm.serve.worker.start import RunnerOptions
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}  # fmt: skip
@@ -20,15 +37,15 @@ class ServeOptions:
     model: str
     tp: int = 1
     sp: int = 1
-    mode: str = "shift"
-    shift_threshold: int | str = "auto"  # auto: measured at startup (serve/shift_probe.py)
+    mode: str = "shift"  # plan.MODE_NAMES
+    shift_threshold: int | str = "auto"  # auto: measured at startup (serve/worker/shift_probe.py)
     num_blocks: int = 256
     block_size: int = 16
     max_num_seqs: int = 64
     max_tokens_per_step: int = 256
     max_pending: int = 512
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
-    attention_backend: str = "auto"  # auto | cpu-kernel | sdpa (runner.ATTENTION_BACKENDS)
+    attention_backend: str = "auto"  # worker.runner.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
@@ -46,7 +63,7 @@ class ServeOptions:
     log_interval: float = 10.0
     cpu_bind: str = "auto"  # auto: local rank r on the r-th core this process may use; none
     spin_wait: float = 0.0  # CPU worker ranks poll a collective this long before sleeping (comm/wait.py)
-    # connections (serve/uvicorn_server.py): None = as many as the open-file limit allows
+    # connections (serve/http/uvicorn_server.py): None = as many as the open-file limit allows
     max_connections: int | None = None
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -62,11 +79,6 @@ class ServeOptions:
     def from_args(cls, args: argparse.Namespace) -> ServeOptions:
         return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__ if hasattr(args, name)})
 
-    @property
-    def parallel(self) -> ParallelConfig:
-        """The layout --tensor-parallel-size / --sequence-parallel-size name, as the core's type."""
-        return ParallelConfig(tp=self.tp, sp=self.sp)
-
     def torch_dtype(self, device_type: str = "cpu") -> str:
         """The weights' and cache's dtype; `auto` is bfloat16 on a GPU, float32 on the CPU (the
         CPU/gloo engine's parity dtype)."""
@@ -74,24 +86,11 @@ class ServeOptions:
         return ("bfloat16" if device_type == "cuda" else "float32") if dtype == "auto" else dtype
 
     def engine_device(self, under_torchrun: bool):
-        """This rank's device (`mesh.choose_device`): --device checked against what is visible; the
-        local ranks `shiftlm serve` starts itself (tp*sp) all sit on this node."""
+        """This rank's device (`mesh.choose_device`, as training chooses it): --device checked against
+        what is visible; the local ranks `shiftlm serve` starts itself (tp*sp) all sit on this node."""
         from shiftlm.mesh import choose_device
 
-        return choose_device(self.device, None if under_torchrun else self.tp * self.sp)[0]
-
-    def context_length(self, max_position_embeddings: int) -> int:
-        """--max-model-len, or what the model and the KV cache allow."""
-        fits = min(max_position_embeddings, self.num_blocks * self.block_size)
-        return self.max_model_len if self.max_model_len is not None else fits
-
-    def served_name(self) -> str:
-        from shiftlm.serve.server import default_served_name
-
-        return self.served_model_name or default_served_name(self.model)
-
-    def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get(API_KEY_ENV) or None
+        return choose_device(self.device, None if under_torchrun else self.tp * self.sp)
 
     def chat_template_text(self) -> str | None:
         """--chat-template: a file's contents, or the template itself (as vLLM reads it)."""
@@ -106,12 +105,106 @@ class ServeOptions:
             )
         return self.chat_template
 
-    def check(self):
-        """Fail before any process starts: the checkpoint, the layout, the limits, the tokenizer and
-        the chat template. Returns the tokenizer."""
-        from shiftlm.config import CheckpointError, ModelConfig
-        from shiftlm.serve.tokenizer import load_tokenizer
+    def resolve(self, environ: dict[str, str] | None = None) -> ServeSetup:
+        """Check everything (the checkpoint, the layout against the model, the limits, the tokenizer
+        and the chat template) and resolve it into the setup the ranks run: before any process starts,
+        so a bad flag is one line and exit 2 (a bad checkpoint: 3)."""
+        env = os.environ if environ is None else environ
+        self._check_flags()
+        config = ModelConfig.from_hf(self.model)
+        parallel = ParallelConfig(tp=self.tp, sp=self.sp)
+        parallel.check_model(config, shift=True)
+        if config.is_moe:
+            raise ConfigError(
+                f"{self.model} is a mixture-of-experts model ({config.model_type}), which shiftlm does not "
+                "serve yet (docs/moe.md): serve a dense llama, qwen2 or mistral checkpoint"
+            )
+        import torch
 
+        from shiftlm.mesh import check_dtype
+
+        under_torchrun = "RANK" in env and "WORLD_SIZE" in env
+        device, backend = self.engine_device(under_torchrun)
+        dtype = self.torch_dtype(device.type)
+        check_dtype(device, getattr(torch, dtype))
+        fits = min(config.max_position_embeddings, self.num_blocks * self.block_size)
+        if self.max_model_len is not None and not 1 < self.max_model_len <= fits:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} must be in [2, {fits}] (the model's "
+                f"{config.max_position_embeddings} positions and the cache's {self.num_blocks} x "
+                f"{self.block_size} tokens); raise --num-blocks for more"
+            )
+        from shiftlm.serve.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(self.tokenizer or self.model)
+        template = self.chat_template_text()
+        if template is not None:
+            try:
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    chat_template=template,
+                )
+            except Exception as err:  # noqa: BLE001 - Jinja's own message, as one line
+                raise ConfigError(f"--chat-template does not render: {type(err).__name__}: {err}") from None
+        # tests set SHIFTLM_ENFORCE_EAGER=1 (tests/conftest.py): no compile in every server they start;
+        # SHIFTLM_COMPILE_DECODE=1 turns the compiled decode on whatever the flags say (a suite on it)
+        eager = self.enforce_eager or env.get("SHIFTLM_ENFORCE_EAGER") == "1"
+        runner = RunnerOptions(
+            model=self.model,
+            model_config=config,
+            parallel=parallel,
+            device=device.type,
+            backend=backend,
+            dtype=dtype,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            compile_decode=not eager or env.get("SHIFTLM_COMPILE_DECODE") == "1",
+            attention_backend=self.attention_backend,
+            shm_collectives=env.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0",
+            seed=self.seed,
+            cpu_bind=self.cpu_bind,
+            spin_wait=self.spin_wait,
+        )
+        threshold = 64 if self.shift_threshold == "auto" else self.shift_threshold
+        scheduler = SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_tokens_per_step=self.max_tokens_per_step,
+            max_model_len=self.max_model_len if self.max_model_len is not None else fits,
+            policy=ShiftPolicy.named(self.mode, threshold),
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        # vLLM's default name: the checkpoint's `_name_or_path` if its config.json has one
+        checkpoint_name = config.name.strip() if isinstance(config.name, str) else ""
+        served_name = self.served_model_name or checkpoint_name or self.model
+        api = ApiOptions(
+            model_name=served_name,
+            api_key=self.api_key or env.get(API_KEY_ENV) or None,
+            max_request_bytes=self.max_request_bytes,
+            chat_template=template,
+            step_timeout=self.step_timeout,
+            body_timeout=self.body_timeout,
+        )
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        return ServeSetup(
+            flags=self,
+            model_config=config,
+            parallel=parallel,
+            runner=runner,
+            scheduler=scheduler,
+            api=api,
+            tokenizer=tokenizer,
+            eos_token_ids=frozenset(e for e in eos if e is not None),
+            measure_shift_threshold=self.shift_threshold == "auto" and self.mode == "shift" and self.sp > 1,
+            rank=int(env["RANK"]) if under_torchrun else 0,
+            under_torchrun=under_torchrun,
+        )
+
+    def _check_flags(self) -> None:
+        """The flags alone, before the checkpoint is read."""
         if self.tp < 1 or self.sp < 1:
             raise ConfigError("--tp and --sp must be >= 1")
         for name, value in (("MODEL", self.model), ("--tokenizer", self.tokenizer)):
@@ -126,34 +219,14 @@ class ServeOptions:
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported: the KV cache always has "
                 "the weights' dtype (--dtype); use --kv-cache-dtype auto or leave it out"
             )
-        config = ModelConfig.from_hf(self.model)
-        self.parallel.check_model(config)
-        if config.is_moe:
+        if self.mode not in MODE_NAMES:
+            raise ConfigError(f"--mode {self.mode!r} is not one of {', '.join(MODE_NAMES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
-                f"{self.model} is a mixture-of-experts model ({config.model_type}), which shiftlm does not "
-                "serve yet (docs/moe.md): serve a dense llama, qwen2 or mistral checkpoint"
-            )
-        if self.mode not in ("tp", "sp_tp", "shift"):
-            raise ConfigError(f"--mode {self.mode!r} is not one of tp, sp_tp, shift")
-        if self.attention_backend not in ("auto", "cpu-kernel", "sdpa"):
-            raise ConfigError(
-                f"--attention-backend {self.attention_backend!r} is not one of auto, cpu-kernel, sdpa"
+                f"--attention-backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        import torch
-
-        from shiftlm.mesh import check_dtype
-
-        device = self.engine_device("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-        check_dtype(device, getattr(torch, self.torch_dtype(device.type)))
-        fits = min(config.max_position_embeddings, self.num_blocks * self.block_size)
-        if self.max_model_len is not None and not 1 < self.max_model_len <= fits:
-            raise ConfigError(
-                f"--max-model-len {self.max_model_len} must be in [2, {fits}] (the model's "
-                f"{config.max_position_embeddings} positions and the cache's {self.num_blocks} x "
-                f"{self.block_size} tokens); raise --num-blocks for more"
-            )
         for name in ("rank_timeout", "step_timeout", "max_request_bytes", "header_timeout", "body_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
@@ -163,19 +236,36 @@ class ServeOptions:
             raise ConfigError("--max-connections must be >= 1")
         if self.max_pending < 1:
             raise ConfigError("--max-pending must be >= 1")
-        tokenizer = load_tokenizer(self.tokenizer or self.model)
-        template = self.chat_template_text()
-        if template is not None:
-            try:
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": "hi"}],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    chat_template=template,
-                )
-            except Exception as err:  # noqa: BLE001 - Jinja's own message, as one line
-                raise ConfigError(f"--chat-template does not render: {type(err).__name__}: {err}") from None
-        return tokenizer
+
+
+@dataclass(frozen=True)
+class ServeSetup:
+    """The flags resolved and checked once (`ServeOptions.resolve`): what the server starts from."""
+
+    flags: ServeOptions  # the flags as given (the HTTP server's own: host, port, timeouts, logs)
+    model_config: ModelConfig
+    parallel: ParallelConfig
+    runner: RunnerOptions
+    scheduler: SchedulerConfig
+    api: ApiOptions
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    measure_shift_threshold: bool  # --shift-threshold auto with SP > 1: measured once the ranks run
+    rank: int = 0
+    under_torchrun: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def with_shift_threshold(self, threshold: int) -> ServeSetup:
+        """The setup after `--shift-threshold auto` was measured (worker/shift_probe.py)."""
+        policy = ShiftPolicy.named(self.flags.mode, threshold)
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, policy=policy))
 
 
 def looks_like_hub_id(model: str) -> bool:

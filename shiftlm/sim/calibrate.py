@@ -97,7 +97,7 @@ def gemm_pass(role: str, m: int, weights: list, biases: list) -> Callable[[], ob
     n, k = weights[0].shape
     like = dict(device=weights[0].device, dtype=weights[0].dtype)  # the weights' device and dtype
     if role == INFERENCE_ROLE:
-        from shiftlm.serve.shift_model import PackedWeights, inference_linear
+        from shiftlm.serve.worker.shift_model import PackedWeights, inference_linear
 
         x, packed = torch.randn(m, k), PackedWeights()
 

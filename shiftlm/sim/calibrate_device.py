@@ -80,14 +80,14 @@ def _attention_rates(device, dtype, budget: float) -> dict[int, tuple[float, flo
 
 def _step_overheads(device, budget: float) -> dict[str, float]:
     """Seconds per layer of a forward + backward whose kernels take no time (`OVERHEAD_MODEL`, 1 x 8
-    tokens): the host's share of a step, eager and with compiled blocks (`train/compile.py`); the
+    tokens): the host's share of a step, eager and with compiled blocks (`model/compile.py`); the
     compiled one only where inductor builds for `device`."""
     import torch
 
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
+    from shiftlm.model.compile import compile_blocks
     from shiftlm.model.deferred import plain_linears
-    from shiftlm.train.compile import compile_blocks
 
     config = ModelConfig(**OVERHEAD_MODEL)
     ids = torch.randint(0, config.vocab_size, (1, 8), device=device)

@@ -8,7 +8,7 @@ enabling it in the planner is one line here (and the test keeps the two honest).
 
 from __future__ import annotations
 
-from shiftlm.train.config import ZERO_STAGES
+from shiftlm.config import ZERO_STAGES
 
 # ZeRO stages `train.zero` accepts: read from the trainer's own table (one place, torch-free module),
 # so a stage the trainer implements is one the planner may propose, and nothing else.

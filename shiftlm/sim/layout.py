@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shiftlm.config import ModelConfig, ParallelConfig
-from shiftlm.train.config import RECOMPUTE_MODES
+from shiftlm.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
 
 # recompute modes of other frameworks that validation replays and shiftlm's trainer does not run:
 # torchtitan's per-op selective checkpointing ("op", `costs.op_sac_gemm_share`)

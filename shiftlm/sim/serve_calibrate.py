@@ -49,7 +49,7 @@ from scipy.optimize import nnls
 
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import Hardware
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.efficiency import measured
 from shiftlm.sim.serve_runner import (

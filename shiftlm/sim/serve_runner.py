@@ -27,7 +27,7 @@ from dataclasses import astuple, dataclass
 
 from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
-from shiftlm.serve.scheduler import Mode, StepPlan
+from shiftlm.serve.plan import Mode, StepPlan
 from shiftlm.sim.collectives import Links
 from shiftlm.sim.costs import Kernel, Shard, forward_ops, kernels_time, layer_comm_time, serving_gemms
 from shiftlm.sim.efficiency import Efficiency
@@ -86,7 +86,7 @@ class HostOverhead:
     - `per_token`: per token of the step, what the kernel model misses (elementwise work, copies);
     - `after_idle`: once, on a step that starts after the engine idled for at least `IDLE_WAKE_S`;
     - `per_chunk_layer`: per chunk per layer, an eager per-sequence attention loop; the engine has
-      none since attention is batched (serve/paged_attention.py); kept for older profiles (0 when
+      none since attention is batched (serve/worker/paged_attention.py); kept for older profiles (0 when
       fitted now).
 
     As the engine loop's gap between steps (`EngineProfile.loop_gap`, folded into `host`), `per_step`
@@ -146,7 +146,7 @@ def _group_links(size: int, stride: int, gpus_per_node: int) -> tuple[int, int]:
 def serving_links(hardware: Hardware, efficiency: Efficiency) -> Links:
     """The links a serving step's collectives take: a profile that measured the shared-memory
     channel (`shiftlm calibrate`: `extra["shm_latency"]`, `extra["shm_bandwidth"]`) is a CPU host
-    whose serving ranks sum, broadcast and gather through it (serve/runner.py, comm/shm.py), not
+    whose serving ranks sum, broadcast and gather through it (serve/worker/runner.py, comm/shm.py), not
     through gloo; any other profile, its own links."""
     if "shm_latency" in hardware.extra and "shm_bandwidth" in hardware.extra:
         latency, bandwidth = hardware.extra["shm_latency"], hardware.extra["shm_bandwidth"]

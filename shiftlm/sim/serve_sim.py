@@ -1,7 +1,7 @@
 """Serving in simulated time: the real `Scheduler` and shift policy replay a trace, a cost model
 stands in for the model (docs/design.md, "Simulator and planner": shared code, not a copy).
 
-Each replica is one `shiftlm.serve.scheduler.Scheduler` driven exactly as `Engine.step` drives it:
+Each replica is one `shiftlm.serve.engine.scheduler.Scheduler` driven exactly as `Engine.step` drives it:
 `schedule()` -> run the plan -> `complete_step(plan)` -> append the sampled token, `finish()` when
 the request has its trace output length (the trace forces lengths, as `shiftlm bench serve` does with
 ignore_eos). Running the plan advances the replica's clock by `StepCostModel.step_time(plan)`.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shiftlm.serve.scheduler import Scheduler, SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import FinishReason, SamplingParams, Sequence
+from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import FinishReason, SamplingParams, Sequence
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.serve_runner import (
     IDLE_WAKE_S,

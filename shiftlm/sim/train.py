@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
+from shiftlm.pipeline.peak import lowered_schedule as build
 from shiftlm.sim import costs
 from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time, reduce_scatter_time
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
@@ -70,24 +71,6 @@ def activation_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, ha
         forward=[f + forward for f in stage.forward],
         backward_input=[i + backward for i in stage.backward_input],
     )
-
-
-@lru_cache(maxsize=4096)
-def build(name: str, pp: int, microbatches: int, chunks: int):
-    """The lowered schedule, built once per shape (the planner asks for the same shapes many times)."""
-    from shiftlm.pipeline.lowering import lower
-    from shiftlm.pipeline.schedules import build_schedule
-
-    return lower(build_schedule(name, pp, microbatches, chunks=chunks))
-
-
-@lru_cache(maxsize=4096)
-def peak_in_flight(name: str, pp: int, microbatches: int, chunks: int) -> int:
-    """Most stage-chunk activations any rank holds at once; a property of the schedule's order
-    (under balanced costs), so it is simulated once per shape with unit costs."""
-    from shiftlm.pipeline.simulator import simulate
-
-    return max(simulate(build(name, pp, microbatches, chunks)).peak_activations)
 
 
 @dataclass(frozen=True)

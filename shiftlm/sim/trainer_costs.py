@@ -36,16 +36,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shiftlm.config import ModelConfig
+from shiftlm.config import LOSS_CHUNK, ModelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, reduce_scatter_time
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
-from shiftlm.train.config import TrainSection
 
 FP32 = 4
-LOSS_CHUNK = TrainSection.loss_chunk  # the trainer's default, for plans made without a run's config
 
 
 def data_group(layout: Layout) -> int:
@@ -128,7 +126,7 @@ def trainer_step_memory(
     model: ModelConfig, layout: Layout, capacity: float, activation_bytes: int
 ) -> MemoryEstimate:
     """`trainer_memory` with the schedule's own peak of in-flight micro-batches (the planner's check)."""
-    from shiftlm.sim.train import peak_in_flight
+    from shiftlm.pipeline.peak import peak_in_flight
 
     in_flight = 1
     if layout.pp > 1:

@@ -22,12 +22,10 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
-from shiftlm.config import ConfigError, ParallelConfig
+from shiftlm.config import LOSS_CHUNK, RECOMPUTE_MODES, ZERO_STAGES, ConfigError, ParallelConfig
 
-RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE_CHOICES = ("auto", "true", "false")
-ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages the trainer implements (a stage that lands is added here)
 
 
 @dataclass
@@ -52,9 +50,9 @@ class TrainSection:
     device: str = "auto"  # auto: GPU LOCAL_RANK + NCCL where CUDA is visible, else CPU + gloo; cuda; cpu
     # tokens per chunk of the fused LM head + loss (model/loss.py): the whole batch's logits never exist;
     # 0 materialises them (the plain head and cross-entropy)
-    loss_chunk: int = 1024
+    loss_chunk: int = LOSS_CHUNK
     compile: str = (
-        "auto"  # torch.compile each decoder layer (train/compile.py); auto: on CUDA only; true; false
+        "auto"  # torch.compile each decoder layer (model/compile.py); auto: on CUDA only; true; false
     )
 
 

@@ -126,7 +126,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool =
     )
     in_flight = 1
     if p.pp > 1:
-        from shiftlm.sim.train import peak_in_flight
+        from shiftlm.pipeline.peak import peak_in_flight
 
         try:
             in_flight = peak_in_flight(t.schedule, p.pp, layout.microbatches, chunks)

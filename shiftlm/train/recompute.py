@@ -58,7 +58,7 @@ def _same_linears() -> tuple[Any, Any]:
 def apply_recompute(stage: Transformer, mode: str, compiled: bool = False) -> None:
     """Make `stage`'s decoder layers recompute activations in backward: none | selective | full.
 
-    `compiled`: the layers' forwards are compiled blocks (`train/compile.py`), which this wraps. Then
+    `compiled`: the layers' forwards are compiled blocks (`model/compile.py`), which this wraps. Then
     `selective` runs the whole block under the mode (it acts on SDPA alone, so the same thing), since a
     per-attention patch is a distinct object per layer and dynamo would compile every layer anew."""
     for layer in stage.model.layers.values():

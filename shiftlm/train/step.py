@@ -33,7 +33,7 @@ def build_stages(
     schedules, 2 x 2 for BitPipe (both replicas' copies start from the same seeded init or checkpoint).
     Compiled blocks (`train.compile`) and activation recomputation (`train.recompute`, around the
     compiled blocks) are applied here."""
-    from shiftlm.train.compile import compile_blocks
+    from shiftlm.model.compile import compile_blocks
     from shiftlm.train.pipeline import resolved_chunks, stage_keys
 
     total = mesh.config.pp * resolved_chunks(config)

@@ -73,7 +73,7 @@ def embedded_tokenizer(vocab_size: int = 2048, corpus_bytes: int = 4_000_000) ->
 def read_tokenizer_json(path: str | Path):
     """The `tokenizer.json` of an HF tokenizer dir as a `tokenizers.Tokenizer`: what the data path
     needs (encode to ids, fast, no transformers import on every rank). Serving loads the whole HF
-    tokenizer (chat template, special tokens) with `shiftlm.serve.tokenizer.load_tokenizer`."""
+    tokenizer (chat template, special tokens) with `shiftlm.serve.engine.tokenizer.load_tokenizer`."""
     from tokenizers import Tokenizer
 
     file = Path(path) / "tokenizer.json"

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from shiftlm.comm import CommGroup, all_gather_flat, all_reduce
-from shiftlm.train.compile import compile_usable
+from shiftlm.model.compile import compile_usable
 from shiftlm.train.config import OptimSection
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.optim import adamw_update

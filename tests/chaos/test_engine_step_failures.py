@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 
-from shiftlm.serve.async_engine import AsyncEngine, EngineDead, StepFailed
-from shiftlm.serve.engine import Engine
-from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.engine.async_engine import AsyncEngine
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.errors import EngineDead, StepFailed
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
 from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner
 
 POISON = 13  # a prompt holding this token makes the fake runner raise
@@ -70,7 +71,7 @@ def test_a_row_whose_sampling_raises_fails_its_request_alone(monkeypatch):
     """Issue 35.1: a failure while sampling one row failed every request of the step. The sampler is
     made to raise for rows of one request (seed 666); the greedy neighbours finish with the tokens
     they get alone, and only the poisoned request gets StepFailed."""
-    from shiftlm.serve import engine as engine_module
+    from shiftlm.serve.engine import core as engine_module
 
     real = engine_module.sample_rows
 

@@ -313,4 +313,4 @@ def test_train_and_serve_refuse_what_is_not_built_in_one_line(tiny_checkpoints):
     with pytest.raises(ConfigError, match="output_router_logits false"):
         check_layout(TrainConfig(), replace(mixtral, output_router_logits=True), 1)
     with pytest.raises(ConfigError, match="does not serve yet"):
-        ServeOptions(model=tiny_checkpoints["mixtral"]).check()
+        ServeOptions(model=tiny_checkpoints["mixtral"]).resolve()

@@ -14,8 +14,8 @@ from shiftlm.model.stream_mask import (
     sample_visibility,
     stream_visibility,
 )
-from shiftlm.serve.plan_codec import BlockTables, decode_plan, encode_plan
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.worker.plan_codec import BlockTables, decode_plan, encode_plan
 
 # fmt: off
 #                 P0 P1 a0 b0 a1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shiftlm.model.stream_mask import ISOLATED
-from shiftlm.serve.scheduler import StepPlan
+from shiftlm.serve.plan import StepPlan
 
 VOCAB = 32
 EOS = 31

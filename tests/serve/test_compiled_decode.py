@@ -1,4 +1,4 @@
-"""The compiled decode step (serve/compiled_step.py) computes the eager step's logits and writes the
+"""The compiled decode step (serve/worker/compiled_step.py) computes the eager step's logits and writes the
 same K/V: tiny models on one rank, a prefill then decode steps of one and of two sequences whose
 contexts cross block boundaries (GQA with rope scaling; a sliding window; q/k/v biases); and the
 engine's greedy tokens on the compiled runner, one request at a time, equal Hugging Face `generate`."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 
 BLOCK = 4
 PROMPTS = ([5, 17, 33, 2, 9, 100, 7], [44, 3, 8, 19, 201])
@@ -41,7 +41,7 @@ def steps(mode: Mode) -> list[StepPlan]:
 def test_compiled_decode_equals_the_eager_step(tmp_path, monkeypatch, family):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)  # the eager runner stays eager
     model_dir = make_tiny_checkpoint(tmp_path / family, family)
@@ -68,8 +68,8 @@ def test_compiled_decode_equals_the_eager_step(tmp_path, monkeypatch, family):
 
 
 def greedy_one_at_a_time_equals_hf(runner, model_dir) -> None:
-    from shiftlm.serve.scheduler import ShiftPolicy
-    from shiftlm.serve.sequence import SamplingParams
+    from shiftlm.serve.engine.scheduler import ShiftPolicy
+    from shiftlm.serve.engine.sequence import SamplingParams
     from tests.serve.test_shift_parity import NEW_TOKENS, PROMPTS, _engine, hf_greedy
 
     steps = runner.shift_model.compiled.steps
@@ -92,7 +92,7 @@ def test_compiled_decode_covers_cpu_models_only(tmp_path):
     meta device stands in here) keeps the eager step."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
-    from shiftlm.serve.compiled_step import CompiledDecode
+    from shiftlm.serve.worker.compiled_step import CompiledDecode
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     model = build_model(ModelConfig.from_hf(model_dir), checkpoint=model_dir).eval()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from shiftlm.config import ConfigError
 from shiftlm.model import cpu_kernels
-from shiftlm.serve.paged_attention import AttentionGroup, FlatBatch, PagedAttention, PagedKVCache
+from shiftlm.serve.worker.paged_attention import AttentionGroup, FlatBatch, PagedAttention, PagedKVCache
 
 kernel = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: the kernel cannot be built")
@@ -94,8 +94,8 @@ def test_kernel_path_is_what_a_runner_uses_by_default(tmp_path, monkeypatch):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model.tiny import make_tiny_checkpoint
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
 
     monkeypatch.delenv("SHIFTLM_ATTENTION_BACKEND", raising=False)
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
@@ -120,7 +120,7 @@ def test_unknown_attention_backend_is_refused(tmp_path):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model.tiny import make_tiny_checkpoint
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     with pytest.raises(ConfigError, match="attention backend 'flash'"):
@@ -210,7 +210,7 @@ def test_without_a_compiler_serving_falls_back_with_one_warning(tmp_path, monkey
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model.tiny import make_tiny_checkpoint
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     def no_compiler(**_):
         raise RuntimeError("Error building extension\ncommand 'c++' not found")
@@ -242,8 +242,8 @@ def test_prefill_chunks_by_the_kernel_equal_sdpa(tmp_path, family, block):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model.tiny import make_tiny_checkpoint
-    from shiftlm.serve.runner import ModelRunner
-    from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
 
     model_dir = make_tiny_checkpoint(tmp_path / family, family)
     runners = {

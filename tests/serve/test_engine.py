@@ -2,9 +2,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shiftlm.serve.engine import Engine, PromptTooLong
-from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.errors import InvalidRequest, PromptTooLong
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
 from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner, reference_greedy
 
 
@@ -145,7 +146,7 @@ def test_a_planted_hash_collision_never_answers_one_prompt_with_anothers_kv(monk
     """Issue 35.3 through the engine: every block hashes alike (a planted collision); the second
     prompt finds the first one's block by hash, the tokens differ, so nothing is shared and its
     greedy output is its own (SlotRunner reads the context back from the cache slots)."""
-    from shiftlm.serve import kv_blocks
+    from shiftlm.serve.engine import kv_blocks
 
     monkeypatch.setattr(kv_blocks, "block_hash", lambda parent, tokens: b"collide")
     engine = _engine()

@@ -7,11 +7,13 @@ import asyncio
 
 import pytest
 
-from shiftlm.serve.async_engine import AsyncEngine, Overloaded
-from shiftlm.serve.engine import Engine
-from shiftlm.serve.metrics import render_engine_metrics
-from shiftlm.serve.scheduler import SchedulerConfig
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.engine.async_engine import AsyncEngine
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.errors import InvalidRequest, Overloaded
+from shiftlm.serve.engine.metrics import render_engine_metrics
+from shiftlm.serve.engine.scheduler import SchedulerConfig
+from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.http.protocol import api_error
 from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner
 
 
@@ -68,7 +70,8 @@ def test_a_refusal_for_capacity_is_counted_and_what_can_never_fit_is_a_400():
         assert engine.num_pending == 1  # counted before anything was read
         with pytest.raises(Overloaded) as refused:
             engine.submit([[2]], SamplingParams())
-        assert refused.value.retry_after == 1.0
+        answer = api_error(refused.value)  # the front's one table of engine errors
+        assert answer.status == 429 and answer.retry_after == 1.0
         with pytest.raises(InvalidRequest, match="--max-pending"):
             engine.submit([[1], [2]], SamplingParams())
         assert len([out async for out in first[0]]) == 50
@@ -97,7 +100,7 @@ def test_health_is_503_while_a_step_runs_past_half_the_step_timeout():
     server gives up at --step-timeout."""
     from starlette.testclient import TestClient
 
-    from shiftlm.serve.api import ApiOptions, build_app
+    from shiftlm.serve.http.app import ApiOptions, build_app
 
     engine = _engine()
     running = {"seconds": 0.0}

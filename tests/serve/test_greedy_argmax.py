@@ -1,4 +1,4 @@
-"""Greedy rows come back from a 2-rank step as each rank's (max, argmax), not as logits (serve/logits.py):
+"""Greedy rows come back from a 2-rank step as each rank's (max, argmax), not as logits (serve/worker/logits.py):
 the same token as torch.argmax over the whole row (ties: the lowest id), and only for rows that need
 nothing else of the logits."""
 
@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from shiftlm.mesh import Coords
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.logits import best_of, logits_block, pack_max
-from shiftlm.serve.paged_attention import FlatBatch
-from shiftlm.serve.scheduler import Mode, SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.plan import Mode
+from shiftlm.serve.worker.logits import best_of, logits_block, pack_max
+from shiftlm.serve.worker.paged_attention import FlatBatch
 
 
 @settings(max_examples=80, deadline=None)
@@ -87,8 +88,8 @@ def run_mixed_batch(model_dir: str, tp: int, sp: int) -> dict | None:
     """Rank 0: the five requests in one engine; what each step's logits rows looked like."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.engine import Engine
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.engine.core import Engine
+    from shiftlm.serve.worker.runner import ModelRunner
     from tests.serve.fakes import LetterTokenizer
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from shiftlm.model.tiny import make_tiny_checkpoint
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import LocalServer, local_server
-from shiftlm.serve.tokenizer import write_char_tokenizer
 
 NAME = "tiny"
 KEY = "sekrit"

@@ -1,5 +1,5 @@
-from shiftlm.serve.kv_blocks import BlockAllocator, BlockManager
-from shiftlm.serve.sequence import SamplingParams, Sequence
+from shiftlm.serve.engine.kv_blocks import BlockAllocator, BlockManager
+from shiftlm.serve.engine.sequence import SamplingParams, Sequence
 
 
 def _seq(tokens: list[int]) -> Sequence:
@@ -72,7 +72,7 @@ def test_reallocating_a_cached_block_evicts_it_from_the_prefix_cache():
 def test_a_hash_collision_never_shares_another_prompts_blocks(monkeypatch):
     """Issue 35.3: two different blocks with equal hashes (planted: every block hashes alike, as two
     colliding blocks under the old unkeyed 64-bit hash did) are told apart by their tokens."""
-    from shiftlm.serve import kv_blocks
+    from shiftlm.serve.engine import kv_blocks
 
     monkeypatch.setattr(kv_blocks, "block_hash", lambda parent, tokens: b"collide")
     manager = BlockManager(num_blocks=8, block_size=4)
@@ -91,7 +91,7 @@ def test_block_hashes_are_sha256_chains_and_a_cache_salt_separates_tenants():
     import hashlib
     from array import array
 
-    from shiftlm.serve.kv_blocks import block_hash, root_hash
+    from shiftlm.serve.engine.kv_blocks import block_hash, root_hash
 
     assert block_hash(b"", [1, 2]) == hashlib.sha256(array("q", [1, 2]).tobytes()).digest()
     assert block_hash(block_hash(b"", [1]), [2]) != block_hash(block_hash(b"", [3]), [2])

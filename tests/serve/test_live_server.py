@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from shiftlm.model.tiny import make_tiny_checkpoint
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import LocalServer, local_server
-from shiftlm.serve.tokenizer import write_char_tokenizer
 
 MODEL = "tiny"
 

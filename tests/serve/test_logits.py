@@ -1,4 +1,4 @@
-"""Which rank sends which block of the sampled logits back to rank 0 (shiftlm/serve/logits.py)."""
+"""Which rank sends which block of the sampled logits back to rank 0 (shiftlm/serve/worker/logits.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shiftlm.mesh import Coords
-from shiftlm.serve.logits import logits_block
-from shiftlm.serve.paged_attention import FlatBatch
-from shiftlm.serve.scheduler import Mode
+from shiftlm.serve.plan import Mode
+from shiftlm.serve.worker.logits import logits_block
+from shiftlm.serve.worker.paged_attention import FlatBatch
 
 
 def _batch(num_tokens: int, sp: int, sampled: list[int]) -> FlatBatch:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.plan_codec import encode_plan
-from shiftlm.serve.runner import FIRST_MESSAGE
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.worker.plan_codec import encode_plan
+from shiftlm.serve.worker.runner import FIRST_MESSAGE
 
 
 def _plans() -> list[StepPlan]:
@@ -26,7 +26,7 @@ def _plans() -> list[StepPlan]:
 def receive_plans_on_ranks(model_dir: str) -> list[list[int]] | None:
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=1, sp=2))
     runner = ModelRunner.load(model_dir, mesh, num_blocks=8, block_size=4)

@@ -74,7 +74,7 @@ def receive_plans_polling(model_dir: str):
 
 
 def test_plans_arrive_whole_with_polling_on(ranks, tmp_path):
-    from shiftlm.serve.plan_codec import encode_plan
+    from shiftlm.serve.worker.plan_codec import encode_plan
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     received = ranks.run(2, receive_plans_polling, str(model_dir))[1]

@@ -1,6 +1,6 @@
 import torch
 
-from shiftlm.serve.sampling import (
+from shiftlm.serve.engine.sampling import (
     SampleRow,
     apply_penalties,
     filter_logits,
@@ -8,8 +8,8 @@ from shiftlm.serve.sampling import (
     sample_rows,
     sample_token,
 )
-from shiftlm.serve.sequence import SamplingParams
-from shiftlm.serve.text import StreamingText
+from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.engine.text import StreamingText
 from tests.serve.fakes import LetterTokenizer
 
 LOGITS = torch.tensor([0.0, 3.0, 1.0, 2.5, -1.0])

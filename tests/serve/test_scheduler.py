@@ -1,5 +1,6 @@
-from shiftlm.serve.scheduler import Mode, Scheduler, SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import SamplingParams, Sequence
+from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams, Sequence
+from shiftlm.serve.plan import Mode
 
 
 def _scheduler(**overrides) -> Scheduler:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 
 SEQ_A = [5, 17, 33, 2, 9, 100, 7, 44]
 SEQ_B = [44, 3, 8, 19, 201, 6, 6, 12, 90]
@@ -33,7 +33,7 @@ def plans(mode: Mode, row: int, block: int) -> list[tuple[StepPlan, list[tuple[s
 def serving_logits_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
     runner = ModelRunner.load(model_dir, mesh, num_blocks=16, block_size=BLOCK)

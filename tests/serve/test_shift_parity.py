@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.engine import Engine
-from shiftlm.serve.scheduler import Mode, SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.plan import Mode
 from tests.serve.fakes import LetterTokenizer
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [44, 3, 8, 19, 201, 6, 6, 12, 90, 11, 3], [240, 1, 77]]
@@ -60,7 +61,7 @@ def run_modes_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
     """Every rank: load the runner; rank 0 drives three engines (tp, sp_tp, shift) over one cache."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
     runner = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=4)

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from shiftlm.serve.scheduler import Mode
-from shiftlm.serve.shift_probe import measure_shift_threshold, probe_plan
-from shiftlm.serve.tokenizer import write_char_tokenizer
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
+from shiftlm.serve.plan import Mode
+from shiftlm.serve.worker.shift_probe import measure_shift_threshold, probe_plan
 
 
 class CostedRunner:
@@ -31,7 +31,7 @@ class CostedRunner:
 @pytest.fixture
 def fake_clock(monkeypatch):
     """The probe's timer reads the fake runner's clock (deterministic, no sleeping)."""
-    import shiftlm.serve.shift_probe as probe
+    import shiftlm.serve.worker.shift_probe as probe
 
     holder = {}
 
@@ -156,12 +156,12 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
 def test_the_banner_says_what_runs_after_tp1_sp2():
     """Issue 36.5: when the probe finds SP x TP never faster (threshold = the step budget), the
     banner says every step runs full TP over tp x sp ranks, not "mode=shift threshold=256"."""
-    from shiftlm.serve.options import ServeOptions
+    from shiftlm.config import ParallelConfig
     from shiftlm.serve.server import describe_layout
 
-    never = describe_layout(ServeOptions("m", tp=1, sp=2, shift_threshold=256, max_tokens_per_step=256))
+    never = describe_layout(ParallelConfig(tp=1, sp=2), "shift", 256, 256)
     assert "mode=shift" not in never and "every step runs full TP" in never
     assert "all 2 ranks split every token's weights: tp x sp = 1 x 2" in never
-    shifts = describe_layout(ServeOptions("m", tp=1, sp=2, shift_threshold=64, max_tokens_per_step=256))
+    shifts = describe_layout(ParallelConfig(tp=1, sp=2), "shift", 64, 256)
     assert "mode=shift threshold=64" in shifts and "larger ones SP x TP" in shifts
-    assert describe_layout(ServeOptions("m")).endswith("one rank runs every step")
+    assert describe_layout(ParallelConfig(), "shift", 64, 256).endswith("one rank runs every step")

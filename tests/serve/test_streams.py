@@ -10,9 +10,10 @@ import re
 
 import pytest
 
-from shiftlm.serve.engine import Engine
-from shiftlm.serve.scheduler import SchedulerConfig
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.errors import InvalidRequest
+from shiftlm.serve.engine.scheduler import SchedulerConfig
+from shiftlm.serve.engine.sequence import SamplingParams
 from tests.serve.fakes import LetterTokenizer
 from tests.serve.stream_reference import hf_model, make_position_sensitive_checkpoint, reference
 
@@ -40,7 +41,7 @@ def checkpoint(tmp_path_factory):
 def runner(checkpoint):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     return ModelRunner.load(checkpoint, Mesh(ParallelConfig()), num_blocks=64, block_size=BLOCK)
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from shiftlm.serve.api import ApiOptions, build_app
-from shiftlm.serve.async_engine import AsyncEngine
-from shiftlm.serve.engine import Engine
-from shiftlm.serve.scheduler import SchedulerConfig
+from shiftlm.serve.engine.async_engine import AsyncEngine
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.scheduler import SchedulerConfig
+from shiftlm.serve.http.app import ApiOptions, build_app
 from tests.serve.fakes import LetterTokenizer
 from tests.serve.stream_reference import hf_model, make_position_sensitive_checkpoint, reference
 
@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     model_dir = make_position_sensitive_checkpoint(tmp_path_factory.mktemp("streams-api"))
     runner = ModelRunner.load(model_dir, Mesh(ParallelConfig()), num_blocks=32, block_size=4)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shiftlm.serve.engine import Engine
-from shiftlm.serve.scheduler import SchedulerConfig, ShiftPolicy
-from shiftlm.serve.sequence import SamplingParams
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
 from tests.serve.fakes import LetterTokenizer
 from tests.serve.stream_reference import hf_model, make_position_sensitive_checkpoint, reference
 from tests.serve.test_shift_parity import AlternatingPolicy
@@ -28,7 +28,7 @@ POLICIES = {
 def streams_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.serve.runner import ModelRunner
+    from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
     runner = ModelRunner.load(model_dir, mesh, num_blocks=48, block_size=4)

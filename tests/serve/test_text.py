@@ -1,4 +1,4 @@
-"""Incremental detokenization (serve/text.py): the deltas add up to the full decode, characters split
+"""Incremental detokenization (serve/engine/text.py): the deltas add up to the full decode, characters split
 over byte-level tokens are never sent half, and the work per token does not grow with the output."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from tokenizers import ByteLevelBPETokenizer
 from transformers import PreTrainedTokenizerFast
 
-from shiftlm.serve.text import StreamingText
+from shiftlm.serve.engine.text import StreamingText
 
 TEXT = "naïve café 日本語のテキスト 🙂🚀 emoji, ünïcödé and plain ascii words.\n" * 4
 

@@ -105,7 +105,7 @@ def test_inference_gemm_probe_runs_the_serving_engines_own_linear(monkeypatch):
     (the weights it multiplies are the packed copies), and computes the same product as F.linear."""
     import torch
 
-    import shiftlm.serve.shift_model as shift_model
+    import shiftlm.serve.worker.shift_model as shift_model
     from shiftlm.sim.calibrate import gemm_pass
     from shiftlm.sim.costs import INFERENCE_ROLE
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from shiftlm.hardware import CATALOG
+from shiftlm.pipeline.peak import peak_in_flight
 from shiftlm.presets import PRESETS, gpt_style
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.memory import estimate_memory
-from shiftlm.sim.train import peak_in_flight, simulate_step
+from shiftlm.sim.train import simulate_step
 
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 

@@ -11,7 +11,7 @@ import pytest
 
 from shiftlm.cli import main
 from shiftlm.hardware import CATALOG
-from shiftlm.serve.scheduler import Mode
+from shiftlm.serve.plan import Mode
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.serve_calibrate import (
     EngineProfile,
@@ -40,7 +40,7 @@ LAYOUT = ServeLayout(dp=1, tp=1, sp=2, threshold=0)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     from shiftlm.model.tiny import make_tiny_checkpoint
-    from shiftlm.serve.tokenizer import write_char_tokenizer
+    from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 
     model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", "llama-gqa")
     write_char_tokenizer(model_dir, vocab_size=250)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import shiftlm.serve.scheduler as serve_scheduler
+import shiftlm.serve.engine.scheduler as serve_scheduler
 import shiftlm.sim.serve_sim as serve_sim
 from shiftlm.cli import main
 from shiftlm.data import trace_path
@@ -188,7 +188,7 @@ def test_serving_steps_take_the_profiles_inference_gemm_rates():
     takes about half as long; a profile without them times the step at the forward's rate."""
     from dataclasses import replace
 
-    from shiftlm.serve.scheduler import Mode
+    from shiftlm.serve.plan import Mode
     from shiftlm.sim.efficiency import MEASURED
     from shiftlm.sim.serve_runner import StepCostModel
 

@@ -13,9 +13,9 @@ import torch
 
 from shiftlm.config import ConfigError, ModelConfig
 from shiftlm.model import build_model
+from shiftlm.model.compile import CompiledBlock, compile_blocks, inductor_problem, wants_compile
 from shiftlm.model.deferred import plain_linears
 from shiftlm.model.rope import rope_cos_sin
-from shiftlm.train.compile import CompiledBlock, compile_blocks, inductor_problem, wants_compile
 from shiftlm.train.config import load_config
 from tests.train.conftest import run_training
 
@@ -128,7 +128,7 @@ def test_missing_compiler_warns_once_and_stays_eager(caplog):
     eager_forward = model.model.layers["0"].forward
     with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
         assert "No working C++ compiler" in inductor_problem(cpu)
-        with caplog.at_level(logging.WARNING, logger="shiftlm.train.compile"):
+        with caplog.at_level(logging.WARNING, logger="shiftlm.model.compile"):
             assert not compile_blocks([model], cpu)
     assert len(caplog.records) == 1 and "running eagerly" in caplog.records[0].getMessage()
     assert model.model.layers["0"].forward == eager_forward

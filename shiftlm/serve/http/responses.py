@@ -16,8 +16,15 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from shiftlm.serve.async_engine import EngineDead, StepFailed
-from shiftlm.serve.protocol import ApiError, chat_logprobs, completion_logprobs, new_id, now, usage
+from shiftlm.serve.engine.errors import EngineError
+from shiftlm.serve.http.protocol import (
+    api_error,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    now,
+    usage,
+)
 
 
 class Choices:
@@ -153,10 +160,8 @@ async def render_stream(outputs: AsyncIterator, choices: Choices) -> AsyncIterat
             yield f"data: {json.dumps(chunk)}\n\n"
         if choices.include_usage:
             yield f"data: {json.dumps({**choices.header(obj), 'choices': [], 'usage': choices.usage()})}\n\n"
-    except StepFailed as err:
-        yield f"data: {json.dumps(ApiError(500, str(err)).body())}\n\n"
-    except EngineDead as err:
-        yield f"data: {json.dumps(ApiError(503, str(err)).body())}\n\n"
+    except EngineError as err:
+        yield f"data: {json.dumps(api_error(err).body())}\n\n"
     finally:
         await outputs.aclose()
     yield "data: [DONE]\n\n"

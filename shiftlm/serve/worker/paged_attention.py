@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from shiftlm.serve.stream_attention import QueryRotation, rotated_attention
+from shiftlm.serve.worker.stream_attention import QueryRotation, rotated_attention
 
 
 @dataclass
@@ -34,7 +34,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, Q, C] True where query i may read key position c
     block_index: torch.Tensor  # [S * C / block_size] physical blocks, sequence-major
     _folded: dict = field(default_factory=dict)  # mask per GQA group size; bias per dtype
-    # hogwild stream groups: the queries' extra RoPE rotation per key block (serve/stream_attention.py)
+    # hogwild stream groups: the queries' extra RoPE rotation per key block (serve/worker/stream_attention.py)
     rotation: QueryRotation | None = None
     # causal groups (not stream groups): each query's position [S, Q] and the sliding window (0: none),
     # which is all the CPU kernel needs instead of the mask

@@ -29,54 +29,17 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from shiftlm.serve.engine import Engine, EngineStats, RequestOutput
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.engine.core import Engine, EngineStats, RequestOutput
+from shiftlm.serve.engine.errors import EngineDead, InvalidRequest, Overloaded, StepError, StepFailed
+from shiftlm.serve.engine.sequence import SamplingParams
 
 log = logging.getLogger("shiftlm.serve")
-
-
-RETRY_AFTER_BUSY = 1.0  # seconds a 429 asks the client to wait (Retry-After)
-RETRY_AFTER_DOWN = 10.0  # and a 503: a supervisor restarts a failed server within about this
-
-
-class Overloaded(RuntimeError):
-    """Too many requests in flight; the client should retry later (HTTP 429, Retry-After)."""
-
-    status, param, retry_after = 429, None, RETRY_AFTER_BUSY
-
-
-class EngineDead(RuntimeError):
-    """The engine stopped (a rank failed, or the server is shutting down); HTTP 503, Retry-After."""
-
-    status, param, retry_after = 503, None, RETRY_AFTER_DOWN
-
-
-class StepFailed(RuntimeError):
-    """The step running this request raised; only its requests fail (HTTP 500)."""
 
 
 @dataclass
 class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-
-
-class _RecordingRunner:
-    """Wraps the engine's runner to know which plan a failed step ran and whether the runner raised."""
-
-    def __init__(self, runner):
-        self.runner, self.plan, self.raised = runner, None, False
-
-    def execute(self, plan):
-        self.plan = plan
-        try:
-            return self.runner.execute(plan)
-        except BaseException:
-            self.raised = True
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
 
 
 class AsyncEngine:
@@ -88,14 +51,13 @@ class AsyncEngine:
         max_pending: int = 512,
         multi_rank: bool = False,
         on_fatal: Callable[[str], None] | None = None,
+        diagnose: Callable[[], str | None] | None = None,
     ):
         self.engine = engine
         self.max_pending = max_pending
         self.multi_rank = multi_rank  # a runner exception then desynchronizes the ranks: fatal
         self.on_fatal = on_fatal
         self.error: str | None = None
-        self._runner = _RecordingRunner(engine.runner)
-        engine.runner = self._runner
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # admitted requests: what --max-pending counts
         self._admission = threading.Lock()  # the count and the admission are one step
@@ -106,7 +68,7 @@ class AsyncEngine:
         self.failed_steps = 0
         self.failed_requests = 0  # requests failed alone while sampling or detokenizing
         self._aborted: set[str] = set()
-        self.diagnose: Callable[[], str | None] | None = None  # names a failed rank (the rank monitor)
+        self.diagnose = diagnose  # names a failed rank (the server's rank monitor)
         self._thread = threading.Thread(target=self._loop, name="shiftlm-engine", daemon=True)
         self._thread.start()
 
@@ -146,9 +108,9 @@ class AsyncEngine:
         return self._admit(commands, [params.n] * len(prompts))
 
     def submit_streams(self, prompt_ids, prefixes, params: list[SamplingParams], layout: str):
-        """A stream group (serve/streams.py), checked here once; yields every stream's outputs
+        """A stream group (serve/engine/streams.py), checked here once; yields every stream's outputs
         (`out.index` is the stream) until all of them finish."""
-        self.engine.streams.check(prompt_ids, prefixes, params, layout)
+        self.engine.check_streams(prompt_ids, prefixes, params, layout)
         command = ("streams", f"req-{next(self._ids)}", prompt_ids, prefixes, params, layout)
         return self._admit([command], [len(prefixes)])[0]
 
@@ -276,17 +238,16 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            self._runner.plan, self._runner.raised = None, False
             self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
-            except Exception as err:
+            except StepError as err:
                 self._step_started = None
                 if self.error is not None:
                     return  # already failed by the rank monitor
-                if self._runner.raised and self.multi_rank:
+                if err.in_runner and self.multi_rank:
                     log.error("engine step failed in the model runner:\n%s", traceback.format_exc())
-                    self.fail(self._name_failure(f"the model runner failed ({type(err).__name__}: {err})"))
+                    self.fail(self._name_failure(str(err)))
                     return
                 self._fail_step(err)
                 continue
@@ -310,28 +271,25 @@ class AsyncEngine:
             time.sleep(0.1)
         return f"{reason}; a rank may be down"
 
-    def _fail_step(self, err: Exception) -> None:
+    def _fail_step(self, err: StepError) -> None:
         """Fail only the requests of the step that raised, and go on."""
-        plan, scheduler = self._runner.plan, self.engine.scheduler
-        if plan is not None:
-            seqs = [scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
-        else:  # raised before the runner ran: the sequences it was scheduling are the running ones
-            seqs = list(scheduler.running)
-        request_ids = sorted({seq.request_id for seq in seqs if seq is not None})
+        cause = err.__cause__ or err
         self.failed_steps += 1
         log.error(
             "engine step failed; failing its requests %s and going on:\n%s",
-            ", ".join(request_ids) or "(none)",
-            traceback.format_exc(),
+            ", ".join(err.request_ids) or "(none)",
+            "".join(traceback.format_exception(cause)),
         )
-        for request_id in request_ids:
+        for request_id in err.request_ids:
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - the request is failed anyway; keep the engine going
                 log.exception("aborting %s after a failed step also failed", request_id)
             self._deliver(
                 request_id,
-                StepFailed(f"internal error while running request {request_id}: {type(err).__name__}: {err}"),
+                StepFailed(
+                    f"internal error while running request {request_id}: {type(cause).__name__}: {cause}"
+                ),
             )
 
     def _drain_commands(self) -> None:

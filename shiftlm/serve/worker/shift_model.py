@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shiftlm.config import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.inference_linear import GEMV_ROWS, PackedWeights, inference_linear
 from shiftlm.model.transformer import Transformer
-from shiftlm.serve.compiled_step import CompiledDecode
-from shiftlm.serve.logits import full_tp_vocab_part, logits_block
-from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache
-from shiftlm.serve.scheduler import Mode
+from shiftlm.serve.plan import Mode
+from shiftlm.serve.worker.compiled_step import CompiledDecode
+from shiftlm.serve.worker.logits import full_tp_vocab_part, logits_block
+from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
 FULL_EMBEDDING_BYTES = 512 * 2**20  # a larger table stays vocab-parallel (one all-reduce per step)
 
@@ -46,9 +45,8 @@ class ShiftModel:
     ):
         config = model.config
         self.model, self.mesh, self.cache, self.config = model, mesh, cache, config
-        sp, tp = mesh.config.sp, mesh.config.tp
-        if config.intermediate_size % (sp * tp):
-            raise ConfigError(f"sp*tp = {sp * tp} must divide intermediate_size = {config.intermediate_size}")
+        sp = mesh.config.sp
+        mesh.config.check_model(config, shift=True)  # serve's options check it before any rank starts
         self.full_tp = model.full_tp()
         head = model.head_weight  # [padded_vocab / T, hidden]
         self.vocab_per_tp = head.shape[0]
@@ -67,7 +65,7 @@ class ShiftModel:
                 self.packed.choose_small_rows(_linear_groups(model))
             else:
                 self.packed.gemv_rows = gemv_rows
-        # pure decode steps as one compiled function where it applies (serve/compiled_step.py): the
+        # pure decode steps as one compiled function where it applies (serve/worker/compiled_step.py): the
         # batches small enough for MKL's GEMV, which the graph calls (oneDNN's packed GEMM, where it
         # is faster, is not available inside the graph)
         max_seqs = GEMV_ROWS if self.packed is None else self.packed.gemv_rows

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shiftlm.serve.sequence import GREEDY_BELOW, SamplingParams
+from shiftlm.serve.engine.sequence import GREEDY_BELOW, SamplingParams
 
 SEED_MODULUS = 2**63
 

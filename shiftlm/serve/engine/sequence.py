@@ -14,17 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-
-class InvalidRequest(ValueError):
-    """A request parameter is out of range; the message says which and what is allowed. Every refusal
-    of a request carries the HTTP status the API answers it with."""
-
-    status = 400
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
+from shiftlm.serve.engine.errors import InvalidRequest
 
 # Below this temperature a request is greedy: dividing logits by 1e-40 gives inf and a NaN softmax.
 GREEDY_BELOW = 1e-5
@@ -178,7 +168,7 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
-    # Hooks a stream group (serve/streams.py) overrides; an ordinary sequence is one causal stream.
+    # Hooks a stream group (serve/engine/streams.py) overrides; an ordinary sequence is one causal stream.
     def chunk_len(self, budget: int) -> int:
         """Tokens to compute next within `budget` (0: wait for a larger budget)."""
         return min(self.num_uncomputed, budget)

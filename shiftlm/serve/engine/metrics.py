@@ -49,10 +49,11 @@ def _scalar(name: str, kind: str, help_text: str, value: float) -> list[str]:
 
 
 class ServingMetrics:
-    """Written by the engine thread, rendered by the HTTP thread; one lock keeps them consistent."""
+    """Written by the engine thread, rendered by the HTTP thread; one lock, held by every method here
+    and by nothing outside, keeps them consistent."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self.ttft = Histogram()
         self.itl = Histogram()
         self.e2e = Histogram()
@@ -63,23 +64,44 @@ class ServingMetrics:
         self.step_seconds: dict[str, Histogram] = {}
         self.step_tokens: dict[str, int] = {}
 
+    def record_prompt(self, num_tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += num_tokens
+
+    def record_token(self, ttft: float | None = None, itl: float | None = None) -> None:
+        """One generated token; `ttft` on a request's first, `itl` since its sample's previous one."""
+        with self._lock:
+            self.generation_tokens += 1
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if itl is not None:
+                self.itl.observe(itl)
+
+    def token_counts(self) -> tuple[int, int]:
+        """(prompt tokens, generated tokens) so far."""
+        with self._lock:
+            return self.prompt_tokens, self.generation_tokens
+
     def record_step(self, mode: str, num_tokens: int, seconds: float) -> None:
-        with self.lock:
+        with self._lock:
             self.step_seconds.setdefault(mode, Histogram(STEP_BUCKETS)).observe(seconds)
             self.step_tokens[mode] = self.step_tokens.get(mode, 0) + num_tokens
 
     def record_rejected(self) -> None:
-        with self.lock:
+        with self._lock:
             self.rejected_requests += 1
 
-    def record_finished(self, reason: str) -> None:
-        with self.lock:
+    def record_finished(self, reason: str, e2e: float | None = None) -> None:
+        """A request ended (`reason`: stop, length, abort); `e2e`: its seconds since arrival."""
+        with self._lock:
             self.finished_requests[reason] = self.finished_requests.get(reason, 0) + 1
+            if e2e is not None:
+                self.e2e.observe(e2e)
 
     def render(self, gauges: dict[str, tuple[str, float]], counters: dict[str, tuple[str, float]]) -> str:
         """Text exposition; `gauges`/`counters` map a metric name to (help, value) read at scrape time."""
         prefix = "shiftlm_"
-        with self.lock:
+        with self._lock:
             lines: list[str] = []
             for name, (help_text, value) in gauges.items():
                 lines += _scalar(prefix + name, "gauge", help_text, value)

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shiftlm.serve.sampling import SEED_MODULUS
-from shiftlm.serve.sequence import InvalidRequest, SamplingParams
+from shiftlm.serve.engine.errors import EngineDead, EngineError, InvalidRequest, Overloaded, StepFailed
+from shiftlm.serve.engine.sampling import SEED_MODULUS
+from shiftlm.serve.engine.sequence import SamplingParams
 
 
 class ApiError(Exception):
@@ -74,10 +75,25 @@ def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], .
     return tuple(bias.items())
 
 
-def api_error(err: Exception) -> ApiError:
-    """An engine refusal (InvalidRequest, Overloaded, EngineDead) as its HTTP error; 429 and 503
-    carry Retry-After."""
-    return ApiError(err.status, str(err), err.param, getattr(err, "retry_after", None))
+RETRY_AFTER_BUSY = 1.0  # seconds a 429 asks the client to wait (Retry-After)
+RETRY_AFTER_DOWN = 10.0  # and a 503: a supervisor restarts a failed server within about this
+
+# The one table from the engine's errors to HTTP: (error, status, Retry-After), the first match wins.
+# A bad parameter or a prompt past the context is a 400 as vLLM answers it.
+ENGINE_ERRORS: tuple[tuple[type[EngineError], int, float | None], ...] = (
+    (InvalidRequest, 400, None),
+    (Overloaded, 429, RETRY_AFTER_BUSY),
+    (StepFailed, 500, None),
+    (EngineDead, 503, RETRY_AFTER_DOWN),
+)
+
+
+def api_error(err: EngineError) -> ApiError:
+    """An engine error as its HTTP error (`ENGINE_ERRORS`); 429 and 503 carry Retry-After."""
+    for kind, status, retry_after in ENGINE_ERRORS:
+        if isinstance(err, kind):
+            return ApiError(status, str(err), getattr(err, "param", None), retry_after)
+    return ApiError(500, f"internal error: {type(err).__name__}: {err}")
 
 
 # Accepted and ignored: they do not change what is generated.

@@ -11,7 +11,7 @@ no rank does Python work per token or per block of context:
                      argmax_only (the sampled row needs only its argmax: `logits.gather_logits`)
     tokens   [N]     the chunks' token ids, in plan order
     blocks   [M]     the chunks' new physical blocks, in plan order
-    tags     [G, 2]  (stream, position) of every token of a stream-group chunk (serve/stream_plan.py)
+    tags     [G, 2]  (stream, position) of every token of a stream-group chunk (serve/worker/stream_plan.py)
 
 Block tables live on every rank as one tensor [rows, max blocks] (`BlockTables`) that the plan's deltas
 update in place (vLLM's persistent batch); the scheduler names a sequence's row and only the blocks
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from shiftlm.serve.paged_attention import AttentionGroup, FlatBatch
-from shiftlm.serve.scheduler import Mode, StepPlan
-from shiftlm.serve.stream_plan import stream_group, tag_tokens
+from shiftlm.serve.plan import Mode, StepPlan
+from shiftlm.serve.worker.paged_attention import AttentionGroup, FlatBatch
+from shiftlm.serve.worker.stream_plan import stream_group, tag_tokens
 
 HEADER = 6
 CHUNK_FIELDS = 10

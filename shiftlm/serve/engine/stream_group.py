@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shiftlm.model.stream_mask import HOGWILD, PROMPT, TIMESTEP
-from shiftlm.serve.sequence import FinishReason, SamplingParams, Sequence
+from shiftlm.serve.engine.sequence import FinishReason, SamplingParams, Sequence
 
 
 @dataclass(eq=False)

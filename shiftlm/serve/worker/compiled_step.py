@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from shiftlm.model.transformer import Transformer
-from shiftlm.serve.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
+from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
 
 log = logging.getLogger(__name__)
 _CACHES: weakref.WeakValueDictionary[int, PagedKVCache] = (

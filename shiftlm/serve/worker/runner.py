@@ -16,7 +16,6 @@ rank owns (`logits.py`).
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 
 import torch
@@ -28,9 +27,10 @@ from shiftlm.config import ConfigError, ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
-from shiftlm.serve.logits import gather_logits
-from shiftlm.serve.paged_attention import PagedKVCache
-from shiftlm.serve.plan_codec import (
+from shiftlm.serve.plan import StepPlan
+from shiftlm.serve.worker.logits import gather_logits
+from shiftlm.serve.worker.paged_attention import PagedKVCache
+from shiftlm.serve.worker.plan_codec import (
     HEADER,
     STOP_CHUNKS,
     BlockTables,
@@ -39,8 +39,7 @@ from shiftlm.serve.plan_codec import (
     payload_size,
     stop_message,
 )
-from shiftlm.serve.scheduler import StepPlan
-from shiftlm.serve.shift_model import ShiftModel
+from shiftlm.serve.worker.shift_model import ShiftModel
 
 # Ranks > 0 block in the plan broadcast while the server idles. Groups made by `Mesh` carry gloo's
 # default timeout (30 minutes), after which an idle worker would die, so plans get a group of their own.
@@ -51,7 +50,9 @@ FIRST_MESSAGE = 1024  # int64s of a plan's first broadcast (8 KiB): header + pay
 class ModelRunner:
     """Executes step plans on every rank of one shift group (dp = pp = 1)."""
 
-    def __init__(self, model_config: ModelConfig, shift_model: ShiftModel, mesh: Mesh):
+    def __init__(
+        self, model_config: ModelConfig, shift_model: ShiftModel, mesh: Mesh, shm_collectives: bool = True
+    ):
         self.model_config = model_config
         self.shift_model = shift_model
         self.mesh = mesh
@@ -68,8 +69,9 @@ class ModelRunner:
         )
         # CPU ranks of one host: the step's collectives (row-parallel sums, the plan, the logits) go
         # through shared memory (comm/shm.py), not gloo's sockets; off with SHIFTLM_SHM_COLLECTIVES=0
+        # (read by serve/options.py)
         self._local = None
-        if mesh.device.type == "cpu" and os.environ.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0":
+        if mesh.device.type == "cpu" and shm_collectives:
             from shiftlm.model import cpu_kernels
 
             kernels = cpu_kernels.load() if group.size > 1 else None
@@ -87,23 +89,24 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         compile_decode: bool = False,
-        attention_backend: str | None = None,
+        attention_backend: str = "auto",
         gemv_rows: int | None = None,
+        model_config: ModelConfig | None = None,
+        shm_collectives: bool = True,
     ) -> ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
-        (`compiled_step.py`; the server's default, off with `--enforce-eager`). The environment variable
-        SHIFTLM_COMPILE_DECODE=1 turns it on for every runner (to run a test suite on that path).
-        `attention_backend` (`--attention-backend`; default SHIFTLM_ATTENTION_BACKEND, else "auto"):
-        "auto" attends decode rows with the CPU paged-attention kernel on CPU where it builds
-        (model/cpu_kernels.py), "cpu-kernel" insists on it, "sdpa" always gathers blocks for SDPA.
+        (`compiled_step.py`; the server's default, off with `--enforce-eager`).
+        `attention_backend` (`--attention-backend`): "auto" attends decode rows with the CPU
+        paged-attention kernel on CPU where it builds (model/cpu_kernels.py), "cpu-kernel" insists on
+        it, "sdpa" always gathers blocks for SDPA.
         `gemv_rows`: inputs of up to this many rows run MKL's GEMV rather than oneDNN's packed GEMM
         (and the compiled decode covers those batch sizes); None measures which is faster here
-        (`PackedWeights.choose_small_rows`)."""
-        compile_decode = compile_decode or os.environ.get("SHIFTLM_COMPILE_DECODE") == "1"
-        backend = attention_backend or os.environ.get("SHIFTLM_ATTENTION_BACKEND") or "auto"
+        (`PackedWeights.choose_small_rows`). `model_config`: the checkpoint's, when the caller has
+        read it already (the server's options have)."""
+        backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-        config = ModelConfig.from_hf(model_dir)
+        config = model_config or ModelConfig.from_hf(model_dir)
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
@@ -114,7 +117,7 @@ class ModelRunner:
         shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode, gemv_rows=gemv_rows)
         if shift_model.compiled is not None:
             shift_model.compiled.warm_up()
-        return cls(config, shift_model, mesh)
+        return cls(config, shift_model, mesh, shm_collectives)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""

@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from shiftlm.serve.scheduler import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from shiftlm.serve.sequence import Sequence
+from shiftlm.serve.engine.sequence import Sequence
 
 ROOT = b""  # the parent hash of a sequence's first block without a cache salt
 

@@ -29,26 +29,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from shiftlm.serve.async_engine import (
+from shiftlm.serve.engine.async_engine import AsyncEngine
+from shiftlm.serve.engine.errors import EngineError
+from shiftlm.serve.engine.text import Tokenizer
+from shiftlm.serve.http.middleware import GuardMiddleware
+from shiftlm.serve.http.protocol import (
     RETRY_AFTER_BUSY,
     RETRY_AFTER_DOWN,
-    AsyncEngine,
-    EngineDead,
-    Overloaded,
-    StepFailed,
-)
-from shiftlm.serve.middleware import GuardMiddleware
-from shiftlm.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     api_error,
 )
-from shiftlm.serve.responses import Choices, finished_unless_gone, merged, render_response, render_stream
-from shiftlm.serve.sequence import InvalidRequest
-from shiftlm.serve.streams_api import add_stream_routes
-from shiftlm.serve.text import Tokenizer
+from shiftlm.serve.http.responses import Choices, finished_unless_gone, merged, render_response, render_stream
+from shiftlm.serve.http.streams_api import add_stream_routes
 
 log = logging.getLogger("shiftlm.serve")
 
@@ -132,7 +127,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        from shiftlm.serve.metrics import render_engine_metrics
+        from shiftlm.serve.engine.metrics import render_engine_metrics
 
         return PlainTextResponse(render_engine_metrics(engine), media_type="text/plain; version=0.0.4")
 
@@ -140,7 +135,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         """A 429 (or 503) before tokenizing: refusals stay fast while a burst queues on the tokenizer."""
         try:
             engine.refuse_if_full(prompts)
-        except (InvalidRequest, Overloaded, EngineDead) as err:
+        except EngineError as err:
             raise api_error(err) from None
 
     def check_size(size: int, param: str) -> None:
@@ -177,7 +172,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         try:
             params = body.sampling_params(default_tokens, logprobs, prompt_logprobs, engine.vocab_size)
             return params, engine.submit(prompts, params)
-        except (InvalidRequest, Overloaded, EngineDead) as err:
+        except EngineError as err:
             raise api_error(err) from None
 
     async def run(request: Request, body: SamplingFields, streams, choices: Choices):
@@ -277,7 +272,5 @@ async def _consume(outputs, choices: Choices) -> None:
     try:
         async for prompt_index, out in outputs:
             choices.add(prompt_index, out, render=False)
-    except StepFailed as err:
-        raise ApiError(500, str(err)) from None
-    except EngineDead as err:
-        raise ApiError(503, str(err), retry_after=RETRY_AFTER_DOWN) from None
+    except EngineError as err:
+        raise api_error(err) from None

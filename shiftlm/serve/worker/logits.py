@@ -22,8 +22,8 @@ import torch.distributed as dist
 from shiftlm.comm import shm
 from shiftlm.comm.wait import run_blocking
 from shiftlm.mesh import Coords, Mesh, coords_of
-from shiftlm.serve.paged_attention import FlatBatch
-from shiftlm.serve.scheduler import Mode
+from shiftlm.serve.plan import Mode
+from shiftlm.serve.worker.paged_attention import FlatBatch
 
 
 @dataclass(frozen=True)

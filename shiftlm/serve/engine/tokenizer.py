@@ -23,7 +23,7 @@ def load_tokenizer(model_dir: str | Path):
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(
             f"no usable tokenizer in {model_dir} ({type(err).__name__}); add tokenizer files "
-            "(tokenizer.json / tokenizer_config.json) or write one with shiftlm.serve.tokenizer.write_char_tokenizer"
+            "(tokenizer.json / tokenizer_config.json) or write one with shiftlm.serve.engine.tokenizer.write_char_tokenizer"
         ) from None
 
 

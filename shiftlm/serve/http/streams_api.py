@@ -1,5 +1,5 @@
 """`POST /v1/streams`: one prompt, K streams generated in parallel over one shared KV cache
-(serve/streams.py), as JSON or as Server-Sent Events whose every event names its stream.
+(serve/engine/streams.py), as JSON or as Server-Sent Events whose every event names its stream.
 
     {"model": "m", "prompt": "text" | [ids], "layout": "isolated" | "timestep" | "hogwild",
      "streams": [{"prefix": "text" | [ids], "max_tokens": 8, "stop": ["."], "temperature": 0, "seed": 1}],
@@ -21,11 +21,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from shiftlm.serve.async_engine import EngineDead, Overloaded, StepFailed
-from shiftlm.serve.protocol import ApiError, SamplingFields, api_error, new_id, now, usage
-from shiftlm.serve.responses import finished_unless_gone
-from shiftlm.serve.sampling import SEED_MODULUS
-from shiftlm.serve.sequence import InvalidRequest
+from shiftlm.serve.engine.errors import EngineError, InvalidRequest
+from shiftlm.serve.engine.sampling import SEED_MODULUS
+from shiftlm.serve.http.protocol import ApiError, SamplingFields, api_error, new_id, now, usage
+from shiftlm.serve.http.responses import finished_unless_gone
 
 
 class StreamSpec(BaseModel):
@@ -86,7 +85,7 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
             )
         try:
             engine.refuse_if_full(1)  # before tokenizing: refusals stay fast under a burst
-        except (InvalidRequest, Overloaded, EngineDead) as err:
+        except EngineError as err:
             raise api_error(err) from None
         prompt = await ids(body.prompt, "prompt", True)
         prefixes = [
@@ -95,7 +94,7 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
         try:
             params = body.stream_params(default_max_tokens, engine.vocab_size)
             outputs = engine.submit_streams(prompt, prefixes, params, body.layout)
-        except (InvalidRequest, Overloaded, EngineDead) as err:
+        except EngineError as err:
             raise api_error(err) from None
         result = StreamsResult(body, prompt, prefixes)
         if body.stream:
@@ -130,10 +129,8 @@ class StreamsResult:
         try:
             async for out in outputs:
                 self.add(out)
-        except StepFailed as err:
-            raise ApiError(500, str(err)) from None
-        except EngineDead as err:
-            raise ApiError(503, str(err)) from None
+        except EngineError as err:
+            raise api_error(err) from None
 
     def _head(self, kind: str) -> dict:
         return {
@@ -160,6 +157,6 @@ class StreamsResult:
             async for out in outputs:
                 yield f"data: {json.dumps({**self._head('streams.chunk'), 'streams': [self.add(out)]})}\n\n"
             yield f"data: {json.dumps({**self._head('streams.chunk'), 'streams': [], 'usage': self._usage()})}\n\n"
-        except (StepFailed, EngineDead) as err:
+        except EngineError as err:
             yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
         yield "data: [DONE]\n\n"

@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 
 from shiftlm.model.stream_mask import PROMPT, stream_visibility
-from shiftlm.serve.paged_attention import AttentionGroup
-from shiftlm.serve.stream_attention import QueryRotation
+from shiftlm.serve.worker.paged_attention import AttentionGroup
+from shiftlm.serve.worker.stream_attention import QueryRotation
 
 
 def tag_tokens(

@@ -56,18 +56,20 @@ class RankMonitor:
     def __init__(
         self,
         workers: list[tuple[int, object, object]],
-        step_running_for: Callable[[], float],
-        on_failure: Callable[[str], None],
         rank_timeout: float = 10.0,
         step_timeout: float = 60.0,
         interval: float = 0.5,
     ):
-        self.workers, self.step_running_for, self.on_failure = workers, step_running_for, on_failure
+        self.workers = workers
         self.rank_timeout, self.step_timeout, self.interval = rank_timeout, step_timeout, interval
+        self.step_running_for: Callable[[], float] = lambda: 0.0
+        self.on_failure: Callable[[str], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shiftlm-rank-monitor", daemon=True)
 
-    def start(self) -> RankMonitor:
+    def start(self, step_running_for: Callable[[], float], on_failure: Callable[[str], None]) -> RankMonitor:
+        """Watch the engine's steps too, and call `on_failure(reason)` once on the first failure."""
+        self.step_running_for, self.on_failure = step_running_for, on_failure
         self._thread.start()
         return self
 

@@ -1,0 +1,314 @@
+"""The engine step: schedule, run the model (through any `plan.Runner`), sample, detokenize, finish.
+
+    engine = Engine(runner, SchedulerConfig(num_blocks=64), tokenizer, eos_token_ids={2}, vocab_size=32000)
+    engine.add_request("r0", prompt_ids, SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_work():
+        for output in engine.step(): ...
+
+Every request is a `requests.Request`: one sequence (`SingleRequest`), or a stream group
+(`StreamRequest`): the streams of /v1/streams, and OpenAI's n > 1 as n `isolated` streams holding
+the prompt once. A step asks each sampled request for its rows, draws them in one sampler call and
+hands each request its tokens; a request whose rows fail to build, sample or detokenize fails alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TextIO
+
+import torch
+
+from shiftlm.serve.engine.errors import InvalidRequest, PromptTooLong, StepError
+from shiftlm.serve.engine.metrics import ServingMetrics
+from shiftlm.serve.engine.requests import Request, RequestContext, RequestOutput, SingleRequest, StreamRequest
+from shiftlm.serve.engine.sampling import SEED_MODULUS, SampleRow, sample_rows
+from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig
+from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.engine.streams import check_streams, layout_code, max_step_cost
+from shiftlm.serve.plan import Runner, StepPlan
+
+__all__ = ["Engine", "EngineStats", "RequestOutput"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine reports about itself (the /metrics gauges and counters, the stats line)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    mode_switches: int
+    preemptions: int
+    prefix_cache_hit_tokens: int
+    steps_per_mode: dict[str, int]
+    prompt_tokens: int
+    generation_tokens: int
+    failed_steps: int = 0  # steps that raised (counted by `AsyncEngine`, which catches them)
+
+
+class Engine:
+    """Synchronous engine; `AsyncEngine` runs it in a thread behind the HTTP server."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        config: SchedulerConfig,
+        tokenizer,
+        eos_token_ids: set[int],
+        vocab_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        step_log: TextIO | None = None,
+        sliding_window: int | None = None,
+    ):
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self.vocab_size = vocab_size
+        self.sliding_window = sliding_window  # the model's (stream groups need none)
+        self.clock = clock
+        self.metrics = ServingMetrics()
+        # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
+        self.step_log = step_log
+        self._ctx = RequestContext(
+            self.scheduler, self.metrics, tokenizer, eos_token_ids, config.max_model_len, clock
+        )
+        self._requests: dict[str, Request] = {}
+        self._failed: list[tuple[str, str]] = []  # requests failed alone in a step (`take_failed`)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        prompt, generation = self.metrics.token_counts()
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_cache_usage=scheduler.blocks.allocator.usage,
+            mode_switches=scheduler.stats.mode_switches,
+            preemptions=scheduler.stats.preemptions,
+            prefix_cache_hit_tokens=scheduler.blocks.prefix_hits,
+            steps_per_mode=dict(scheduler.stats.steps_per_mode),
+            prompt_tokens=prompt,
+            generation_tokens=generation,
+        )
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest (or PromptTooLong) for a request this engine cannot run; no side effects.
+        The one validation of a request: `add_request` runs it, `AsyncEngine.submit` runs it once per
+        prompt before anything is queued."""
+        params.validate()
+        for token_id, _ in params.logit_bias:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias token {token_id} is not in [0, {self.vocab_size})", "logit_bias"
+                )
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
+        if not all(0 <= token < self.vocab_size for token in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
+                "(including at least one generated token); shorten the prompt",
+                "prompt",
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:  # vLLM's 400, never a silent clip
+            raise PromptTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} in max_tokens); lower max_tokens or shorten the prompt",
+                "max_tokens",
+            )
+        if params.top_k > self.vocab_size:
+            raise InvalidRequest(f"top_k must be in [0, {self.vocab_size}] (the vocabulary)", "top_k")
+
+    def check_streams(self, prompt_ids, prefixes, params: list[SamplingParams], layout: str) -> None:
+        """Raise InvalidRequest for a stream group this engine cannot run; no side effects
+        (`streams.check_streams`), as `check_request` is a request's."""
+        check_streams(self, prompt_ids, prefixes, params, layout)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(prompt_ids, params)
+        self.enqueue(request_id, prompt_ids, params)
+
+    def enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request that `check_request` has passed; n > 1 samples: n isolated streams, sample
+        i drawing with seed + i."""
+        if params.n == 1:
+            self._admit(SingleRequest.create(self._ctx, request_id, prompt_ids, params), len(prompt_ids))
+            return
+        seeds = [None if params.seed is None else (params.seed + i) % SEED_MODULUS for i in range(params.n)]
+        samples = [replace(params, n=1, seed=seed, prompt_logprobs=None) for seed in seeds]
+        echo = params if params.prompt_logprobs is not None else None
+        self._enqueue_group(request_id, prompt_ids, [[] for _ in samples], samples, "isolated", echo)
+
+    def add_streams(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        prefixes: list[list[int]],
+        params: list[SamplingParams],
+        layout: str = "timestep",
+    ) -> None:
+        """A group of len(prefixes) streams over one prompt; outputs carry the stream as `index`
+        (engine/streams.py)."""
+        self.check_streams(prompt_ids, prefixes, params, layout)
+        self.enqueue_streams(request_id, prompt_ids, prefixes, params, layout)
+
+    def enqueue_streams(self, request_id: str, prompt_ids, prefixes, params, layout: str) -> None:
+        """Queue a stream group that `check_streams` has passed."""
+        self._enqueue_group(request_id, prompt_ids, prefixes, params, layout)
+
+    def _enqueue_group(self, request_id, prompt_ids, prefixes, params, layout: str, echo=None) -> None:
+        limit = max_step_cost(self.scheduler.config)
+        request = StreamRequest.create(
+            self._ctx, request_id, prompt_ids, prefixes, params, layout_code(layout), limit, echo
+        )
+        self._admit(request, len(prompt_ids) + sum(len(x) for x in prefixes))
+
+    def _admit(self, request: Request, prompt_tokens: int) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequest(f"request id {request.request_id!r} is already in use", "request_id")
+        self._requests[request.request_id] = request
+        self.scheduler.add(request.seq)
+        self.metrics.record_prompt(prompt_tokens)
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            request.abort()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Raises `StepError` (naming the step's requests, the cause chained) when the
+        schedule or the model runner raises; a request whose own rows fail is failed alone."""
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as err:
+            running = [seq.request_id for seq in self.scheduler.running]
+            raise StepError(
+                f"scheduling failed: {type(err).__name__}: {err}", sorted(set(running)), False
+            ) from err
+        if plan is None:
+            return []
+        started = time.perf_counter()
+        try:
+            logits = self.runner.execute(plan)
+        except Exception as err:
+            raise StepError(
+                f"the model runner failed ({type(err).__name__}: {err})", self._request_ids(plan), True
+            ) from err
+        self._record_step(plan, started, time.perf_counter() - started)
+        try:
+            return self._sample_step(plan, logits)
+        except Exception as err:
+            raise StepError(f"{type(err).__name__}: {err}", self._request_ids(plan), False) from err
+
+    def _request_ids(self, plan: StepPlan) -> list[str]:
+        seqs = [self.scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
+        return sorted({seq.request_id for seq in seqs if seq is not None})
+
+    def _sample_step(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+        sample_at = self._collect_prompt_logprobs(plan, logits)
+        sampled = self.scheduler.complete_step(plan)
+        failed: dict[str, str] = {}
+        rows: list[SampleRow] = []
+        owners: list[str] = []  # the request of each row
+        drawing: list[tuple[Request, int]] = []  # (request, how many rows it draws)
+        for row, seq in zip(sample_at, sampled):
+            request = self._requests.get(seq.request_id)
+            if request is None:
+                continue
+            try:
+                mine = request.rows(row)
+            except Exception:  # noqa: BLE001 - this request fails alone
+                failed[request.request_id] = traceback.format_exc()
+                continue
+            rows += mine
+            owners += [request.request_id] * len(mine)
+            drawing.append((request, len(mine)))
+        drawn = iter(self._sample(logits, rows, owners, failed))
+        outputs: list[RequestOutput] = []
+        now = self.clock()
+        for request, count in drawing:
+            picks = [next(drawn) for _ in range(count)]
+            if request.request_id in failed:
+                continue
+            try:
+                outputs += request.advance(picks, now)
+            except Exception:  # noqa: BLE001
+                failed[request.request_id] = traceback.format_exc()
+                continue
+            if request.done():
+                self._requests.pop(request.request_id, None)
+        if failed:
+            outputs = [out for out in outputs if out.request_id not in failed]
+            for request_id, trace in failed.items():
+                self._fail_request(request_id, trace)
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[str], failed: dict) -> list:
+        """(token, logprob) per row: one sampler call; if it raises, row by row, so that only the
+        requests whose rows raise fail (recorded in `failed`; their entries are placeholders)."""
+        eos = self._ctx.eos_token_ids
+        try:
+            result = sample_rows(logits, rows, eos)
+            return list(zip(result.tokens, result.logprobs))
+        except Exception:  # noqa: BLE001 - find the row(s) that raise
+            pass
+        picks = []
+        for row, owner in zip(rows, owners):
+            try:
+                one = sample_rows(logits, [row], eos)
+                picks.append((one.tokens[0], one.logprobs[0]))
+            except Exception:  # noqa: BLE001
+                failed.setdefault(owner, traceback.format_exc())
+                picks.append((0, None))
+        return picks
+
+    def _fail_request(self, request_id: str, trace: str) -> None:
+        """Abort one request whose sampling or detokenization raised; `take_failed` hands it over."""
+        try:
+            self.abort(request_id)
+        except Exception:  # noqa: BLE001 - it is failed either way
+            trace += "\n(aborting it also failed)\n" + traceback.format_exc()
+        self._failed.append((request_id, trace))
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """The requests that failed alone since the last call: (request id, traceback)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
+        """Record prompt logprobs of `all_logits` chunks; return the logits row of each sampled chunk."""
+        sample_at, row = [], 0
+        for chunk in plan.chunks:
+            rows = chunk.num_logits_rows
+            if chunk.all_logits:
+                seq = self.scheduler.sequence(chunk.seq_id)
+                request = self._requests.get(seq.request_id) if seq is not None else None
+                if request is not None:
+                    request.record_prompt_logprobs(chunk, logits[row : row + rows])
+            if chunk.sample:
+                sample_at.append(row + rows - 1)
+            row += rows
+        return sample_at
+
+    def _record_step(self, plan: StepPlan, started: float, seconds: float) -> None:
+        self.metrics.record_step(plan.mode.value, plan.num_tokens, seconds)
+        if self.step_log is not None:
+            record = {"step": plan.step, "mode": plan.mode.value, "tokens": plan.num_tokens}
+            # start: time.perf_counter() (the host's monotonic clock, comparable across processes)
+            # decodes: the one-token chunks (decode rows); the other chunks are prompt chunks
+            decodes = sum(len(chunk.token_ids) == 1 for chunk in plan.chunks)
+            record.update(
+                seqs=len(plan.chunks), decodes=decodes, start=round(started, 6), seconds=round(seconds, 6)
+            )
+            self.step_log.write(json.dumps(record) + "\n")

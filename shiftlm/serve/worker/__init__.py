@@ -1,0 +1,7 @@
+"""What every serving rank runs: `runner.ModelRunner` executes each `plan.StepPlan` (rank 0 calls
+it, the others follow in `serve_steps`), over `shift_model` (one set of weights, TP and SP x TP
+modes), `paged_attention` and its backends, `plan_codec` (the plan as tensors) and `logits`;
+`ranks` watches the other ranks; `start` starts and loads a rank."""
+
+__all__ = ["runner", "shift_model", "paged_attention", "stream_attention", "stream_plan", "plan_codec",
+           "logits", "compiled_step", "shift_probe", "ranks", "start"]  # fmt: skip
