@@ -1,4 +1,4 @@
-"""The CPU kernels' fused RMSNorm and SwiGLU (model/csrc/cpu_kernels.cpp) vs PyTorch's ops, in one process.
+"""The CPU kernels' fused RMSNorm and SwiGLU (kernels/csrc/cpu_kernels.cpp) vs PyTorch's ops, in one process.
 
     python bench/fused_ops_ab.py                 # 32 rows (a decode step's width) and 4 x 128 rows
     python bench/fused_ops_ab.py --rounds 30 --json

@@ -175,7 +175,7 @@ def _verify(args: list[str]) -> dict:
 
 
 def phase_verify(out: Path) -> dict:
-    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     work = work_dir()
     runs = []

@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.worker.runner import ModelRunner
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint(Path(tmp) / "model", "llama-gqa")

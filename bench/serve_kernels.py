@@ -66,7 +66,7 @@ def _allreduce_us() -> dict:
 
     from shiftlm.comm import shm
     from shiftlm.comm.group import CommGroup
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.sched_setaffinity(0, {rank % os.cpu_count()})
@@ -200,7 +200,7 @@ def _gemm_peak() -> dict:
 def _decode_attention_ms() -> dict:
     """The decode kernel of one layer, 32 sequences x 160 keys in scattered blocks (the bench model's
     heads): cache hot (repeated) and cold (128 MB written between calls, as a step's GEMM weights do)."""
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -227,7 +227,7 @@ def _decode_attention_ms() -> dict:
 
 
 def _rope_us() -> dict:
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
     from shiftlm.model.inference_linear import PackedWeights
     from shiftlm.model.rope import apply_rope_qk, rope_cos_sin
 
@@ -253,7 +253,7 @@ def _rope_us() -> dict:
 def _prefill_attention_ms() -> dict:
     import torch.nn.functional as F
 
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     kernels = cpu_kernels.load()
     out = {}

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import httpx
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import local_server
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny"

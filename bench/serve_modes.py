@@ -29,12 +29,12 @@ from pathlib import Path
 
 from shiftlm.data import trace_path
 from shiftlm.launch import LocalWorkers
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import local_server
 from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.replay import bench_url, steps_so_far
 from shiftlm.serve.trace import load_trace, scale_trace
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = trace_path("azure_code")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import local_server
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 
 def one_run(model_dir: Path, fault: str, rank_timeout: float) -> dict:

@@ -41,12 +41,12 @@ from pathlib import Path
 from serve_modes import TRACE, step_table  # bench/ is on sys.path
 
 from shiftlm.hardware import DEFAULT_PROFILE, load_profile
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.trace import load_trace, scale_trace
 from shiftlm.sim.serve_calibrate import EngineProfile, engine_setup, profile_engine
 from shiftlm.sim.serve_runner import ServeLayout
 from shiftlm.sim.serve_sim import EngineLimits, simulate_serving
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
 SERVE_ARGS = ["--num-blocks", "512", "--block-size", "16"]  # as bench/serve_modes.py starts its servers

@@ -45,7 +45,7 @@ COMMANDS = {
     "train": Command("shiftlm.train.cli", "train on any dp x pp x sp x tp layout and pipeline schedule"),
     "export": Command("shiftlm.train.cli", "write a training checkpoint as a Hugging Face model dir"),
     "verify": Command(
-        "shiftlm.model.verify", "check that TP x SP layouts compute what transformers computes"
+        "shiftlm.tools.verify", "check that TP x SP layouts compute what transformers computes"
     ),
     "serve": Command("shiftlm.serve.cli", "OpenAI-compatible server with Shift Parallelism"),
     "bench": Command("shiftlm.serve.cli", "replay a request trace against a server or an in-process engine"),

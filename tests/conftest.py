@@ -19,7 +19,7 @@ def pytest_sessionstart(session):
     """Build the CPU paged-attention kernel once, before any test: on a fresh machine the first build
     takes ~25 s, which must not land inside a multi-rank test's or a server's start-up timeout (every
     process after this one loads it from the cache)."""
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     cpu_kernels.load()
 

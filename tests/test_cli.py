@@ -84,7 +84,7 @@ def test_a_config_json_that_is_not_json_is_a_checkpoint_error(capsys, tmp_path):
 
 
 def test_a_truncated_safetensors_is_a_checkpoint_error(capsys, tmp_path):
-    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tmp_path / "model", "llama")
     weights = model / "model.safetensors"

@@ -118,7 +118,7 @@ def serve_under_guard(model_dir: str, tp: int, sp: int, guarded: bool = True) ->
 
 
 def test_device_placement_serving_step_allocates_nothing_off_the_mesh_device(ranks, tmp_path):
-    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = str(make_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa"))
     guarded = ranks.run(4, serve_under_guard, model_dir, 2, 2)[0]
@@ -163,7 +163,7 @@ def engine_under_guard(model_dir: str, guarded: bool = True) -> dict | None:
 
 
 def test_device_placement_engine_loop_allocates_nothing_off_the_mesh_device(ranks, tmp_path):
-    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = str(make_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa"))
     guarded = ranks.run(4, engine_under_guard, model_dir)[0]

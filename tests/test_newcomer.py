@@ -62,7 +62,7 @@ def test_a_stale_build_lock_is_removed_instead_of_waited_on_forever(tmp_path):
     CI run). A compiler that fails at once keeps this quick."""
     code = (
         "import os, time; from pathlib import Path; from torch.utils import cpp_extension; "
-        "from shiftlm.model import cpu_kernels; "
+        "from shiftlm.kernels import cpu as cpu_kernels; "
         "where = Path(cpp_extension._get_build_directory(cpu_kernels._name(), False)); "
         "lock = where / 'lock'; lock.touch(); old = time.time() - cpu_kernels.STALE_LOCK_S - 60; "
         "os.utime(lock, (old, old)); print(cpu_kernels.load()); print(lock.exists())"

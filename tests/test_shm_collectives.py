@@ -13,7 +13,7 @@ import torch
 
 from shiftlm.comm.group import CommGroup
 
-kernels = pytest.importorskip("shiftlm.model.cpu_kernels")
+kernels = pytest.importorskip("shiftlm.kernels.cpu")
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the CPU kernels do not build here")
 
 
@@ -144,7 +144,7 @@ def _serving_step(model_dir: str, layout: tuple[int, int], shm_on: bool):
 def test_a_serving_runner_steps_through_shm_with_gloos_results(ranks, tmp_path, layout):
     """The serving runner of a 2-rank layout enables the channel, every collective of a step in both
     modes goes through it (gloo's raise), and rank 0's logits equal the gloo runner's bit for bit."""
-    from shiftlm.model.tiny import make_tiny_checkpoint
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = str(make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa"))
     with_shm = ranks.run(2, _serving_step, model_dir, layout, True)[0]

@@ -14,7 +14,7 @@ import torch
 
 from shiftlm.comm.group import CommGroup
 
-kernels = pytest.importorskip("shiftlm.model.cpu_kernels")
+kernels = pytest.importorskip("shiftlm.kernels.cpu")
 needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the CPU kernels do not build here")
 
 

@@ -7,7 +7,7 @@ inside a serving step, and a 2-rank decode step was 22 ms of wall time for 4 ms 
 partials through shared memory instead; this is the same idea: a `ShmChannel` maps one segment in
 /dev/shm on every rank of a group (all on one host), each rank writes its data into its own slot,
 publishes a generation number and waits, spinning briefly, then yielding the core, then sleeping on
-a futex the publisher wakes, for every rank's (model/csrc/shm_exchange.cpp). The sum runs in rank order on every rank, so all
+a futex the publisher wakes, for every rank's (kernels/csrc/shm_exchange.cpp). The sum runs in rank order on every rank, so all
 ranks get the same bits (and, for 2 ranks, gloo's).
 
 `enable(group, kernels)` (collective over the group) makes a channel where every rank of the group is

@@ -10,7 +10,7 @@ not sockets; this module does the same for CPU ranks, as `comm/shm.py` does for 
 
 A `P2PChannel` maps one segment in /dev/shm on every rank of a group: a 64-byte doorbell per rank,
 then a single-producer, single-consumer byte ring per ordered pair of ranks
-(`model/csrc/shm_exchange.cpp`: `ring_put` / `ring_get` move what fits now and ring the other side's
+(`kernels/csrc/shm_exchange.cpp`: `ring_put` / `ring_get` move what fits now and ring the other side's
 doorbell; `doorbell_wait` spins, yields, then sleeps on the doorbell's futex). A message is a 16-byte
 header (tag, byte count) and its bytes. Matching is by posting order, as NCCL's: the k-th receive a
 rank posts for a peer takes the k-th message that peer sent it, and a header that does not match

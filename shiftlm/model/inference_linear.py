@@ -49,7 +49,7 @@ class PackedWeights:
 
     def __init__(self, ops=None, gemv_rows: int = GEMV_ROWS) -> None:
         self._copies: dict[tuple, torch.Tensor] = {}
-        # the CPU kernels (model/cpu_kernels.py) the forward inside `active()` may use for its fused
+        # the CPU kernels (kernels/cpu.py) the forward inside `active()` may use for its fused
         # RMSNorm and SwiGLU; None: PyTorch's ops
         self.ops = ops
         # inputs of at most this many rows run MKL's `F.linear` on the weights as they are (0: none);

@@ -331,7 +331,7 @@ def shared_memory_p2p(group: CommGroup, device, wanted: bool | None):
     if wanted is None and not (on_cpu and dist.get_backend(group.pg) == "gloo"):
         return None
     from shiftlm.comm import shm_p2p
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     made = shm_p2p.enable(group, cpu_kernels.load())
     if made is None and wanted:

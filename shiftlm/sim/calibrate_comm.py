@@ -61,7 +61,7 @@ def time_shm_all_reduce(sizes: list[int], repeats: int = 50) -> list[float] | No
 
     from shiftlm.comm import shm
     from shiftlm.comm.group import CommGroup
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     ranks = tuple(range(dist.get_world_size()))
     channel = shm.enable(CommGroup("calibrate", ranks, dist.group.WORLD, dist.get_rank()), cpu_kernels.load())

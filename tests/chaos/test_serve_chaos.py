@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import LocalServer, local_server
 from shiftlm.serve.server import EXIT_RANK_FAILURE
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 NAME = "tiny"
 

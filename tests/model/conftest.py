@@ -1,8 +1,8 @@
 import pytest
 import transformers
 
-from shiftlm.model.parity import reference_outputs
-from shiftlm.model.tiny import TINY_FAMILIES, make_tiny_checkpoint
+from shiftlm.tools.parity import reference_outputs
+from shiftlm.tools.tiny import TINY_FAMILIES, make_tiny_checkpoint
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()

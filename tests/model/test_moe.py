@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from shiftlm.comm import counters
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
-from shiftlm.model.parity import layout_outputs, relative_error
-from shiftlm.model.tiny import MOE_FAMILIES
+from shiftlm.tools.parity import layout_outputs, relative_error
+from shiftlm.tools.tiny import MOE_FAMILIES
 
 TOLERANCE = 1e-5
 
@@ -54,7 +54,7 @@ def _merged_grads(outputs):
 
 @pytest.fixture(scope="module")
 def moe_reference(tiny_checkpoints):
-    from shiftlm.model.parity import reference_outputs
+    from shiftlm.tools.parity import reference_outputs
 
     cache = {}
 
@@ -155,7 +155,7 @@ def test_load_balancing_loss_equals_transformers_and_counts(tiny_checkpoints, tm
 
     from shiftlm.mesh import Mesh
     from shiftlm.model import build_model
-    from shiftlm.model.parity import fixed_batch
+    from shiftlm.tools.parity import fixed_batch
 
     checkpoint = tiny_checkpoints["qwen3-moe"]
     config = ModelConfig.from_hf(checkpoint)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shiftlm.model.parity import layout_outputs, relative_error
+from shiftlm.tools.parity import layout_outputs, relative_error
 
 TOLERANCE = 1e-5
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
 from shiftlm.mesh import Mesh
-from shiftlm.model.parity import layout_outputs, reference_outputs, relative_error
 from shiftlm.model.ring_attention import sequence_indices, unzigzag, zigzag_indices
+from shiftlm.tools.parity import layout_outputs, reference_outputs, relative_error
 
 TOLERANCE = 1e-5
 SEQ = 24  # not a power of two; 24 = 2*cp*sp*3 for cp=4, and cp=2 x sp=2

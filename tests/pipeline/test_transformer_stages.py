@@ -17,8 +17,8 @@ import torch
 
 from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.model.loss import IGNORE_INDEX
-from shiftlm.model.parity import fixed_batch, relative_error
-from shiftlm.model.tiny import make_tiny_checkpoint
+from shiftlm.tools.parity import fixed_batch, relative_error
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 PP, LAYERS, MICROBATCHES, BATCH, SEQ_LEN, SEED = 2, 4, 4, 2, 8, 5
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 BLOCK = 4
 PROMPTS = ([5, 17, 33, 2, 9, 100, 7], [44, 3, 8, 19, 201])

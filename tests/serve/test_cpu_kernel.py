@@ -1,4 +1,4 @@
-"""The CPU kernels (model/csrc/cpu_kernels.cpp): paged attention of decode rows straight from the cache
+"""The CPU kernels (kernels/csrc/cpu_kernels.cpp): paged attention of decode rows straight from the cache
 blocks must equal the gather + SDPA path it replaces, the fused RMSNorm and SwiGLU must equal PyTorch's
 ops, and a server must run with or without them."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from shiftlm.config import ConfigError
-from shiftlm.model import cpu_kernels
+from shiftlm.kernels import cpu as cpu_kernels
 from shiftlm.serve.worker.paged_attention import AttentionGroup, FlatBatch, PagedAttention, PagedKVCache
 
 kernel = cpu_kernels.load()
@@ -93,9 +93,9 @@ def test_kernel_path_is_what_a_runner_uses_by_default(tmp_path, monkeypatch):
     """ModelRunner picks the kernel on CPU (auto) and not with sdpa; greedy tokens are the same."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     monkeypatch.delenv("SHIFTLM_ATTENTION_BACKEND", raising=False)
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
@@ -119,8 +119,8 @@ def test_kernel_path_is_what_a_runner_uses_by_default(tmp_path, monkeypatch):
 def test_unknown_attention_backend_is_refused(tmp_path):
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.worker.runner import ModelRunner
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     with pytest.raises(ConfigError, match="attention backend 'flash'"):
@@ -209,8 +209,8 @@ def test_without_a_compiler_serving_falls_back_with_one_warning(tmp_path, monkey
 
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.worker.runner import ModelRunner
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     def no_compiler(**_):
         raise RuntimeError("Error building extension\ncommand 'c++' not found")
@@ -241,9 +241,9 @@ def test_prefill_chunks_by_the_kernel_equal_sdpa(tmp_path, family, block):
     (mistral's 6) and both block sizes: the kernel's logits equal the gather + SDPA path's."""
     from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(tmp_path / family, family)
     runners = {

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shiftlm.mesh import Coords
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.logits import best_of, logits_block, pack_max
 from shiftlm.serve.worker.paged_attention import FlatBatch
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 
 @settings(max_examples=80, deadline=None)

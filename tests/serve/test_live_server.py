@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import LocalServer, local_server
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 MODEL = "tiny"
 

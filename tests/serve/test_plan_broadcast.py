@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
 from shiftlm.serve.worker.plan_codec import encode_plan
 from shiftlm.serve.worker.runner import FIRST_MESSAGE
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 
 def _plans() -> list[StepPlan]:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm.wait import run_blocking, set_spin_wait, spin_wait_seconds
-from shiftlm.model.tiny import make_tiny_checkpoint
-from shiftlm.serve.server import pin_local_rank
+from shiftlm.serve.worker.start import pin_local_rank
+from shiftlm.tools.tiny import make_tiny_checkpoint
 from tests.serve.test_plan_broadcast import _plans, receive_plans_on_ranks
 
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.local_server import ServerStartError, local_server
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 
 def test_a_taken_http_port_is_a_one_line_error_with_exit_code_2(tmp_path):

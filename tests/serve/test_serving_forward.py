@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+from shiftlm.tools.tiny import make_tiny_checkpoint
 
 SEQ_A = [5, 17, 33, 2, 9, 100, 7, 44]
 SEQ_B = [44, 3, 8, 19, 201, 6, 6, 12, 90]

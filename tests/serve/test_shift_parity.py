@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shiftlm.model.tiny import make_tiny_checkpoint
 from shiftlm.serve.engine.core import Engine
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.plan import Mode
+from shiftlm.tools.tiny import make_tiny_checkpoint
 from tests.serve.fakes import LetterTokenizer
 
 PROMPTS = [[5, 17, 33, 2, 9, 100, 7], [44, 3, 8, 19, 201, 6, 6, 12, 90, 11, 3], [240, 1, 77]]

@@ -127,8 +127,8 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
     carries the measured token count (not 'auto'); the server then answers."""
     import httpx
 
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.local_server import local_server
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     write_char_tokenizer(model_dir, vocab_size=250)

@@ -39,8 +39,8 @@ LAYOUT = ServeLayout(dp=1, tp=1, sp=2, threshold=0)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.serve.engine.tokenizer import write_char_tokenizer
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("engine") / "tiny", "llama-gqa")
     write_char_tokenizer(model_dir, vocab_size=250)

@@ -92,7 +92,7 @@ class PagedKVCache:
         # on them; taking the views per call cost as much as the ops)
         self._slots = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
         self._blocks = [tuple(t.view(num_blocks, -1) for t in pair) for pair in self._slots]
-        # the CPU paged-attention kernel (model/cpu_kernels.py) when the runner enabled it: decode rows
+        # the CPU paged-attention kernel (kernels/cpu.py) when the runner enabled it: decode rows
         # then attend straight from the blocks, without `gather`
         self.kernel = None
         # where attention gathers a group's K and V blocks: kept from step to step and grown to the

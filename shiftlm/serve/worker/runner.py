@@ -72,7 +72,7 @@ class ModelRunner:
         # (read by serve/options.py)
         self._local = None
         if mesh.device.type == "cpu" and shm_collectives:
-            from shiftlm.model import cpu_kernels
+            from shiftlm.kernels import cpu as cpu_kernels
 
             kernels = cpu_kernels.load() if group.size > 1 else None
             for each in (group, mesh.tp, mesh.sp):  # the same order on every rank (collective)
@@ -97,7 +97,7 @@ class ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
         (`compiled_step.py`; the server's default, off with `--enforce-eager`).
         `attention_backend` (`--attention-backend`): "auto" attends decode rows with the CPU
-        paged-attention kernel on CPU where it builds (model/cpu_kernels.py), "cpu-kernel" insists on
+        paged-attention kernel on CPU where it builds (kernels/cpu.py), "cpu-kernel" insists on
         it, "sdpa" always gathers blocks for SDPA.
         `gemv_rows`: inputs of up to this many rows run MKL's GEMV rather than oneDNN's packed GEMM
         (and the compiled decode covers those batch sizes); None measures which is faster here
@@ -194,7 +194,7 @@ def _attention_kernel(backend: str, device: torch.device):
         if backend == "cpu-kernel":
             raise ConfigError(f"--attention-backend cpu-kernel runs on CPU only, not on {device}: use auto")
         return None
-    from shiftlm.model import cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
 
     kernel = cpu_kernels.load()
     if kernel is None and backend == "cpu-kernel":

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from shiftlm.model.tiny import TINY_FAMILIES
+from shiftlm.tools.tiny import TINY_FAMILIES
 
 DEFAULT_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]
 
@@ -111,9 +111,9 @@ def run(args) -> int:
     from shiftlm.config import ModelConfig, ParallelConfig
     from shiftlm.launch import LocalWorkers, WorkerError
     from shiftlm.mesh import check_dtype, choose_device, device_name, visible_gpus
-    from shiftlm.model.parity import check_batch, layout_outputs, reference_outputs, relative_error
-    from shiftlm.model.tiny import make_tiny_checkpoint
     from shiftlm.model.weights import check_checkpoint_files
+    from shiftlm.tools.parity import check_batch, layout_outputs, reference_outputs, relative_error
+    from shiftlm.tools.tiny import make_tiny_checkpoint
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
