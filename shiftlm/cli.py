@@ -6,7 +6,7 @@ the module of the command being run is imported, so `shiftlm --help` and `shiftl
 import torch.
 
 Every user error is one line on stderr, `shiftlm COMMAND: error: <what is wrong>: <the fix>`, and an
-exit code from `shiftlm.config.EXIT_CODES` (2 usage/config/layout, 3 checkpoint or model file,
+exit code from `shiftlm.errors.EXIT_CODES` (2 usage/config/layout, 3 checkpoint or model file,
 4 data source, 5 does not fit in memory, 6 run directory conflict, 75 hung/dead rank, 130 Ctrl-C).
 An unrecognised flag gets "did you mean"; anything else that escapes is a bug and keeps its traceback.
 
@@ -131,7 +131,7 @@ def build_parser(command: str | None = None) -> Parser:
     """The parser: the module of `command` registers its real subparsers; the other commands are
     listed by name and description only (so nothing heavy is imported for `shiftlm --help`)."""
     from shiftlm import __version__
-    from shiftlm.config import EXIT_CODES
+    from shiftlm.errors import EXIT_CODES
 
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES.items())
     parser = Parser(
@@ -160,7 +160,7 @@ def build_parser(command: str | None = None) -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one `shiftlm` command; returns its exit code (user errors: one line on stderr)."""
-    from shiftlm.config import ConfigError, error_line
+    from shiftlm.errors import ConfigError, error_line
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command = _command_of(argv)

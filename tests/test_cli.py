@@ -1,5 +1,5 @@
 """Every user error through the real `shiftlm` command: one line on stderr naming the fix, no traceback,
-and the documented exit code (shiftlm.config.EXIT_CODES)."""
+and the documented exit code (shiftlm.errors.EXIT_CODES)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from shiftlm.cli import main
-from shiftlm.config import EXIT_CODES
+from shiftlm.errors import EXIT_CODES
 
 USAGE, CHECKPOINT, DATA = 2, 3, 4
 MICRO = ["--train.seq_len=32", "--train.global_batch=2", "--log.progress=off"]

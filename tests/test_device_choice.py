@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shiftlm.cli import main
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import check_dtype, choose_device
 from shiftlm.serve.options import ServeOptions
 

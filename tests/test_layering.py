@@ -16,30 +16,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "shiftlm"
 
-BASE = {"config", "hardware", "presets", "data", "extras", "kernels"}
+BASE = {"errors", "config", "hardware", "presets", "data", "extras", "kernels"}
 ALLOWED: dict[str, set[str]] = {
     "__init__": set(),
-    "config": set(),
-    "hardware": set(),
-    "data": set(),
-    "extras": set(),
+    "errors": set(),  # the user errors and exit codes: every unit may raise them
+    "config": {"errors"},
+    "hardware": {"errors"},
+    "data": {"errors"},
+    "extras": {"errors"},
     "kernels": set(),  # the C++ sources and their loader: the lowest layer, beside config
-    "presets": {"config"},
-    "comm": {"config", "kernels"},
-    "mesh": {"config", "comm"},
-    "monitor": {"config", "comm", "mesh"},
-    "launch": {"config", "comm", "mesh", "monitor"},
-    "model": {"config", "comm", "mesh", "kernels"},
-    "pipeline": {"config", "comm", "mesh", "model", "kernels"},
+    "presets": {"errors", "config"},
+    "comm": {"errors", "config", "kernels"},
+    "mesh": {"errors", "config", "comm"},
+    "monitor": {"errors", "config", "comm", "mesh"},
+    "launch": {"errors", "config", "comm", "mesh", "monitor"},
+    "model": {"errors", "config", "comm", "mesh", "kernels"},
+    "pipeline": {"errors", "config", "comm", "mesh", "model", "kernels"},
     # verify and parity run layouts on local ranks (`launch.LocalWorkers`) against transformers
-    "tools": {"config", "comm", "mesh", "launch", "model"},
+    "tools": {"errors", "config", "comm", "mesh", "launch", "model"},
     "serve": BASE | {"comm", "mesh", "monitor", "launch", "model"},
     "train": BASE | {"comm", "mesh", "monitor", "launch", "model", "pipeline"},
     # sim/calibrate_comm.py times point-to-point and the shared-memory collectives through comm (with
     # kernels.cpu, their C++ side), as the pipeline executor and the serving runner use them
     "sim": BASE | {"comm", "model", "launch", "pipeline", "serve"},
-    "cli": {"config", "extras"},
-    "__main__": {"cli"},
+    "cli": {"errors", "config", "extras"},
+    "__main__": {"errors", "cli"},
 }
 # Inside serve/: the HTTP front talks to the engine, the engine and the workers meet in the plan; no
 # room imports the launcher's top-level modules (options, server, cli), which join the rooms.

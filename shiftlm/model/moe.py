@@ -39,7 +39,8 @@ from shiftlm.comm import (
     reduce_from_group,
     reduce_scatter_along,
 )
-from shiftlm.config import ConfigError, ModelConfig
+from shiftlm.config import ModelConfig
+from shiftlm.errors import ConfigError
 
 SEQ_DIM = 1
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftlm.comm import SINGLE, CommGroup, copy_to_group, gather_along, reduce_from_group
-from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
 from shiftlm.model.deferred import linear, swiglu

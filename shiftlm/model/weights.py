@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shiftlm.comm import all_gather, all_reduce
-from shiftlm.config import CheckpointError
+from shiftlm.errors import CheckpointError
 from shiftlm.model.sharding import ShardSpec, full_shape, is_expert_param, shard_spec
 from shiftlm.model.transformer import Transformer
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

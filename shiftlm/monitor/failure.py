@@ -22,10 +22,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from shiftlm.errors import EXIT_EXCLUDED, EXIT_TEMPFAIL
+
 EXIT_EXCEPTION = 1
 EXIT_USAGE = 2
-EXIT_TEMPFAIL = 75
-EXIT_EXCLUDED = 76
 
 # kinds, most telling first: the root cause of a failed job is the report of the lowest rank here
 KINDS = ("usage", "exception", "died", "hang", "straggler", "peer")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

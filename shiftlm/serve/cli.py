@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shiftlm.config import ConfigError, error_line
+from shiftlm.errors import ConfigError, error_line
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _fail("give the model directory: shiftlm serve DIR (or --model DIR)")
     try:
         return run_server(ServeOptions.from_args(args))
-    except ConfigError as err:  # exit code by kind: 2 flags, 3 checkpoint (shiftlm.config)
+    except ConfigError as err:  # exit code by kind: 2 flags, 3 checkpoint (shiftlm.errors)
         return _fail(str(err), err.exit_code)
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shiftlm.config import CheckpointError, ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import CheckpointError, ConfigError
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.http.app import ApiOptions
 from shiftlm.serve.plan import MODE_NAMES

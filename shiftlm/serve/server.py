@@ -25,8 +25,8 @@ import sys
 import threading
 import time
 
-from shiftlm.config import ConfigError, ParallelConfig, error_line
-from shiftlm.monitor.failure import EXIT_TEMPFAIL
+from shiftlm.config import ParallelConfig
+from shiftlm.errors import EXIT_INTERRUPTED, EXIT_TEMPFAIL, ConfigError, error_line
 from shiftlm.serve.options import ServeOptions, ServeSetup
 from shiftlm.serve.worker.start import (
     freeze_startup_objects,
@@ -36,7 +36,6 @@ from shiftlm.serve.worker.start import (
 )
 
 EXIT_RANK_FAILURE = EXIT_TEMPFAIL  # 75, as training exits for a dead peer: worth a restart
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
 FAILED_HEALTH_SECONDS = 2.0  # after a rank failure, /health says 503 this long before the exit
 log = logging.getLogger("shiftlm.serve")
 

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FITTED, Efficiency, measured
 
 

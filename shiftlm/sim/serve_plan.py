@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.serve.trace import TraceRequest
 from shiftlm.sim.capabilities import SERVE_DATA_PARALLEL
 from shiftlm.sim.serve_runner import ServeHardware, ServeLayout

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from shiftlm.comm import gather_replicated
-from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.loss import IGNORE_INDEX
 

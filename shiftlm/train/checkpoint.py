@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from shiftlm.config import RunDirError
+from shiftlm.errors import RunDirError
 from shiftlm.model.weights import CheckpointError, open_safetensors
 
 TRAINER_FILE = "trainer.json"

@@ -5,7 +5,7 @@ shiftlm train plan.toml --nproc 4 --train.steps=200 --parallel.dp=2
 torchrun --nproc-per-node 4 -m shiftlm train plan.toml
 shiftlm export --run runs/train --to-hf out/hf       # newest checkpoint -> HF dir
 
-User errors are `shiftlm.config.ConfigError`s (and subclasses); they propagate to `shiftlm.cli.main`,
+User errors are `shiftlm.errors.ConfigError`s (and subclasses); they propagate to `shiftlm.cli.main`,
 which prints them as one line with their exit code. Errors a `--nproc` worker raises come back the same.
 """
 
@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.train.config import TrainConfig
 
 

@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
-from shiftlm.config import LOSS_CHUNK, RECOMPUTE_MODES, ZERO_STAGES, ConfigError, ParallelConfig
+from shiftlm.config import LOSS_CHUNK, RECOMPUTE_MODES, ZERO_STAGES, ParallelConfig
+from shiftlm.errors import ConfigError
 
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE_CHOICES = ("auto", "true", "false")

@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shiftlm.config import ConfigError, ModelConfig
+from shiftlm.config import ModelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.train.config import TrainConfig
 
 AXES = ("dp", "pp", "cp", "sp", "tp")

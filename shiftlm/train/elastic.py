@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.monitor import failure
 from shiftlm.train.config import TrainConfig
 

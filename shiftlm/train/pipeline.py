@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model import Transformer
 from shiftlm.train.config import TrainConfig

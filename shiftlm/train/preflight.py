@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shiftlm.config import ConfigError, DoesNotFitError, ModelConfig
+from shiftlm.config import ModelConfig
+from shiftlm.errors import ConfigError, DoesNotFitError
 from shiftlm.train.config import TrainConfig
 
 GIB = 2**30

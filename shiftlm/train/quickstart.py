@@ -75,7 +75,7 @@ def sample(
 def previous_run(out: Path, steps: int, overwrite: bool) -> int:
     """The step an earlier quickstart in `out` reached (0: none, or --overwrite); a finished one is
     refused rather than deleted."""
-    from shiftlm.config import RunDirError
+    from shiftlm.errors import RunDirError
     from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
 
     latest = None if overwrite else latest_checkpoint(out / "checkpoints")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.pipeline import resolved_chunks
 from shiftlm.train.sources import prepare_shards

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shiftlm.config import DataError
+from shiftlm.errors import DataError
 from shiftlm.train.corpus import cache_dir, corpus_fingerprint, stdlib_corpus
 from shiftlm.train.tokenizer import END_OF_TEXT, read_tokenizer_json
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.model.loss import IGNORE_INDEX
 from shiftlm.model.stream_mask import PROMPT, TIMESTEP, MaskedAttention, interleave, stream_visibility
 from shiftlm.train.sources import DataError

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from shiftlm.config import DataError
+from shiftlm.errors import DataError
 from shiftlm.train.corpus import cache_dir, corpus_fingerprint, stdlib_corpus
 
 END_OF_TEXT = "<|endoftext|>"

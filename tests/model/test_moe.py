@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from shiftlm.comm import counters
-from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.tools.parity import layout_outputs, relative_error
 from shiftlm.tools.tiny import MOE_FAMILIES
 

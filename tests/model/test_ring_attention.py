@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.ring_attention import sequence_indices, unzigzag, zigzag_indices
 from shiftlm.tools.parity import layout_outputs, reference_outputs, relative_error

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shiftlm.config import ConfigError, ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.weights import CheckpointError, gather_full, save_hf_checkpoint

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.kernels import cpu as cpu_kernels
 from shiftlm.serve.worker.paged_attention import AttentionGroup, FlatBatch, PagedAttention, PagedKVCache
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shiftlm.cli import main
-from shiftlm.config import CheckpointError
+from shiftlm.errors import CheckpointError
 from shiftlm.train import checkpoint
 from shiftlm.train.checkpoint import load_rng, rng_tensors, set_rng_tensors
 

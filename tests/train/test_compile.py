@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from shiftlm.config import ConfigError, ModelConfig
+from shiftlm.config import ModelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.model import build_model
 from shiftlm.model.compile import CompiledBlock, compile_blocks, inductor_problem, wants_compile
 from shiftlm.model.deferred import plain_linears

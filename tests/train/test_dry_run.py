@@ -9,7 +9,7 @@ import json
 import pytest
 
 from shiftlm.cli import main
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.train.config import load_config
 from shiftlm.train.dryrun import AXES, scaled_degrees
 

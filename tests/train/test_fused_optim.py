@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.train.config import OptimSection, load_config
 from shiftlm.train.optim import adamw_update
 

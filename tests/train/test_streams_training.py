@@ -8,7 +8,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.train.config import load_config
 from shiftlm.train.trainer import train
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-from shiftlm.config import ConfigError
+from shiftlm.errors import ConfigError
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"

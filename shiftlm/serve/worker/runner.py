@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from shiftlm.comm import shm
 from shiftlm.comm.wait import run_blocking
-from shiftlm.config import ConfigError, ModelConfig
+from shiftlm.config import ModelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block

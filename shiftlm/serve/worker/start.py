@@ -19,7 +19,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from shiftlm.config import ModelConfig, ParallelConfig, error_line
+from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.errors import error_line
 
 # A rank that dies during startup must fail the others within minutes. Waiting for the next plan while
 # the server idles uses the runner's own group, with a timeout of days (runner.PLAN_WAIT_TIMEOUT); a
