@@ -71,6 +71,8 @@ class ModelConfig:
     output_router_logits: bool = False  # transformers adds the load-balancing loss to the loss when set
     qk_norm: bool = False  # qwen3: RMSNorm over each query and key head before RoPE
     name: str = field(default="", compare=False)  # a label for reports (a preset or checkpoint name)
+    # the checkpoint's own `_name_or_path` ("" where config.json has none): vLLM's default served name
+    name_or_path: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -220,6 +222,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             name=raw.get("_name_or_path") or "",
+            name_or_path=raw["_name_or_path"].strip() if isinstance(raw.get("_name_or_path"), str) else "",
             **_moe_fields(model_type, raw),
         )
 

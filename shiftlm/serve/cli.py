@@ -11,6 +11,8 @@ import argparse
 import sys
 
 from shiftlm.errors import ConfigError, error_line
+from shiftlm.serve.plan import MODE_NAMES
+from shiftlm.serve.worker import ATTENTION_BACKENDS
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -55,7 +57,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
     parser.add_argument(
         "--mode",
         default="shift",
-        choices=("tp", "sp_tp", "shift"),
+        choices=MODE_NAMES,
         help="pin full TP or SP x TP, or shift per step (default)",
     )
     parser.add_argument(
@@ -96,7 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
     )
     parser.add_argument(
         "--attention-backend",
-        choices=("auto", "cpu-kernel", "sdpa"),
+        choices=ATTENTION_BACKENDS,
         default="auto",
         help="auto = shiftlm's CPU kernels on CPU where they build (decode attention from the cache blocks, "
         "fused RMSNorm and SwiGLU; first build ~25 s, cached), else PyTorch's ops (gather + SDPA); "

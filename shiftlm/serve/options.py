@@ -25,7 +25,7 @@ from shiftlm.errors import CheckpointError, ConfigError
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.http.app import ApiOptions
 from shiftlm.serve.plan import MODE_NAMES
-from shiftlm.serve.worker.runner import ATTENTION_BACKENDS
+from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.start import RunnerOptions
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -46,7 +46,7 @@ class ServeOptions:
     max_tokens_per_step: int = 256
     max_pending: int = 512
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
-    attention_backend: str = "auto"  # worker.runner.ATTENTION_BACKENDS
+    attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
@@ -179,8 +179,7 @@ class ServeOptions:
             enable_prefix_caching=self.enable_prefix_caching,
         )
         # vLLM's default name: the checkpoint's `_name_or_path` if its config.json has one
-        checkpoint_name = config.name.strip() if isinstance(config.name, str) else ""
-        served_name = self.served_model_name or checkpoint_name or self.model
+        served_name = self.served_model_name or config.name_or_path or self.model
         api = ApiOptions(
             model_name=served_name,
             api_key=self.api_key or env.get(API_KEY_ENV) or None,

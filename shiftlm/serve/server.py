@@ -28,12 +28,7 @@ import time
 from shiftlm.config import ParallelConfig
 from shiftlm.errors import EXIT_INTERRUPTED, EXIT_TEMPFAIL, ConfigError, error_line
 from shiftlm.serve.options import ServeOptions, ServeSetup
-from shiftlm.serve.worker.start import (
-    freeze_startup_objects,
-    init_distributed,
-    load_runner,
-    start_local_ranks,
-)
+from shiftlm.serve.worker.start import freeze_startup_objects, start_ranks, stop_local_ranks
 
 EXIT_RANK_FAILURE = EXIT_TEMPFAIL  # 75, as training exits for a dead peer: worth a restart
 FAILED_HEALTH_SECONDS = 2.0  # after a rank failure, /health says 503 this long before the exit
@@ -90,16 +85,10 @@ def run_server(options: ServeOptions) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     setup = options.resolve()
     http = bind_http(options.host, options.port) if setup.rank == 0 else None
-    workers = []
     try:
-        if setup.under_torchrun:
-            init_distributed(setup.rank, setup.runner)
-        else:
-            workers = start_local_ranks(setup.runner)
-        runner = load_runner(setup.runner)
-    except Exception as err:  # e.g. a rank died during rendezvous: say so in one line, stop the rest
+        runner, workers = start_ranks(setup.runner, setup.rank, setup.under_torchrun)
+    except Exception as err:  # e.g. a rank died during rendezvous: say so in one line (the rest stopped)
         print(error_line("serve", f"failed to start: {err}"), file=sys.stderr, flush=True)
-        _stop([proc for _, proc, _ in workers])
         return 1
     if setup.rank != 0:
         freeze_startup_objects()
@@ -108,7 +97,7 @@ def run_server(options: ServeOptions) -> int:
     with contextlib.ExitStack() as stack:
         step_log = stack.enter_context(open(options.step_log, "w", buffering=1)) if options.step_log else None
         code = _serve_http(runner, setup, http, step_log, workers)
-    _stop([proc for _, proc, _ in workers])
+    stop_local_ranks(workers)
     return code
 
 
@@ -245,10 +234,3 @@ def _hard_exit(workers) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_RANK_FAILURE)
-
-
-def _stop(workers: list) -> None:
-    for proc in workers:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()

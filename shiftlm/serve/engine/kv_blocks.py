@@ -155,17 +155,6 @@ class BlockManager:
             seq.block_hashes.append(hash_value)
             seq.num_hashed_blocks += 1
 
-    def share_prompt(self, parent: Sequence, child: Sequence) -> None:
-        """n > 1: the child reuses the parent's full prompt blocks and recomputes only the partial tail."""
-        full_blocks = len(parent.prompt_ids) // self.block_size
-        full_blocks = min(full_blocks, (child.num_tokens - 1) // self.block_size)
-        for block in parent.block_ids[:full_blocks]:
-            self.allocator.share(block)
-        child.block_ids = parent.block_ids[:full_blocks]
-        child.block_hashes = parent.block_hashes[:full_blocks]
-        child.num_hashed_blocks = min(full_blocks, parent.num_hashed_blocks)
-        child.num_computed = full_blocks * self.block_size
-
     def release(self, seq: Sequence) -> None:
         """Free the blocks of a finished or preempted sequence (cached ones stay findable)."""
         for block in reversed(seq.block_ids):  # the tail is freed first, so it is evicted first

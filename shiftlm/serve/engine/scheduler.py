@@ -97,14 +97,6 @@ class Scheduler:
         self._by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start sample `child` of parent's request, sharing the parent's full prompt blocks."""
-        self.blocks.share_prompt(parent, child)
-        child.status = SequenceStatus.RUNNING
-        self._take_row(child)
-        self._by_id[child.seq_id] = child
-        self.running.append(child)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

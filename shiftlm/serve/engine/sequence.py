@@ -134,7 +134,6 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float = 0.0
-    sample_index: int = 0  # which of the request's n samples this is
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -199,14 +198,3 @@ class Sequence:
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
-
-    def fork(self, sample_index: int, first_token: int) -> Sequence:
-        """A sibling sample that starts from this sequence's prompt (blocks are shared by the caller)."""
-        return Sequence(
-            request_id=self.request_id,
-            prompt_ids=self.prompt_ids,
-            params=self.params,
-            arrival_time=self.arrival_time,
-            sample_index=sample_index,
-            output_ids=[first_token],
-        )

@@ -3,5 +3,9 @@ it, the others follow in `serve_steps`), over `shift_model` (one set of weights,
 modes), `paged_attention` and its backends, `plan_codec` (the plan as tensors) and `logits`;
 `ranks` watches the other ranks; `start` starts and loads a rank."""
 
-__all__ = ["runner", "shift_model", "paged_attention", "stream_attention", "stream_plan", "plan_codec",
+# --attention-backend: "auto" (the CPU kernel on CPU where it builds, else gather + SDPA), "cpu-kernel"
+# (insist on it), "sdpa" (always gather blocks for SDPA); worker/runner.py chooses the kernel
+ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa")
+
+__all__ = ["ATTENTION_BACKENDS", "runner", "shift_model", "paged_attention", "stream_attention", "stream_plan", "plan_codec",
            "logits", "compiled_step", "shift_probe", "ranks", "start"]  # fmt: skip

@@ -29,6 +29,7 @@ from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
 from shiftlm.serve.plan import StepPlan
+from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.logits import gather_logits
 from shiftlm.serve.worker.paged_attention import PagedKVCache
 from shiftlm.serve.worker.plan_codec import (
@@ -184,9 +185,6 @@ class ModelRunner:
             return mine
         vocab = self.model_config.vocab_size
         return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp, vocab)
-
-
-ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa")
 
 
 def _attention_kernel(backend: str, device: torch.device):

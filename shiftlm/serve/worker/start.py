@@ -83,11 +83,11 @@ def init_distributed(rank: int, options: RunnerOptions, store=None) -> None:
     if options.device == "cuda":
         torch.cuda.set_device(local_rank)
     else:
+        if options.cpu_bind == "auto":
+            pin_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         # Rank 0 also runs the HTTP thread: a poll there holds the GIL between yields and starved
         # uvicorn (32 concurrent streams: TTFT 0.6 -> 5 s), so only the ranks without one poll.
         set_spin_wait(options.spin_wait if rank != 0 else 0.0)
-        if options.cpu_bind == "auto":
-            pin_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     torch.set_num_threads(1)
     if world_size > 1:
         dist.init_process_group(
@@ -185,6 +185,30 @@ def worker_main(rank: int, store_port: int, options: RunnerOptions, clock, paren
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def start_ranks(options: RunnerOptions, rank: int, under_torchrun: bool):
+    """Join (under torchrun) or start (ranks 1..P-1 as local processes) the serving ranks and load this
+    rank's runner: (runner, [(rank, process, heartbeat)] of the local workers). On a failure the
+    workers started are stopped and the error is raised."""
+    workers = []
+    try:
+        if under_torchrun:
+            init_distributed(rank, options)
+        else:
+            workers = start_local_ranks(options)
+        return load_runner(options), workers
+    except BaseException:
+        stop_local_ranks(workers)
+        raise
+
+
+def stop_local_ranks(workers: list, timeout: float = 10.0) -> None:
+    """Wait for the local workers to leave (rank 0 sent them the stop message), killing stragglers."""
+    for _, proc, _ in workers:
+        proc.join(timeout=timeout)
+        if proc.is_alive():
+            proc.kill()
 
 
 def start_local_ranks(options: RunnerOptions) -> list[tuple[int, object, object]]:
