@@ -1,6 +1,19 @@
-"""shiftlm: one LLM across many devices, for training and serving."""
+"""shiftlm: one LLM across many devices, for training and serving.
+
+from shiftlm import LLM, SamplingParams   # the offline batch API (serve/llm.py), as vLLM's
+"""
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "config", "hardware", "presets", "comm", "mesh", "monitor", "launch", "model",
-           "pipeline", "serve", "train", "sim", "data"]  # fmt: skip
+__all__ = ["__version__", "LLM", "SamplingParams", "errors", "config", "hardware", "presets", "kernels",
+           "comm", "mesh", "monitor", "launch", "model", "pipeline", "tools", "serve", "train", "sim",
+           "data"]  # fmt: skip
+
+
+def __getattr__(name: str):
+    """`LLM` and `SamplingParams` on first use: `import shiftlm` stays free of torch."""
+    if name in ("LLM", "SamplingParams"):
+        from shiftlm.serve import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'shiftlm' has no attribute {name!r}")

@@ -9,6 +9,7 @@
 - `plan`: the step plan (`Mode`, `ScheduledChunk`, `StepPlan`) and the `Runner` interface.
 
 `options` resolves the flags once into a `ServeSetup`; `server` starts the ranks and joins the rooms;
+`llm` is the offline batch API (`shiftlm.LLM`) over the same engine;
 `cli` is `shiftlm serve`; `trace`, `replay` and `local_server` are the load generator's."""
 
-__all__ = ["http", "engine", "worker", "plan", "options", "server", "trace", "replay", "local_server"]
+__all__ = ["http", "engine", "worker", "plan", "options", "server", "llm", "trace", "replay", "local_server"]
