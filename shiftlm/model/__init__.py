@@ -22,12 +22,18 @@ def build_model(
     """This rank's part of the model: its pipeline stage (by default from the mesh) and TP shard.
 
     Weights come from a HF checkpoint directory, or from a seeded init that is the same in every layout.
+    The parameters are made in `dtype` (not in fp32 and then cast: half the weight memory at load).
     """
     from shiftlm.model.weights import init_weights, load_hf_checkpoint
 
     if layers is None and mesh is not None:
         layers = stage_layers(config.num_layers, mesh.config.pp, mesh.coords.pp)
-    model = Transformer(config, mesh, layers)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else default)
+    try:
+        model = Transformer(config, mesh, layers)
+    finally:
+        torch.set_default_dtype(default)
     if checkpoint is not None:
         load_hf_checkpoint(model, checkpoint)
     else:

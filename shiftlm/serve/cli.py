@@ -67,7 +67,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         help="full TP when a step schedules at most this many tokens, else SP x TP; auto: measured at "
         "startup on the model (the largest step size where full TP is still faster, ~1-3 s)",
     )
-    parser.add_argument("--num-blocks", type=int, default=256, help="KV-cache blocks per rank")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks per rank (default: 256 on the CPU; on a GPU, what --gpu-memory-utilization leaves)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of each GPU's memory for the weights, a step's activations and the KV cache",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
     parser.add_argument(

@@ -40,7 +40,8 @@ class ServeOptions:
     sp: int = 1
     mode: str = "shift"  # plan.MODE_NAMES
     shift_threshold: int | str = "auto"  # auto: measured at startup (serve/worker/shift_probe.py)
-    num_blocks: int = 256
+    num_blocks: int | None = None  # None: 256 on the CPU; on a GPU what --gpu-memory-utilization leaves
+    gpu_memory_utilization: float = 0.9  # of each GPU's memory, for weights, activations and KV cache
     block_size: int = 16
     max_num_seqs: int = 64
     max_tokens_per_step: int = 256
@@ -128,13 +129,7 @@ class ServeOptions:
         device, backend = self.engine_device(under_torchrun)
         dtype = self.torch_dtype(device.type)
         check_dtype(device, getattr(torch, dtype))
-        fits = min(config.max_position_embeddings, self.num_blocks * self.block_size)
-        if self.max_model_len is not None and not 1 < self.max_model_len <= fits:
-            raise ConfigError(
-                f"--max-model-len {self.max_model_len} must be in [2, {fits}] (the model's "
-                f"{config.max_position_embeddings} positions and the cache's {self.num_blocks} x "
-                f"{self.block_size} tokens); raise --num-blocks for more"
-            )
+        num_blocks, activations = self._kv_blocks(config, parallel, device, dtype)
         from shiftlm.serve.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.tokenizer or self.model)
@@ -159,24 +154,16 @@ class ServeOptions:
             device=device.type,
             backend=backend,
             dtype=dtype,
-            num_blocks=self.num_blocks,
+            num_blocks=num_blocks,
             block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            activation_bytes=activations,
             compile_decode=not eager or env.get("SHIFTLM_COMPILE_DECODE") == "1",
             attention_backend=self.attention_backend,
             shm_collectives=env.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0",
             seed=self.seed,
             cpu_bind=self.cpu_bind,
             spin_wait=self.spin_wait,
-        )
-        threshold = 64 if self.shift_threshold == "auto" else self.shift_threshold
-        scheduler = SchedulerConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_tokens_per_step=self.max_tokens_per_step,
-            max_model_len=self.max_model_len if self.max_model_len is not None else fits,
-            policy=ShiftPolicy.named(self.mode, threshold),
-            enable_prefix_caching=self.enable_prefix_caching,
         )
         # vLLM's default name: the checkpoint's `_name_or_path` if its config.json has one
         served_name = self.served_model_name or config.name_or_path or self.model
@@ -189,12 +176,12 @@ class ServeOptions:
             body_timeout=self.body_timeout,
         )
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-        return ServeSetup(
+        setup = ServeSetup(
             flags=self,
             model_config=config,
             parallel=parallel,
             runner=runner,
-            scheduler=scheduler,
+            scheduler=None,
             api=api,
             tokenizer=tokenizer,
             eos_token_ids=frozenset(e for e in eos if e is not None),
@@ -202,6 +189,45 @@ class ServeOptions:
             rank=int(env["RANK"]) if under_torchrun else 0,
             under_torchrun=under_torchrun,
         )
+        return setup if num_blocks is None else setup.with_kv_blocks(num_blocks)
+
+    def _kv_blocks(
+        self, config: ModelConfig, parallel: ParallelConfig, device, dtype: str
+    ) -> tuple[int | None, int]:
+        """(--num-blocks, or 256 on the CPU, or None: sized by each GPU rank once its weights are
+        loaded; a step's activation bound). On a GPU the cache it would get is estimated now, from
+        this GPU's free memory, so that a --gpu-memory-utilization that leaves no room for one
+        sequence is refused before any rank starts."""
+        import torch
+
+        from shiftlm.serve.worker.kv_memory import (
+            CPU_BLOCKS,
+            activation_bytes,
+            blocks_for_memory,
+            check_capacity,
+            kv_bytes_per_block,
+        )
+
+        dtype_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        activations = activation_bytes(
+            config, parallel, self.max_tokens_per_step, self.max_num_seqs, dtype_bytes
+        )
+        if self.num_blocks is not None or device.type != "cuda":
+            return self.num_blocks or CPU_BLOCKS, activations
+        free, total = torch.cuda.mem_get_info(device)
+        weights = config.num_params * dtype_bytes // parallel.tp  # sp ranks hold the same tp shard
+        per_block = kv_bytes_per_block(config, parallel, self.block_size, dtype_bytes)
+        estimate = blocks_for_memory(
+            free, total, self.gpu_memory_utilization, activations, per_block, weights
+        )
+        share = f"--gpu-memory-utilization {self.gpu_memory_utilization:g} of {total / 2**30:.1f} GiB"
+        check_capacity(
+            estimate,
+            self.block_size,
+            self.max_model_len,
+            f"{share}, after ~{weights / 2**30:.1f} GiB of weights",
+        )
+        return None, activations
 
     def _check_flags(self) -> None:
         """The flags alone, before the checkpoint is read."""
@@ -236,6 +262,10 @@ class ServeOptions:
             raise ConfigError("--max-connections must be >= 1")
         if self.max_pending < 1:
             raise ConfigError("--max-pending must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError("--num-blocks must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -246,7 +276,7 @@ class ServeSetup:
     model_config: ModelConfig
     parallel: ParallelConfig
     runner: RunnerOptions
-    scheduler: SchedulerConfig
+    scheduler: SchedulerConfig | None  # None until the KV cache is sized (on a GPU: by the loaded ranks)
     api: ApiOptions
     tokenizer: Any
     eos_token_ids: frozenset[int]
@@ -261,6 +291,43 @@ class ServeSetup:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    def with_kv_blocks(self, num_blocks: int) -> ServeSetup:
+        """The scheduler's options for a cache of `num_blocks` per rank; the context length is
+        --max-model-len, or what the model and the cache allow."""
+        from shiftlm.serve.worker.kv_memory import check_capacity
+
+        flags, config = self.flags, self.model_config
+        if flags.num_blocks is None and self.runner.device == "cuda":  # sized from GPU memory
+            share = f"{num_blocks} blocks of {flags.block_size}: --gpu-memory-utilization {flags.gpu_memory_utilization:g}"
+            check_capacity(num_blocks, flags.block_size, flags.max_model_len, share)
+        fits = min(config.max_position_embeddings, num_blocks * flags.block_size)
+        if flags.max_model_len is not None and not 1 < flags.max_model_len <= fits:
+            raise ConfigError(
+                f"--max-model-len {flags.max_model_len} must be in [2, {fits}] (the model's "
+                f"{config.max_position_embeddings} positions and the cache's {num_blocks} x "
+                f"{flags.block_size} tokens); raise --num-blocks for more"
+            )
+        threshold = 64 if flags.shift_threshold == "auto" else flags.shift_threshold
+        scheduler = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=flags.block_size,
+            max_num_seqs=flags.max_num_seqs,
+            max_tokens_per_step=flags.max_tokens_per_step,
+            max_model_len=flags.max_model_len if flags.max_model_len is not None else fits,
+            policy=ShiftPolicy.named(flags.mode, threshold),
+            enable_prefix_caching=flags.enable_prefix_caching,
+        )
+        return dataclasses.replace(self, scheduler=scheduler)
+
+    def describe_kv_cache(self) -> str:
+        """The startup line's words for the cache: its tokens per rank and the concurrency they allow."""
+        scheduler = self.scheduler
+        tokens = scheduler.num_blocks * scheduler.block_size
+        return (
+            f"KV cache {tokens:,} tokens per rank ({scheduler.num_blocks} blocks of {scheduler.block_size}): "
+            f"{tokens / scheduler.max_model_len:.1f}x requests of max_model_len={scheduler.max_model_len} at once"
+        )
 
     def with_shift_threshold(self, threshold: int) -> ServeSetup:
         """The setup after `--shift-threshold auto` was measured (worker/shift_probe.py)."""

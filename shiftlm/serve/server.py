@@ -90,6 +90,14 @@ def run_server(options: ServeOptions) -> int:
     except Exception as err:  # e.g. a rank died during rendezvous: say so in one line (the rest stopped)
         print(error_line("serve", f"failed to start: {err}"), file=sys.stderr, flush=True)
         return 1
+    try:
+        setup = setup.with_kv_blocks(runner.cache.num_blocks)  # on a GPU: what memory left
+    except ConfigError as err:
+        print(error_line("serve", str(err)), file=sys.stderr, flush=True)
+        if setup.rank == 0:
+            runner.stop_workers()
+        stop_local_ranks(workers)
+        return err.exit_code
     if setup.rank != 0:
         freeze_startup_objects()
         runner.serve_steps()
@@ -171,7 +179,7 @@ def _serve_http(runner, setup: ServeSetup, http: socket.socket, step_log, worker
         print("shiftlm serve: --trust-remote-code has no effect (shiftlm runs only its own model code)")
     print(
         f"shiftlm serve: {api.model_name} on http://{host}:{port} ({describe_layout(*layout)}, "
-        f"max_model_len={engine.max_model_len})",
+        f"max_model_len={engine.max_model_len}; {setup.describe_kv_cache()})",
         flush=True,
     )
     server.run(sockets=[http])

@@ -248,17 +248,15 @@ def kv_capacity(
     setup: ServeHardware, layout: ServeLayout, block_size: int, max_tokens_per_step: int
 ) -> KvCapacity:
     """Weights (cut `tp` ways: the full-TP mode uses views of them, Sec. 3.3 of the paper), a
-    runtime reserve, one step's bf16 working set (residual stream, gate/up output, fp32 logits of
-    the sampled rows) and the rest for K/V: 2 x layers x kv_heads_per_rank x head_dim per token."""
+    runtime reserve, one step's bf16 working set (serve/worker/kv_memory.activation_bytes) and the
+    rest for K/V: 2 x layers x kv_heads_per_rank x head_dim per token."""
+    from shiftlm.serve.worker.kv_memory import activation_bytes, kv_bytes_per_block
+
     model, hardware = setup.model, setup.hardware
     weights = model.num_params * DTYPE_BYTES[setup.dtype] / layout.tp
-    act = DTYPE_BYTES[ACTIVATION_DTYPE]
-    gate_up = (2 if model.gated_mlp else 1) * model.intermediate_size / layout.tp
-    workspace = (
-        max_tokens_per_step * (3 * model.hidden_size + gate_up) * act + 4 * 256 * model.vocab_size / layout.tp
-    )
-    kv_heads = max(1.0, model.num_kv_heads / layout.gpus_per_replica)
-    per_token = 2 * model.num_layers * kv_heads * model.head_dim * DTYPE_BYTES[setup.kv_dtype]
+    # the serving engine's own bound of a step's working set and its per-token K/V bytes
+    workspace = activation_bytes(model, layout, max_tokens_per_step, 256, DTYPE_BYTES[ACTIVATION_DTYPE])
+    per_token = kv_bytes_per_block(model, layout, 1, DTYPE_BYTES[setup.kv_dtype])
     free = hardware.hbm_bytes - weights - RUNTIME_RESERVE_BYTES - workspace
     blocks = max(0, int(free // (per_token * block_size)))
     return KvCapacity(weights, workspace, per_token, blocks)

@@ -87,7 +87,7 @@ class ModelRunner:
         cls,
         model_dir: str | Path,
         mesh: Mesh,
-        num_blocks: int,
+        num_blocks: int | None,
         block_size: int,
         dtype: torch.dtype = torch.float32,
         compile_decode: bool = False,
@@ -95,6 +95,7 @@ class ModelRunner:
         gemv_rows: int | None = None,
         model_config: ModelConfig | None = None,
         shm_collectives: bool = True,
+        memory: tuple[float, int] = (0.9, 0),
     ) -> ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
         (`compiled_step.py`; the server's default, off with `--enforce-eager`).
@@ -104,7 +105,9 @@ class ModelRunner:
         `gemv_rows`: inputs of up to this many rows run MKL's GEMV rather than oneDNN's packed GEMM
         (and the compiled decode covers those batch sizes); None measures which is faster here
         (`PackedWeights.choose_small_rows`). `model_config`: the checkpoint's, when the caller has
-        read it already (the server's options have)."""
+        read it already (the server's options have). `num_blocks=None` (GPUs): as many blocks as
+        `memory` = (utilization, activation bytes) leaves once the weights are loaded, the same on
+        every rank of the group (the smallest)."""
         backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -112,6 +115,8 @@ class ModelRunner:
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
+        if num_blocks is None:
+            num_blocks = _blocks_from_memory(config, mesh, block_size, dtype, *memory)
         cache = PagedKVCache(
             config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
         )
@@ -185,6 +190,26 @@ class ModelRunner:
             return mine
         vocab = self.model_config.vocab_size
         return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp, vocab)
+
+
+def _blocks_from_memory(
+    config: ModelConfig, mesh: Mesh, block_size: int, dtype: torch.dtype, utilization: float, activations: int
+) -> int:
+    """KV blocks this rank's GPU memory leaves (worker/kv_memory.py), the smallest over the group."""
+    from shiftlm.serve.worker.kv_memory import blocks_for_memory, kv_bytes_per_block
+
+    if mesh.device.type != "cuda":
+        raise ConfigError("num_blocks=None sizes the KV cache from GPU memory: give a block count on the CPU")
+    per_block = kv_bytes_per_block(
+        config, mesh.config, block_size, torch.empty((), dtype=dtype).element_size()
+    )
+    free, total = torch.cuda.mem_get_info(mesh.device)
+    blocks = torch.tensor(
+        [blocks_for_memory(free, total, utilization, activations, per_block)], device=mesh.device
+    )
+    if mesh.shift.size > 1:
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=mesh.shift.pg)
+    return int(blocks.item())
 
 
 def _attention_kernel(backend: str, device: torch.device):

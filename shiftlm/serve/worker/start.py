@@ -39,8 +39,10 @@ class RunnerOptions:
     device: str  # "cpu" or "cuda" (`mesh.choose_device`, once): rank r of a node takes GPU r
     backend: str  # gloo or nccl
     dtype: str  # a torch dtype name: float32, bfloat16, float16
-    num_blocks: int = 256
+    num_blocks: int | None = 256  # None: as many as `gpu_memory_utilization` leaves (worker/kv_memory.py)
     block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    activation_bytes: int = 0  # a step's transient memory, kept free of the cache
     compile_decode: bool = False
     attention_backend: str = "auto"
     shm_collectives: bool = True  # CPU ranks of one host: collectives through shared memory (comm/shm.py)
@@ -152,6 +154,7 @@ def load_runner(options: RunnerOptions):
         attention_backend=options.attention_backend,
         model_config=options.model_config,
         shm_collectives=options.shm_collectives,
+        memory=(options.gpu_memory_utilization, options.activation_bytes),
     )
 
 
