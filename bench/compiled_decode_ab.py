@@ -79,8 +79,8 @@ def main() -> int:
         parser.error(f"--cases: each is sequences,context (e.g. 32,160), got {args.cases}")
     import torch
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     sys.path.insert(0, str(ROOT / "bench"))

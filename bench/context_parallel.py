@@ -39,10 +39,11 @@ def setup(cp: int, sp: int, seq: int, batch: int, model: dict) -> None:
     """On every rank of a cp x sp layout: build the model and this rank's slice of the batch."""
     import torch
 
-    from shiftlm.config import ModelConfig, ParallelConfig
+    from shiftlm.config import ModelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model import build_model
     from shiftlm.model.ring_attention import sequence_indices
+    from shiftlm.parallel import ParallelConfig
 
     torch.set_num_threads(1)
     config = ModelConfig(**model, max_position_embeddings=max(seq, 2048))

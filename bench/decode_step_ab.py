@@ -32,8 +32,8 @@ def child(model: str, cases: list[tuple[int, int, int]], reps: int) -> dict[str,
     """Runs in the tree on PYTHONPATH: min CPU ms of each case's step."""
     import torch
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
 

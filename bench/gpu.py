@@ -210,10 +210,11 @@ def phase_train_ab(out: Path, steps: int = 8, batch: int = 4, seq: int = 2048) -
     import torch
     import transformers as tf
 
-    from shiftlm.config import ModelConfig, ParallelConfig
+    from shiftlm.config import ModelConfig
     from shiftlm.hardware import device_peak_flops
     from shiftlm.mesh import Mesh
     from shiftlm.model import build_model
+    from shiftlm.parallel import ParallelConfig
 
     tf.logging.set_verbosity_error()
     path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
@@ -483,8 +484,8 @@ def phase_serve_step(out: Path, context: int = 512) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     sys.path.insert(0, str(ROOT / "bench"))

@@ -30,9 +30,10 @@ _STATE: dict = {}
 def setup(ranks: int, tokens: int, hidden: int, experts: int, width: int, top_k: int) -> None:
     import torch
 
-    from shiftlm.config import ModelConfig, ParallelConfig
+    from shiftlm.config import ModelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.model.moe import SparseMoE
+    from shiftlm.parallel import ParallelConfig
 
     torch.set_num_threads(1)
     config = ModelConfig(

@@ -104,8 +104,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
     from shiftlm.tools.tiny import make_tiny_checkpoint
 

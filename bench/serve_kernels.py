@@ -82,8 +82,8 @@ def _allreduce_us() -> dict:
 def _tp2_steps(model_dir: str, shm_on: bool) -> dict | None:
     import torch.distributed as dist
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     rank = dist.get_rank()
@@ -114,8 +114,8 @@ def _tp2_steps(model_dir: str, shm_on: bool) -> dict | None:
 
 
 def _tp1_steps(model_dir: Path) -> dict:
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     out = {}
@@ -137,8 +137,8 @@ def _two_rank_steps(model_dir: str, tp: int, sp: int) -> dict | None:
 
     import torch.distributed as dist
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.plan import Mode
     from shiftlm.serve.worker.runner import ModelRunner
     from shiftlm.serve.worker.shift_probe import probe_plan

@@ -71,8 +71,8 @@ def _row(server_mode: str, step_mode: str, tokens: str, times: list[float]) -> d
 
 def switch_cost(model_dir: str, repeats: int) -> dict[str, float] | None:
     """Median ms of a decode step (8 sequences, 100 tokens of context) by (its mode, the previous step's)."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=1, sp=2))

@@ -283,8 +283,8 @@ def step_sweep(model: Path, contexts: list[int], batches: list[int]) -> list[dic
     length, and for one sequence with as many new tokens as the largest decode batch."""
     import torch
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
 

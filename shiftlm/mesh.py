@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm.group import CommGroup
-from shiftlm.config import ParallelConfig
 from shiftlm.errors import ConfigError
+from shiftlm.parallel import ParallelConfig
 
 DEVICES = ("auto", "cuda", "cpu")
 BACKEND_OF = {"cuda": "nccl", "cpu": "gloo"}

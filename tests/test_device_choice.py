@@ -89,8 +89,8 @@ def test_train_device_cuda_without_a_gpu_is_one_line_before_any_rank_starts(monk
 
 
 def test_a_mesh_without_a_process_group_or_device_is_on_the_cpu():
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
 
     assert Mesh(ParallelConfig()).device == torch.device("cpu")
     assert Mesh(ParallelConfig(), device="meta").device == torch.device("meta")

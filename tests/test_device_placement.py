@@ -85,8 +85,8 @@ def test_device_placement_multi_stream_training_allocates_nothing_off_the_mesh_d
 
 def serve_under_guard(model_dir: str, tp: int, sp: int, guarded: bool = True) -> list | None:
     """Load the checkpoint, run a prefill and a decode step in both modes, sample on rank 0."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.engine.sampling import SampleRow, make_generator, sample_rows
     from shiftlm.serve.engine.sequence import SamplingParams
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
@@ -131,8 +131,8 @@ def test_device_placement_serving_step_allocates_nothing_off_the_mesh_device(ran
 def engine_under_guard(model_dir: str, guarded: bool = True) -> dict | None:
     """The whole engine loop on 4 ranks: plans broadcast to the workers, logits gathered, a request
     next to a hogwild stream group, in shift mode (full TP and SP x TP steps)."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.engine.core import Engine
     from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
     from shiftlm.serve.engine.sequence import SamplingParams

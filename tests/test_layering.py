@@ -16,30 +16,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "shiftlm"
 
-BASE = {"errors", "config", "hardware", "presets", "data", "extras", "kernels"}
+BASE = {"errors", "config", "parallel", "hardware", "presets", "data", "extras", "kernels"}
 ALLOWED: dict[str, set[str]] = {
     "__init__": {"serve"},  # `from shiftlm import LLM, SamplingParams` (serve/llm.py), imported lazily
     "errors": set(),  # the user errors and exit codes: every unit may raise them
     "config": {"errors"},
+    "parallel": {"errors", "config"},
     "hardware": {"errors"},
     "data": {"errors"},
     "extras": {"errors"},
     "kernels": set(),  # the C++ sources and their loader: the lowest layer, beside config
-    "presets": {"errors", "config"},
-    "comm": {"errors", "config", "kernels"},
-    "mesh": {"errors", "config", "comm"},
-    "monitor": {"errors", "config", "comm", "mesh"},
-    "launch": {"errors", "config", "comm", "mesh", "monitor"},
-    "model": {"errors", "config", "comm", "mesh", "kernels"},
-    "pipeline": {"errors", "config", "comm", "mesh", "model", "kernels"},
+    "presets": {"errors", "config", "parallel"},
+    "comm": {"errors", "config", "parallel", "kernels"},
+    "mesh": {"errors", "config", "parallel", "comm"},
+    "monitor": {"errors", "config", "parallel", "comm", "mesh"},
+    "launch": {"errors", "config", "parallel", "comm", "mesh", "monitor"},
+    "model": {"errors", "config", "parallel", "comm", "mesh", "kernels"},
+    "pipeline": {"errors", "config", "parallel", "comm", "mesh", "model", "kernels"},
     # verify and parity run layouts on local ranks (`launch.LocalWorkers`) against transformers
-    "tools": {"errors", "config", "comm", "mesh", "launch", "model"},
+    "tools": {"errors", "config", "parallel", "comm", "mesh", "launch", "model"},
     "serve": BASE | {"comm", "mesh", "monitor", "launch", "model"},
     "train": BASE | {"comm", "mesh", "monitor", "launch", "model", "pipeline"},
     # sim/calibrate_comm.py times point-to-point and the shared-memory collectives through comm (with
     # kernels.cpu, their C++ side), as the pipeline executor and the serving runner use them
     "sim": BASE | {"comm", "model", "launch", "pipeline", "serve"},
-    "cli": {"errors", "config", "extras"},
+    "cli": {"errors", "config", "parallel", "extras"},
     "__main__": {"errors", "cli"},
 }
 # Inside serve/: the HTTP front talks to the engine, the engine and the workers meet in the plan; no

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shiftlm.config import ParallelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh, coords_of, group_ranks, rank_of
+from shiftlm.parallel import ParallelConfig
 
 sizes = st.integers(min_value=1, max_value=3)
 

@@ -109,8 +109,8 @@ def _serving_step(model_dir: str, layout: tuple[int, int], shm_on: bool):
     import torch.distributed as dist
 
     from shiftlm.comm import shm
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
 

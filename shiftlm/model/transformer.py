@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftlm.comm import SINGLE, CommGroup, copy_to_group, gather_along, reduce_from_group
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
@@ -28,6 +28,7 @@ from shiftlm.model.moe import SparseMoE, ffn_name, load_balancing_loss
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
 from shiftlm.model.sharding import padded_vocab
+from shiftlm.parallel import ParallelConfig
 
 
 class MLP(nn.Module):

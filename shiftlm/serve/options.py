@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import CheckpointError, ConfigError
+from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.http.app import ApiOptions
 from shiftlm.serve.plan import MODE_NAMES

@@ -25,8 +25,8 @@ import sys
 import threading
 import time
 
-from shiftlm.config import ParallelConfig
 from shiftlm.errors import EXIT_INTERRUPTED, EXIT_TEMPFAIL, ConfigError, error_line
+from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.options import ServeOptions, ServeSetup
 from shiftlm.serve.worker.start import freeze_startup_objects, start_ranks, stop_local_ranks
 

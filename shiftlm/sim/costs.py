@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import Hardware
+from shiftlm.parallel import ParallelConfig
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shiftlm.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
+from shiftlm.config import RECOMPUTE_MODES, ModelConfig
+from shiftlm.parallel import ParallelConfig
 
 # recompute modes of other frameworks that validation replays and shiftlm's trainer does not run:
 # torchtitan's per-op selective checkpointing ("op", `costs.op_sac_gemm_share`)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 from dataclasses import astuple, dataclass
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
+from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.plan import Mode, StepPlan
 from shiftlm.sim.collectives import Links
 from shiftlm.sim.costs import Kernel, Shard, forward_ops, kernels_time, layer_comm_time, serving_gemms

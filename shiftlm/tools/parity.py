@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from shiftlm.comm import gather_replicated
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.loss import IGNORE_INDEX
+from shiftlm.parallel import ParallelConfig
 
 
 @dataclass

@@ -108,10 +108,11 @@ def run(args) -> int:
     import torch
     import transformers
 
-    from shiftlm.config import ModelConfig, ParallelConfig
+    from shiftlm.config import ModelConfig
     from shiftlm.launch import LocalWorkers, WorkerError
     from shiftlm.mesh import check_dtype, choose_device, device_name, visible_gpus
     from shiftlm.model.weights import check_checkpoint_files
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.tools.parity import check_batch, layout_outputs, reference_outputs, relative_error
     from shiftlm.tools.tiny import make_tiny_checkpoint
 

@@ -22,8 +22,9 @@ if sys.version_info >= (3, 11):
 else:  # the same parser, before it joined the standard library
     import tomli as tomllib
 
-from shiftlm.config import LOSS_CHUNK, RECOMPUTE_MODES, ZERO_STAGES, ParallelConfig
+from shiftlm.config import LOSS_CHUNK, RECOMPUTE_MODES, ZERO_STAGES
 from shiftlm.errors import ConfigError
+from shiftlm.parallel import ParallelConfig
 
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE_CHOICES = ("auto", "true", "false")

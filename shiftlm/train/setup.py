@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
+from shiftlm.parallel import ParallelConfig
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.pipeline import resolved_chunks
 from shiftlm.train.sources import prepare_shards

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from shiftlm.comm import counters
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
+from shiftlm.parallel import ParallelConfig
 
 FP32 = 4
 BATCH, SEQ = 2, 16

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from shiftlm.comm import counters
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
+from shiftlm.parallel import ParallelConfig
 from shiftlm.tools.parity import layout_outputs, relative_error
 from shiftlm.tools.tiny import MOE_FAMILIES
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.ring_attention import sequence_indices, unzigzag, zigzag_indices
+from shiftlm.parallel import ParallelConfig
 from shiftlm.tools.parity import layout_outputs, reference_outputs, relative_error
 
 TOLERANCE = 1e-5

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from shiftlm.comm import counters
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.ring_attention import sequence_indices
+from shiftlm.parallel import ParallelConfig
 
 FP32 = 4
 BATCH, SEQ = 2, 24

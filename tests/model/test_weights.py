@@ -7,11 +7,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.weights import CheckpointError, gather_full, save_hf_checkpoint
+from shiftlm.parallel import ParallelConfig
 
 
 def _load_and_save(checkpoint, out_dir, tp, sp, pp=1):

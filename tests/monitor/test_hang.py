@@ -30,10 +30,10 @@ def _hang_job(rank: int, world_size: int, port: int, dump_dir: str, fault: str) 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # well above the watchdog's
 
     from shiftlm.comm import all_reduce
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
     from shiftlm.monitor import faults
     from shiftlm.monitor.watchdog import Watchdog, connect_store
+    from shiftlm.parallel import ParallelConfig
 
     mesh = Mesh(ParallelConfig(dp=2, tp=2))
     faults.inject(faults.parse_fault(fault))

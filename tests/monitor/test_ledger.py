@@ -17,8 +17,8 @@ from shiftlm.comm import (
     ledger,
     reduce_scatter,
 )
-from shiftlm.config import ParallelConfig
 from shiftlm.mesh import Mesh
+from shiftlm.parallel import ParallelConfig
 
 
 def _every_op_once_per_rank():

@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shiftlm.comm import RankLedger, Record, all_gather, all_reduce, ledger
-from shiftlm.config import ParallelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.monitor import faults
 from shiftlm.monitor.clock import estimate_offsets
 from shiftlm.monitor.straggler import find_stragglers, gather_ledgers
+from shiftlm.parallel import ParallelConfig
 
 
 def _train_like_steps(steps: int, jitter_ms: float, fault: str | None):

@@ -15,8 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.model.loss import IGNORE_INDEX
+from shiftlm.parallel import ParallelConfig
 from shiftlm.tools.parity import fixed_batch, relative_error
 from shiftlm.tools.tiny import make_tiny_checkpoint
 

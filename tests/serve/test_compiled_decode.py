@@ -39,8 +39,8 @@ def steps(mode: Mode) -> list[StepPlan]:
 
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral", "qwen2"])
 def test_compiled_decode_equals_the_eager_step(tmp_path, monkeypatch, family):
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)  # the eager runner stays eager

@@ -91,8 +91,8 @@ def test_kernel_in_bf16_matches_fp32_attention():
 @needs_kernel
 def test_kernel_path_is_what_a_runner_uses_by_default(tmp_path, monkeypatch):
     """ModelRunner picks the kernel on CPU (auto) and not with sdpa; greedy tokens are the same."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
     from shiftlm.tools.tiny import make_tiny_checkpoint
@@ -117,8 +117,8 @@ def test_kernel_path_is_what_a_runner_uses_by_default(tmp_path, monkeypatch):
 
 
 def test_unknown_attention_backend_is_refused(tmp_path):
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
     from shiftlm.tools.tiny import make_tiny_checkpoint
 
@@ -207,8 +207,8 @@ def test_without_a_compiler_serving_falls_back_with_one_warning(tmp_path, monkey
     start with one line naming the fix."""
     from torch.utils import cpp_extension
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
     from shiftlm.tools.tiny import make_tiny_checkpoint
 
@@ -239,8 +239,8 @@ def test_prefill_chunks_by_the_kernel_equal_sdpa(tmp_path, family, block):
     """Prefill chunks (several query rows of a sequence, in tiles of 16), from position 0 and after
     earlier context, of unequal lengths (padded rows), beside decode rows, with a sliding window
     (mistral's 6) and both block sizes: the kernel's logits equal the gather + SDPA path's."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
     from shiftlm.serve.worker.runner import ModelRunner
     from shiftlm.tools.tiny import make_tiny_checkpoint

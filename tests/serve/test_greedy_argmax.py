@@ -86,8 +86,8 @@ REQUESTS = {  # name -> (prompt, params, argmax-only)
 
 def run_mixed_batch(model_dir: str, tp: int, sp: int) -> dict | None:
     """Rank 0: the five requests in one engine; what each step's logits rows looked like."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.engine.core import Engine
     from shiftlm.serve.worker.runner import ModelRunner
     from tests.serve.fakes import LetterTokenizer

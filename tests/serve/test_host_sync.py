@@ -46,8 +46,8 @@ def _decode_plans():
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "planted"])
 def test_a_decode_step_reads_nothing_back_inside_the_layers(tmp_path, monkeypatch, backend):
     """`planted`: a layer that calls `.item()` is caught (the check can fail)."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")

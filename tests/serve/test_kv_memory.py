@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
+from shiftlm.parallel import ParallelConfig
+from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.serve.options import ServeOptions
 from shiftlm.serve.worker.kv_memory import activation_bytes, blocks_for_memory, kv_bytes_per_block
-from shiftlm.serve.engine.tokenizer import write_char_tokenizer
 from shiftlm.tools.tiny import make_tiny_checkpoint
 
 GIB = 2**30

@@ -24,8 +24,8 @@ def _plans() -> list[StepPlan]:
 
 
 def receive_plans_on_ranks(model_dir: str) -> list[list[int]] | None:
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=1, sp=2))

@@ -31,8 +31,8 @@ def plans(mode: Mode, row: int, block: int) -> list[tuple[StepPlan, list[tuple[s
 
 
 def serving_logits_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))

@@ -59,8 +59,8 @@ def _engine(runner, policy) -> Engine:
 
 def run_modes_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
     """Every rank: load the runner; rank 0 drives three engines (tp, sp_tp, shift) over one cache."""
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))

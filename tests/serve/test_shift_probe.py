@@ -156,7 +156,7 @@ def test_sp2_server_measures_its_threshold_at_startup(tmp_path):
 def test_the_banner_says_what_runs_after_tp1_sp2():
     """Issue 36.5: when the probe finds SP x TP never faster (threshold = the step budget), the
     banner says every step runs full TP over tp x sp ranks, not "mode=shift threshold=256"."""
-    from shiftlm.config import ParallelConfig
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.server import describe_layout
 
     never = describe_layout(ParallelConfig(tp=1, sp=2), "shift", 256, 256)

@@ -39,8 +39,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(checkpoint):
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     return ModelRunner.load(checkpoint, Mesh(ParallelConfig()), num_blocks=64, block_size=BLOCK)

@@ -22,8 +22,8 @@ PROMPT, PREFIXES, MAX_TOKENS = [5, 17, 33, 2, 9, 100, 7], [[11, 12], [40], [99, 
 def setup(tmp_path_factory):
     from fastapi.testclient import TestClient
 
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     model_dir = make_position_sensitive_checkpoint(tmp_path_factory.mktemp("streams-api"))

@@ -26,8 +26,8 @@ POLICIES = {
 
 
 def streams_on_ranks(model_dir: str, tp: int, sp: int) -> dict | None:
-    from shiftlm.config import ParallelConfig
     from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))

@@ -8,8 +8,9 @@ sizes its cache). Every rank of a shift group holds the same number (the smalles
 
 from __future__ import annotations
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
+from shiftlm.parallel import ParallelConfig
 
 CPU_BLOCKS = 256  # --num-blocks on the CPU when not given: 4,096 tokens of 16 per rank
 

@@ -19,8 +19,9 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from shiftlm.config import ModelConfig, ParallelConfig
+from shiftlm.config import ModelConfig
 from shiftlm.errors import error_line
+from shiftlm.parallel import ParallelConfig
 
 # A rank that dies during startup must fail the others within minutes. Waiting for the next plan while
 # the server idles uses the runner's own group, with a timeout of days (runner.PLAN_WAIT_TIMEOUT); a
