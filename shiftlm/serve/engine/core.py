@@ -187,29 +187,30 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Raises `StepError` (naming the step's requests, the cause chained) when the
-        schedule or the model runner raises; a request whose own rows fail is failed alone."""
+        """One engine step. Raises `StepError` (naming the step's requests, the cause chained) when
+        anything but one request's own rows raises; a request whose rows fail is failed alone."""
+        plan = None
         try:
             plan = self.scheduler.schedule()
-        except Exception as err:
-            running = [seq.request_id for seq in self.scheduler.running]
-            raise StepError(
-                f"scheduling failed: {type(err).__name__}: {err}", sorted(set(running)), False
-            ) from err
-        if plan is None:
-            return []
-        started = time.perf_counter()
-        try:
-            logits = self.runner.execute(plan)
-        except Exception as err:
-            raise StepError(
-                f"the model runner failed ({type(err).__name__}: {err})", self._request_ids(plan), True
-            ) from err
-        self._record_step(plan, started, time.perf_counter() - started)
-        try:
+            if plan is None:
+                return []
+            started = time.perf_counter()
+            try:
+                logits = self.runner.execute(plan)
+            except Exception as err:
+                message = f"the model runner failed ({type(err).__name__}: {err})"
+                raise StepError(message, self._request_ids(plan), in_runner=True) from err
+            self._record_step(plan, started, time.perf_counter() - started)
             return self._sample_step(plan, logits)
+        except StepError:
+            raise
         except Exception as err:
-            raise StepError(f"{type(err).__name__}: {err}", self._request_ids(plan), False) from err
+            ids = (
+                self._request_ids(plan)
+                if plan is not None
+                else [s.request_id for s in self.scheduler.running]
+            )
+            raise StepError(f"{type(err).__name__}: {err}", sorted(set(ids)), in_runner=False) from err
 
     def _request_ids(self, plan: StepPlan) -> list[str]:
         seqs = [self.scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
