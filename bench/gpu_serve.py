@@ -1,0 +1,325 @@
+"""Serving on one GPU against transformers and the hardware (issue 34), one JSON + PNG per phase in
+bench/results/gpu/, the device named in each.
+
+    python bench/gpu_serve.py --out bench/results/gpu                  # every phase, each its own process
+    python bench/gpu_serve.py --phase decode --out DIR                 # one phase
+    python bench/gpu_serve.py --smoke --out /tmp/gs                    # the CPU, tiny shapes: checks the script
+
+Phases (each a subprocess with its own time limit, so one failure leaves the others' results):
+- decode: the engine's decode step (ModelRunner, the ~1.1B Llama of bench/gpu.py in bf16) at
+  batch 1..128 and context 512 / 2048, against transformers with a static cache under
+  `torch.compile(mode="reduce-overhead")` (CUDA graphs) on the same weights, and the HBM roofline
+  (weights + the K/V the step reads, over a measured device-to-device copy rate).
+- offline: 256 requests, prompts of 128-512 random tokens, 128 greedy tokens each (EOS ignored):
+  `shiftlm.LLM.generate` against transformers' continuous batching (`generate_batch`), output tok/s.
+- server: `shiftlm serve` replaying the Azure conversation trace (`shiftlm bench serve`) at rising
+  request rates: TTFT / TPOT p50 and p90 per rate, and the highest rate held with TPOT p90 <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+PHASES = {"decode": 300, "offline": 300, "server": 240}  # seconds each
+SMOKE = os.environ.get("SHIFTLM_GPU_SMOKE") == "1"  # bench/gpu.py's switch: its small shapes, on the CPU
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _model_dir() -> Path:
+    """The ~1.1B Llama of bench/gpu.py (its small shape under --smoke), with a tokenizer."""
+    import gpu  # bench/: reads SHIFTLM_GPU_SMOKE when imported
+
+    return gpu.checkpoint(gpu.work_dir() / ("gs-smoke" if SMOKE else "gs-1b"), gpu.MODEL_1B)
+
+
+def _timed(fn, reps: int) -> float:
+    """Median seconds of `fn` after two warm-up calls, the device synchronised around each."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _copy_rate(device) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (256 MiB on the CPU): the memory's practical rate."""
+    import torch
+
+    n = (2**28 if device.type == "cpu" else 2**30) // 4
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    seconds = _timed(lambda: dst.copy_(src), 5)
+    return 2 * n * 4 / seconds  # read + write
+
+
+def phase_decode(out: Path) -> dict:
+    import torch
+
+    from shiftlm.config import ModelConfig
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    model_dir = _model_dir()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = ModelConfig.from_hf(model_dir)
+    contexts = (32, 64) if SMOKE else (512, 2048)
+    batches = (1, 2, 4) if SMOKE else (1, 2, 4, 8, 16, 32, 64, 128)
+    block = 16
+    blocks_per_seq = max(contexts) // block + 1
+    runner = ModelRunner.load(
+        model_dir, Mesh(ParallelConfig(), device=device), max(batches) * blocks_per_seq, block, dtype=dtype
+    )
+    rate = _copy_rate(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.shift_model.model.parameters())
+    kv_per_token = (
+        2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    )
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            # prefill `batch` sequences of `context - 1` tokens, then time decode steps at `context`
+            chunks = []
+            for s in range(batch):
+                blocks = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+                ids = tuple(random.randrange(config.vocab_size) for _ in range(context - 1))
+                chunks.append(ScheduledChunk(s, ids, 0, blocks, True, row=s))
+            for chunk in chunks:
+                runner.run_step(StepPlan(0, Mode.TP, (chunk,)))
+            decode = StepPlan(
+                1, Mode.TP, tuple(ScheduledChunk(s, (7,), context - 1, (), True, row=s) for s in range(batch))
+            )
+            ours = _timed(lambda plan=decode: runner.run_step(plan), 5 if SMOKE else 20)
+            roofline = (weight_bytes + batch * context * kv_per_token) / rate
+            rows.append(dict(context=context, batch=batch, shiftlm_ms=ours * 1e3, roofline_ms=roofline * 1e3))
+            print(json.dumps(rows[-1]), flush=True)
+    runner = None  # its cache's memory, before transformers loads
+    for row, hf in zip(rows, _transformers_decode(model_dir, device, dtype, contexts, batches)):
+        row["transformers_compiled_ms"] = hf * 1e3
+        row["vs_transformers"] = hf / (row["shiftlm_ms"] / 1e3)
+    result = dict(
+        device=device_name(), dtype=str(dtype), copy_gbps=rate / 1e9, weight_bytes=weight_bytes, rows=rows
+    )
+    _plot_decode(rows, out / "gpu_serve_decode.png", result["device"])
+    return result
+
+
+def _transformers_decode(model_dir: Path, device, dtype, contexts, batches) -> list[float]:
+    """Seconds per decode step of transformers with a static cache, compiled (CUDA graphs on a GPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    forward = torch.compile(
+        model.forward, mode="reduce-overhead" if device.type == "cuda" else "default", dynamic=False
+    )
+    times = []
+    for context in contexts:
+        for batch in batches:
+            cache = StaticCache(config=model.config, max_cache_len=context + 8)
+            ids = torch.randint(0, model.config.vocab_size, (batch, context - 1), device=device)
+            with torch.no_grad():
+                model(ids, past_key_values=cache, use_cache=True)
+                token = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+                position = torch.tensor([context - 1], device=device)
+                times.append(
+                    _timed(
+                        lambda t=token, c=cache, p=position: forward(t, past_key_values=c, cache_position=p),
+                        5 if SMOKE else 20,
+                    )
+                )
+    return times
+
+
+def _plot_decode(rows: list[dict], path: Path, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        mine = [r for r in rows if r["context"] == context]
+        batches = [r["batch"] for r in mine]
+        for key, label in (
+            ("shiftlm_ms", "shiftlm"),
+            ("transformers_compiled_ms", "transformers compiled"),
+            ("roofline_ms", "HBM roofline"),
+        ):
+            ax.plot(batches, [r.get(key, float("nan")) for r in mine], marker="o", label=label)
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="sequences",
+            ylabel="ms per decode step",
+            title=f"context {context}, {device}",
+        )
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def phase_offline(out: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from shiftlm import LLM, SamplingParams
+
+    model_dir = _model_dir()
+    requests, new_tokens = (8, 8) if SMOKE else (256, 128)
+    rng = random.Random(0)
+    import gpu
+
+    vocab = gpu.MODEL_1B["vocab_size"]
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(16, 64) if SMOKE else rng.randint(128, 512))]
+        for _ in range(requests)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    with LLM(
+        str(model_dir), max_num_seqs=64 if SMOKE else 256, max_tokens_per_step=512 if SMOKE else 8192
+    ) as llm:
+        llm.generate(prompts[:2], params)  # warm-up (compiles)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        ours = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(prompts[:2], generation_config=config)
+    start = time.perf_counter()
+    theirs = model.generate_batch(prompts, generation_config=config)
+    hf_seconds = time.perf_counter() - start
+    hf_tokens = sum(len(r.generated_tokens) for r in theirs.values())
+    result = dict(
+        device=device_name(),
+        requests=requests,
+        shiftlm_tok_s=produced / ours,
+        transformers_generate_batch_tok_s=hf_tokens / hf_seconds,
+    )
+    result["vs_transformers"] = result["shiftlm_tok_s"] / result["transformers_generate_batch_tok_s"]
+    return result
+
+
+def phase_server(out: Path) -> dict:
+    from shiftlm.serve.local_server import local_server
+
+    model_dir = _model_dir()
+    rates = (1.0, 2.0) if SMOKE else (2.0, 4.0, 8.0, 16.0, 32.0)
+    rows = []
+    with local_server(
+        ["--model", str(model_dir), "--max-num-seqs", "128"], timeout=PHASES["server"]
+    ) as server:
+        for rate in rates:
+            command = [sys.executable, "-m", "shiftlm.cli", "bench", "serve", "--trace", "azure_conv", "--url", server.url,
+                       "--rate", str(rate), "--max-requests", "8" if SMOKE else "100", "--json"]  # fmt: skip
+            if SMOKE:
+                command += ["--max-input", "32", "--max-output", "8"]
+            run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if run.returncode != 0:
+                rows.append(dict(rate=rate, error=run.stderr.strip().splitlines()[-1:]))
+                continue
+            summary = json.loads(run.stdout)
+            rows.append(
+                dict(
+                    rate=rate,
+                    completed=summary["completed"],
+                    output_tok_s=summary["output_token_throughput"],
+                    **{
+                        f"{k}_{q}_ms": summary[k][f"{q}_ms"] for k in ("ttft", "tpot") for q in ("p50", "p90")
+                    },
+                )
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    held = [r["rate"] for r in rows if r.get("completed") and r["tpot_p90_ms"] <= 50.0]
+    return dict(
+        device=device_name(),
+        trace="azure_conv",
+        rows=rows,
+        highest_rate_tpot_p90_50ms=max(held, default=None),
+    )
+
+
+def run_phase(name: str, out: Path) -> int:
+    started = time.perf_counter()
+    try:
+        result = globals()[f"phase_{name}"](out)
+    except Exception as err:  # noqa: BLE001 - recorded, so the other phases still report
+        import traceback
+
+        result = dict(
+            device=device_name(), error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc()
+        )
+    result["phase_s"] = round(time.perf_counter() - started, 1)
+    (out / f"gpu_serve_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k in ("error", "phase_s", "device", "vs_transformers")}
+        ),
+        flush=True,
+    )
+    return 1 if "error" in result else 0
+
+
+def main() -> int:
+    global SMOKE
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--phase", action="append", choices=list(PHASES), help="run only these (repeatable)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu"))
+    parser.add_argument(
+        "--smoke", action="store_true", help="every phase on the CPU, tiny (checks the script)"
+    )
+    parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    SMOKE = SMOKE or args.smoke
+    if SMOKE:
+        os.environ["SHIFTLM_GPU_SMOKE"] = "1"  # the phases' processes inherit it
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    phases = args.phase or list(PHASES)
+    if args.in_process:
+        return max(run_phase(name, out) for name in phases)
+    code = 0
+    for name in phases:
+        print(f"== {name} (limit {PHASES[name]} s)", flush=True)
+        command = [sys.executable, __file__, "--in-process", "--phase", name, "--out", str(out)]
+        try:
+            code = max(code, subprocess.run(command, timeout=PHASES[name]).returncode)
+        except subprocess.TimeoutExpired:
+            print(f"== {name}: over its {PHASES[name]} s limit", flush=True)
+            code = 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
