@@ -150,25 +150,37 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
     raw = raw.float()
     # the common case (no penalty, bias or min_tokens on any row) neither copies nor scans the logits
     x = apply_penalties(raw.clone(), rows, eos_ids) if any(_penalized(r, eos_ids) for r in rows) else raw
-    greedy = torch.tensor([row.params.greedy for row in rows], device=device)
     tokens = torch.argmax(x, dim=-1)
-    if not bool(greedy.all()):
-        temperature = torch.tensor([max(row.params.temperature, GREEDY_BELOW) for row in rows], device=device)
-        scaled = x / temperature.unsqueeze(1)
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]  # known on the host: no sync
+    if drawn:
+        take = torch.tensor(drawn, device=device)
+        temperature = torch.tensor(
+            [max(rows[i].params.temperature, GREEDY_BELOW) for i in drawn], device=device
+        )
+        scaled = x[take] / temperature.unsqueeze(1)
         # top_k past the vocabulary keeps every token (as vLLM clamps it); never overflows int64
-        top_k = torch.tensor([min(row.params.top_k, x.shape[1]) for row in rows], device=device)
-        top_p = torch.tensor([row.params.top_p for row in rows], dtype=scaled.dtype, device=device)
-        narrow = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
-        if narrow.numel():  # sorting the vocab is the costly part: only rows that filter pay it
-            scaled[narrow] = filter_logits(scaled[narrow], top_k[narrow], top_p[narrow])
+        narrow = [j for j, i in enumerate(drawn) if rows[i].params.top_k > 0 or rows[i].params.top_p < 1.0]
+        if narrow:  # sorting the vocab is the costly part: only rows that filter pay it
+            top_k = torch.tensor(
+                [min(rows[drawn[j]].params.top_k, x.shape[1]) for j in narrow], device=device
+            )
+            top_p = torch.tensor(
+                [rows[drawn[j]].params.top_p for j in narrow], dtype=scaled.dtype, device=device
+            )
+            which = torch.tensor(narrow, device=device)
+            scaled[which] = filter_logits(scaled[which], top_k, top_p)
         probs = torch.softmax(scaled, dim=-1).nan_to_num(0.0)
-        usable = (~greedy) & (probs.sum(dim=-1) > 0)  # all -inf or NaN logits: keep the argmax
-        for i, row in enumerate(rows):
-            if usable[i]:
-                # a seeded row draws on its generator's device (the CPU: a seed picks the same token
-                # on every device), an unseeded one where the logits are
-                where = row.generator.device if row.generator is not None else device
-                tokens[i] = torch.multinomial(probs[i].to(where), 1, generator=row.generator)[0]
+        usable = (probs.sum(dim=-1) > 0).tolist()  # all -inf or NaN logits: keep the argmax
+        # unseeded rows draw together where the logits are; a seeded row draws on its generator's device
+        # (the CPU: a seed picks the same token on every device)
+        free = [j for j, i in enumerate(drawn) if usable[j] and rows[i].generator is None]
+        if free:
+            which = torch.tensor(free, device=device)
+            tokens[take[which]] = torch.multinomial(probs[which], 1).squeeze(1)
+        for j, i in enumerate(drawn):
+            generator = rows[i].generator
+            if usable[j] and generator is not None:
+                tokens[i] = torch.multinomial(probs[j].to(generator.device), 1, generator=generator)[0]
     ks = [row.params.logprobs for row in rows]
     if any(k is not None for k in ks):
         logprobs = token_logprobs(torch.log_softmax(raw, dim=-1), tokens, ks)
