@@ -90,16 +90,16 @@ class ParallelConfig:
                 f"{what} is more than the model's {model.num_layers} layers: lower pp"
                 + (" or the chunks per rank" if chunks > 1 else f" to <= {model.num_layers}")
             )
-        self.check_experts(model)
+        self.check_experts(model, shift)
         if self.cp > 1 and model.sliding_window is not None:
             raise ConfigError(
                 f"cp = {self.cp} (ring attention) does not support sliding-window attention "
                 f"(sliding_window = {model.sliding_window}): use cp = 1 (sp and tp support it)"
             )
 
-    def check_experts(self, model: ModelConfig) -> None:
+    def check_experts(self, model: ModelConfig, shift: bool = False) -> None:
         """ep divides the experts and the dp*cp*sp ranks it is folded over; tp (which also splits every
-        expert's FFN, expert TP = TP) divides the expert and shared-expert widths."""
+        expert's FFN, expert TP = TP; serving's full TP: sp*tp) divides the expert and shared-expert widths."""
         token_ranks = self.dp * self.cp * self.sp
         if self.ep > 1 and not model.is_moe:
             raise ConfigError(
@@ -125,6 +125,11 @@ class ParallelConfig:
                 raise ConfigError(
                     f"tp = {self.tp} (which splits every expert too) must divide {what} = {width}: use tp in "
                     f"{[d for d in _divisors(width) if d <= width]}"
+                )
+            if shift and width and width % self.shift_size:
+                raise ConfigError(
+                    f"sp*tp = {self.shift_size} must divide {what} = {width} (full TP splits every expert "
+                    f"over all {self.shift_size} serving ranks): use sp*tp in {_divisors(width)}"
                 )
 
     def check_sequence(self, seq_len: int) -> None:

@@ -70,11 +70,18 @@ class Expert(nn.Module):
         for name, shape in zip(names, ((width, hidden), (width, hidden), (hidden, width))):
             setattr(self, name, _Weight(*shape))
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(getattr(self, name).weight for name in self.names)  # type: ignore[return-value]
+    def weights(self, full_tp=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate, up, down; with `full_tp` (serving's full-TP mode, attention.FullTP) sub-slice `part` of
+        `parts` of this TP shard's width: views, no copies."""
+        gate, up, down = (getattr(self, name).weight for name in self.names)
+        if full_tp is None:
+            return gate, up, down
+        width = gate.shape[0] // full_tp.parts
+        start = full_tp.part * width
+        return gate.narrow(0, start, width), up.narrow(0, start, width), down.narrow(1, start, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self.weights()
+    def forward(self, x: torch.Tensor, full_tp=None) -> torch.Tensor:
+        gate, up, down = self.weights(full_tp)
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
@@ -175,16 +182,21 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, full_tp: object = None) -> torch.Tensor:
         if full_tp is not None:
-            raise ConfigError(
-                "mixture-of-experts models do not run in full-TP serving mode yet: serve them with sp = 1"
-            )
+            # serving's full TP: every rank routes all the tokens (the same way: the router is replicated)
+            # and computes sub-slice `part` of each expert's TP shard, summed over all P = SP x TP ranks
+            if self.ep.size > 1:
+                raise ConfigError(
+                    "full-TP serving shards experts by width (expert TP), not over ep: use ep = 1"
+                )
+            return reduce_from_group(self.partial(x, full_tp), full_tp.group)
         if self.sequence_parallel:
             out = self.partial(gather_along(x, self.tp, SEQ_DIM))
             return reduce_scatter_along(out, self.tp, SEQ_DIM)
         return reduce_from_group(self.partial(copy_to_group(x, self.tp)), self.tp)
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This TP rank's share of the layer's output for the tokens x (the same on every TP rank)."""
+    def partial(self, x: torch.Tensor, full_tp: object = None) -> torch.Tensor:
+        """This TP rank's share of the layer's output for the tokens x (the same on every TP rank); with
+        `full_tp`, this rank's share of all P ranks'."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = self.route(x)
@@ -196,15 +208,16 @@ class SparseMoE(nn.Module):
             order = torch.argsort(choice, stable=True)
             token = order // self.top_k
             rows = torch.bincount(choice, minlength=self.config.num_experts)
-            out = self.experts_forward(x[token], rows) * weights.flatten()[order].unsqueeze(-1)
+            out = self.experts_forward(x[token], rows, full_tp) * weights.flatten()[order].unsqueeze(-1)
             out = x.new_zeros(x.shape).index_add(0, token, out)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+            shared = self.shared_expert(x, full_tp)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
         return out.view(shape)
 
-    def stacked_weights(self) -> list[torch.Tensor]:
+    def stacked_weights(self, full_tp: object = None) -> list[torch.Tensor]:
         """This rank's experts' gate, up and down weights stacked: [E_local, F, H], [E_local, F, H], [E_local, H, F]."""
-        return [torch.stack(w) for w in zip(*(expert.weights() for expert in self.experts.values()))]
+        return [torch.stack(w) for w in zip(*(expert.weights(full_tp) for expert in self.experts.values()))]
 
     def gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """All-gather dispatch (Megatron's AllGather token dispatcher): every ep rank gathers all ep ranks'
@@ -223,9 +236,9 @@ class SparseMoE(nn.Module):
         y = y * gathered_weights.flatten()[keep].unsqueeze(-1)
         return reduce_scatter_along(tokens.new_zeros(tokens.shape).index_add(0, token, y), ep, 0)
 
-    def experts_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def experts_forward(self, x: torch.Tensor, rows: torch.Tensor, full_tp: object = None) -> torch.Tensor:
         """Rows sorted by expert (`rows[e]` for expert e, all experts) -> each through its expert."""
-        stacked = self.stacked_weights()
+        stacked = self.stacked_weights(full_tp)
         if self.ep.size == 1:
             return grouped_swiglu(x, rows, *stacked, grouped=self.grouped)
         ep, local = self.ep, self.local_experts

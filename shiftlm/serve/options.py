@@ -117,11 +117,6 @@ class ServeOptions:
         config = ModelConfig.from_hf(self.model)
         parallel = ParallelConfig(tp=self.tp, sp=self.sp)
         parallel.check_model(config, shift=True)
-        if config.is_moe:
-            raise ConfigError(
-                f"{self.model} is a mixture-of-experts model ({config.model_type}), which shiftlm does not "
-                "serve yet (docs/moe.md): serve a dense llama, qwen2 or mistral checkpoint"
-            )
         import torch
 
         from shiftlm.mesh import check_dtype

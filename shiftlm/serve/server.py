@@ -54,7 +54,7 @@ def build_engine(runner, setup: ServeSetup, step_log=None):
     """The engine on rank 0, sized from the resolved scheduler options."""
     from shiftlm.serve.engine.core import Engine
 
-    return Engine(
+    engine = Engine(
         runner,
         setup.scheduler,
         setup.tokenizer,
@@ -63,6 +63,9 @@ def build_engine(runner, setup: ServeSetup, step_log=None):
         step_log=step_log,
         sliding_window=setup.model_config.sliding_window,
     )
+    if setup.model_config.is_moe:  # each step's rows per expert: /metrics and the step log
+        runner.on_expert_rows = engine.metrics.record_expert_rows
+    return engine
 
 
 def bind_http(host: str, port: int) -> socket.socket:

@@ -298,11 +298,11 @@ def test_moe_configs_round_trip_through_config_json(tiny_checkpoints):
     assert ModelConfig.from_hf(tiny_checkpoints["qwen3-moe"]).qk_norm
 
 
-def test_train_and_serve_refuse_what_is_not_built_in_one_line(tiny_checkpoints):
-    """Training with ep > 1 or the aux loss, and serving a MoE model, are refused before any rank."""
+def test_train_refuses_what_is_not_built_in_one_line(tiny_checkpoints):
+    """Training with ep > 1 or the aux loss are refused before any rank (serving runs MoE models:
+    tests/serve/test_moe_serving.py)."""
     from dataclasses import replace
 
-    from shiftlm.serve.options import ServeOptions
     from shiftlm.train.config import TrainConfig
     from shiftlm.train.setup import check_layout
 
@@ -314,5 +314,3 @@ def test_train_and_serve_refuse_what_is_not_built_in_one_line(tiny_checkpoints):
         check_layout(config, mixtral, 2)
     with pytest.raises(ConfigError, match="output_router_logits false"):
         check_layout(TrainConfig(), replace(mixtral, output_router_logits=True), 1)
-    with pytest.raises(ConfigError, match="does not serve yet"):
-        ServeOptions(model=tiny_checkpoints["mixtral"]).resolve()

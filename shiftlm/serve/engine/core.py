@@ -312,4 +312,10 @@ class Engine:
             record.update(
                 seqs=len(plan.chunks), decodes=decodes, start=round(started, 6), seconds=round(seconds, 6)
             )
+            rows = self.metrics.last_expert_rows  # a mixture of experts: this step's rows per expert
+            if rows is not None:
+                record.update(
+                    expert_rows=[int(n) for n in rows],
+                    expert_imbalance=round(max(rows) / max(sum(rows) / len(rows), 1e-9), 3),
+                )
             self.step_log.write(json.dumps(record) + "\n")

@@ -63,6 +63,9 @@ class ServingMetrics:
         self.rejected_requests = 0
         self.step_seconds: dict[str, Histogram] = {}
         self.step_tokens: dict[str, int] = {}
+        # mixture of experts: (token, choice) rows routed to each expert, summed over the MoE layers
+        self.expert_rows: list[float] = []
+        self.last_expert_rows: list[float] | None = None  # the last step's (the step log's)
 
     def record_prompt(self, num_tokens: int) -> None:
         with self._lock:
@@ -86,6 +89,14 @@ class ServingMetrics:
         with self._lock:
             self.step_seconds.setdefault(mode, Histogram(STEP_BUCKETS)).observe(seconds)
             self.step_tokens[mode] = self.step_tokens.get(mode, 0) + num_tokens
+
+    def record_expert_rows(self, rows: list[float]) -> None:
+        """One step's rows per expert (a mixture-of-experts model's load balance)."""
+        with self._lock:
+            if not self.expert_rows:
+                self.expert_rows = [0.0] * len(rows)
+            self.expert_rows = [total + n for total, n in zip(self.expert_rows, rows)]
+            self.last_expert_rows = rows
 
     def record_rejected(self) -> None:
         with self._lock:
@@ -129,6 +140,11 @@ class ServingMetrics:
             for mode, histogram in sorted(self.step_seconds.items()):
                 lines += histogram.render(prefix + "step_duration_seconds", help_text, f'mode="{mode}"')
                 help_text = None
+            if self.expert_rows:
+                name = prefix + "moe_expert_rows_total"
+                lines += [f"# HELP {name} Token rows routed to each expert (top-k choices, all MoE layers)."]
+                lines += [f"# TYPE {name} counter"]
+                lines += [f'{name}{{expert="{e}"}} {n:g}' for e, n in enumerate(self.expert_rows)]
             lines += [f"# HELP {prefix}step_tokens_total Tokens run by engine steps, by mode."]
             lines += [f"# TYPE {prefix}step_tokens_total counter"]
             lines += [

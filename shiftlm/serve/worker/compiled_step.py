@@ -109,6 +109,7 @@ class CompiledDecode:
         """The model and layout this path covers (else the runner keeps the eager step)."""
         return (
             shift_size == 1
+            and not model.config.is_moe  # a dense Llama's step: the MoE layers run eager
             and model.head_weight.device.type == "cpu"  # built around MKL's GEMV; GPUs keep the eager step
             and model.with_embedding
             and model.with_head

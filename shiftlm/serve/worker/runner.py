@@ -16,6 +16,7 @@ rank owns (`logits.py`).
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,6 +60,8 @@ class ModelRunner:
         self.shift_model = shift_model
         self.mesh = mesh
         self.cache = shift_model.cache
+        # rank 0, mixture-of-experts models: called after each step with its rows per expert
+        self.on_expert_rows: Callable[[list[float]], None] | None = None
         self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks, device=mesh.device)
         group = mesh.shift
         # new_group is collective: every rank builds the runner, in the same order. The plan's group
@@ -130,7 +133,11 @@ class ModelRunner:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""
         message = encode_plan(plan)
         self._send(message)
-        return self._run(message)[:, : self.model_config.vocab_size]
+        logits = self._run(message)[:, : self.model_config.vocab_size]
+        rows = self.shift_model.expert_rows
+        if self.on_expert_rows is not None and rows is not None:
+            self.on_expert_rows(rows.tolist())
+        return logits
 
     def serve_steps(self) -> None:
         """Ranks > 0: run every plan rank 0 sends, until it sends the stop message."""

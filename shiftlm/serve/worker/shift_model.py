@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shiftlm.comm import all_reduce
 from shiftlm.mesh import Mesh
 from shiftlm.model.inference_linear import GEMV_ROWS, PackedWeights, inference_linear
+from shiftlm.model.moe import SparseMoE
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.compiled_step import CompiledDecode
@@ -71,6 +73,9 @@ class ShiftModel:
         max_seqs = GEMV_ROWS if self.packed is None else self.packed.gemv_rows
         compiled = compile_decode and max_seqs > 0 and CompiledDecode.supports(model, mesh.shift.size)
         self.compiled = CompiledDecode(model, cache, max_seqs) if compiled else None
+        # mixture of experts: each step's load per expert (`expert_rows`), for /metrics and the step log
+        self.moe_layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
+        self.expert_rows: torch.Tensor | None = None
 
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
@@ -78,9 +83,22 @@ class ShiftModel:
         if self.compiled is not None and self.compiled.applies(batch):  # one rank: the block is every logit
             return self.compiled(batch)
         if self.packed is None:
-            return self._forward(batch, mode)
-        with self.packed.active():
-            return self._forward(batch, mode)
+            out = self._forward(batch, mode)
+        else:
+            with self.packed.active():
+                out = self._forward(batch, mode)
+        if self.moe_layers:
+            self.expert_rows = self._expert_rows(mode)
+        return out
+
+    def _expert_rows(self, mode: Mode) -> torch.Tensor:
+        """(token, choice) rows routed to each expert this step, summed over the MoE layers: every rank
+        routes all the tokens in full TP; in SP x TP each sp rank its slice (summed over sp). The rows
+        include the step's padding to a multiple of sp (at most sp - 1 tokens)."""
+        rows = torch.stack([layer.router_stats[0] for layer in self.moe_layers]).sum(dim=0)
+        if mode is Mode.SP_TP and self.mesh.sp.size > 1:
+            rows = all_reduce(rows, self.mesh.sp)  # collective: every rank runs the same step
+        return rows
 
     def _forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         token_ids, positions = batch.token_ids, batch.positions
@@ -102,12 +120,9 @@ def _linear_groups(model: Transformer, layers: int = 4) -> list[list[tuple[torch
     (Q|K|V, O, gate|up, down): what `PackedWeights.choose_small_rows` times."""
     groups = []
     for layer in list(model.model.layers.values())[:layers]:
-        attn, mlp = layer.self_attn, layer.mlp
-        weights = [
-            (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-            (attn.o_proj.weight,),
-            (mlp.gate_proj.weight, mlp.up_proj.weight),
-            (mlp.down_proj.weight,),
-        ]
+        attn, ffn = layer.self_attn, getattr(layer, layer.ffn_name)
+        weights = [(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), (attn.o_proj.weight,)]
+        if hasattr(ffn, "gate_proj"):  # a dense MLP (an MoE layer's experts are grouped GEMMs)
+            weights += [(ffn.gate_proj.weight, ffn.up_proj.weight), (ffn.down_proj.weight,)]
         groups.append([tuple(w.detach() for w in group) for group in weights])
     return groups
