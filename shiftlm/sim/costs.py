@@ -20,6 +20,7 @@ from shiftlm.config import ModelConfig, ParallelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
 from shiftlm.sim.efficiency import Efficiency
+from shiftlm.sim.moe import moe_share
 
 INFERENCE_ROLE = "inference"  # a serving engine's forward GEMM (`shiftlm calibrate` times the engine's own)
 
@@ -62,6 +63,7 @@ class Shard(ParallelConfig):
     sequence_parallel: bool = True
     flash_attention: bool = True
     dtype_bytes: int = 2
+    expert_tp: int = 0  # the tp splitting each expert (0: tp; `Layout.expert_tp`)
 
 
 def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
@@ -75,7 +77,7 @@ def forward_ops(
     attend to `kv_tokens` positions each (training: query_tokens = kv_tokens = seq_len)."""
     width = shard.dtype_bytes
     tokens = sequences * query_tokens / (shard.sp * shard.cp)  # Ulysses and the ring split tokens
-    h, f, tp = model.hidden_size, model.intermediate_size, shard.tp
+    h, tp = model.hidden_size, shard.tp
     q = model.num_heads * model.head_dim  # = h unless the config sets head_dim (Qwen3, Gemma)
     qkv = q + 2 * model.kv_dim
     # norms + the two residual/dropout adds touch 22 bytes per hidden element (Korthikanti 4.1)
@@ -84,9 +86,7 @@ def forward_ops(
         Kernel("norms+residuals", 0.0, 22 * tokens * h / pointwise_share, False),
         _gemm("qkv", tokens, h, qkv / tp, width),
         _gemm("out_proj", tokens, q / tp, h, width),
-        _gemm("mlp_in", tokens, h, f * (2 if model.gated_mlp else 1) / tp, width),
-        Kernel("activation", 0.0, (6 if model.gated_mlp else 4) * tokens * f / tp, False),
-        _gemm("mlp_out", tokens, f / tp, h, width),
+        *ffn_ops(model, tokens, shard),
     ]
     heads = model.num_heads / (tp * shard.sp)  # after the all-to-all: all tokens, fewer heads
     q_all, d = sequences * query_tokens * heads / shard.cp, model.head_dim  # zigzag: 1/cp of the work
@@ -111,6 +111,71 @@ def forward_ops(
             Kernel("av", 2 * scores * d, width * (scores + 2 * q_all * d), True),
         ]
     return ops
+
+
+def _grouped(name: str, groups: float, m: float, k: float, n: float, width: int) -> Kernel:
+    """One grouped GEMM over `groups` experts of m rows each: the FLOPs and bytes of all of them, one
+    kernel, timed at the per-expert shape (what a calibrated profile's table is looked up by)."""
+    return Kernel(name, groups * 2 * m * k * n, width * groups * (m * k + k * n + m * n), True, (m, k, n))
+
+
+def _scaled(op: Kernel, share: float) -> Kernel:
+    return replace(op, flops=op.flops * share, nbytes=op.nbytes * share)
+
+
+def ffn_ops(model: ModelConfig, tokens: float, shard: Shard) -> list[Kernel]:
+    """The FFN kernels of one layer (averaged over layers where dense and MoE layers mix): the dense
+    MLP, or the router, the permutes and the experts' grouped GEMMs at their real per-expert size
+    (`sim/moe.py`: T*k rows over the rank's E/ep experts, balanced) and the shared expert."""
+    h, tp, width = model.hidden_size, shard.tp, shard.dtype_bytes
+    gate, act = (2, 6) if model.gated_mlp else (1, 4)
+    f = model.intermediate_size / tp
+    dense = [
+        _gemm("mlp_in", tokens, h, f * gate, width),
+        Kernel("activation", 0.0, act * tokens * f, False),
+        _gemm("mlp_out", tokens, f, h, width),
+    ]
+    if not model.is_moe:
+        return dense
+    expert_tp = shard.expert_tp or tp
+    routed = tokens / tp if expert_tp == 1 < tp else tokens  # ep folded over tp: its own 1/tp
+    rows = routed * model.num_experts_per_tok
+    local = model.num_experts / shard.ep
+    fe = model.moe_intermediate_size / expert_tp
+    moe = [
+        _gemm("router", routed, h, model.num_experts, width),
+        Kernel("permute+unpermute", 0.0, 2 * width * (routed + rows) * h, False),
+        _grouped("expert_in", local, rows / local, h, fe * gate, width),
+        Kernel("expert_activation", 0.0, act * rows * fe, False),
+        _grouped("expert_out", local, rows / local, fe, h, width),
+    ]
+    if model.shared_expert_intermediate_size:
+        fs = model.shared_expert_intermediate_size / tp
+        moe += [
+            _gemm("shared_in", tokens, h, fs * gate, width),
+            Kernel("shared_activation", 0.0, act * tokens * fs, False),
+            _gemm("shared_out", tokens, fs, h, width),
+            _gemm("shared_gate", tokens, h, 1, width),
+        ]
+    share = moe_share(model)
+    if share >= 1:
+        return moe
+    return [_scaled(op, 1 - share) for op in dense] + [_scaled(op, share) for op in moe]
+
+
+# the GEMMs with weights: their backward is a dgrad (I) and a wgrad (W)
+WEIGHT_GEMMS = (
+    "qkv",
+    "out_proj",
+    "mlp_in",
+    "mlp_out",
+    "router",
+    "expert_in",
+    "expert_out",
+    "shared_in",
+    "shared_out",
+    "shared_gate",
+)
 
 
 def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
@@ -214,7 +279,7 @@ def layer_pass_costs(
     replays the forward before I: all of it (`full`) or the attention core (`selective`,
     Korthikanti 2022 Sec. 5); FlashAttention already recomputes its scores, so selective is free."""
     ops = forward_ops(model, micro_batch, seq_len, seq_len, shard)
-    gemms = [op for op in ops if op.gemm and op.name in ("qkv", "out_proj", "mlp_in", "mlp_out")]
+    gemms = [op for op in ops if op.gemm and op.name in WEIGHT_GEMMS]
     others = [op for op in ops if op not in gemms]
     forward = kernels_time(ops, hardware, efficiency, dtype)
     dgrad_time = kernels_time(backward_gemms(gemms, "dgrad"), hardware, efficiency, dtype)
