@@ -14,6 +14,7 @@ F / I / W costs per micro-batch (`layer_pass_costs`); a serving cost-model runne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from shiftlm.config import ModelConfig, ParallelConfig
@@ -37,6 +38,7 @@ class Kernel:
     gemm: bool
     shape: tuple[float, float, float] | None = None
     role: str = "forward"
+    seq: float = 0.0  # a fused attention kernel's sequence length (the calibrated rates are by length)
 
 
 def backward_gemms(ops: list[Kernel], role: str) -> list[Kernel]:
@@ -101,6 +103,7 @@ def forward_ops(
                 2 * q_all * d * width + kv_bytes,
                 True,
                 role="attention",  # timed at the GPU's flash-attention rate (Hardware.attention_flops)
+                seq=kv_tokens,
             )
         )
     else:
@@ -178,6 +181,20 @@ WEIGHT_GEMMS = (
 )
 
 
+ATTENTION_ROLES = ("attention", "attention_backward")
+
+
+def attention_rate(hardware: Hardware, role: str, seq: float) -> float | None:
+    """A calibrated profile's causal attention FLOP/s (`shiftlm calibrate` on CUDA writes
+    `attention_fwd_<seq>` / `attention_bwd_<seq>`) at the measured length nearest `seq` (log scale),
+    or None where the profile has none."""
+    key = "attention_fwd_" if role == "attention" else "attention_bwd_"
+    rates = {float(k[len(key) :]): v for k, v in hardware.extra.items() if k.startswith(key)}
+    if not rates or seq <= 0:
+        return None
+    return rates[min(rates, key=lambda length: abs(math.log(length / seq)))]
+
+
 def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
     """Roofline time of running `ops` back to back; a GEMM with a shape takes the measured rate of
     its shape and role where the hardware has a GEMM table, else the GPU's achievable matmul rate
@@ -194,7 +211,10 @@ def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, 
     total = 0.0
     for op in ops:
         measured = hardware.gemm_rate(op.role, *op.shape) if op.gemm and op.shape is not None else None
-        rate = attention_peak if op.role == "attention" else peak
+        rate = attention_peak if op.role in ATTENTION_ROLES else peak
+        if op.role in ATTENTION_ROLES:
+            measured = attention_rate(hardware, op.role, op.seq)
+            measured = measured and measured * efficiency.attention_kernel
         rate = rate if measured is None else min(measured * efficiency.gemm, device_peak)
         total += max(op.flops / rate, op.nbytes / bandwidth) + efficiency.kernel_overhead
     return total
@@ -286,8 +306,18 @@ def layer_pass_costs(
     wgrad_time = kernels_time(backward_gemms(gemms, "wgrad"), hardware, efficiency, dtype)
     other_time = kernels_time(others, hardware, efficiency, dtype)
     attention_scale = 2.5 if shard.flash_attention else 2.0  # flash backward recomputes QK^T
-    attention_time = kernels_time([op for op in others if op.gemm], hardware, efficiency, dtype)
-    backward_input = dgrad_time + 2 * (other_time - attention_time) + attention_scale * attention_time
+    attention_ops = [op for op in others if op.gemm]
+    attention_time = kernels_time(attention_ops, hardware, efficiency, dtype)
+    attention_backward = attention_scale * attention_time
+    if shard.flash_attention and attention_rate(hardware, "attention_backward", seq_len):
+        # the profile's measured backward rate (FA-2's count: 2.5x the forward FLOPs; reads q, k, v,
+        # o, do and writes dq, dk, dv: ~2x the forward's bytes)
+        backward_ops = [
+            replace(op, flops=2.5 * op.flops, nbytes=2 * op.nbytes, role="attention_backward")
+            for op in attention_ops
+        ]
+        attention_backward = kernels_time(backward_ops, hardware, efficiency, dtype)
+    backward_input = dgrad_time + 2 * (other_time - attention_time) + attention_backward
     backward_input += comm_forward  # the conjugate collectives of the forward ones
     if recompute == "full":
         backward_input += forward + comm_forward

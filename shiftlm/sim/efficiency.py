@@ -117,5 +117,13 @@ MEASURED = Efficiency(
 
 def measured(extra: dict[str, float]) -> Efficiency:
     """A calibrated profile's efficiency: its achieved rates as they are, plus its measured cost of
-    one eager op (`extra["op_overhead"]`, from `shiftlm calibrate`) per kernel."""
-    return Efficiency(1.0, 1.0, 1.0, 1.0, extra.get("op_overhead", 0.0), host_op=0.0, handoff_latency=0.0)
+    one eager op (`extra["op_overhead"]`, from `shiftlm calibrate`) per kernel. Where the profile
+    measured the host's time per layer of a forward + backward (`shiftlm calibrate` on CUDA:
+    `step_overhead_compiled`, the trainer's default there, else `step_overhead_eager`), that time
+    spread over the layer's framework ops is `host_op`, composed with the device time as any host
+    time is (`costs.overlapped`)."""
+    from shiftlm.sim.costs import LAYER_OPS_BACKWARD, LAYER_OPS_FORWARD
+
+    host = extra.get("step_overhead_compiled", extra.get("step_overhead_eager", 0.0))
+    host_op = host / (LAYER_OPS_FORWARD + LAYER_OPS_BACKWARD)
+    return Efficiency(1.0, 1.0, 1.0, 1.0, extra.get("op_overhead", 0.0), host_op=host_op, handoff_latency=0.0)
