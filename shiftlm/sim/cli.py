@@ -235,6 +235,8 @@ def top_pick_reason(ranked: list) -> str:
     peers = layout.dp * layout.cp * layout.sp
     if layout.zero > 1 and peers > 1:  # at dp = 1 too: cp and sp peers hold the same weights
         memory += f"; zero={layout.zero} shards the weights' state over the dp x cp x sp = {peers} ranks that hold them"
+        if layout.ep > 1:  # expert states shard over the ranks holding the same experts (sim/moe.py)
+            memory += f" (the experts' over their {peers // layout.ep} edp ranks)"
     return (
         f"the fastest predicted step that fits ({best.step_time:.2f} s, {gain:.1f}% faster than 2., which "
         f"spends {delta:.2f} s more in {term}); {memory}"
