@@ -2,7 +2,9 @@
 
 Presets copy the published `config.json` of each model (hidden_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, intermediate_size, vocab_size); GPT-3 175B is Brown et al.
-2020, Table 2.1, with the GPT-2 vocabulary padded to 51,200 as Megatron does.
+2020, Table 2.1, with the GPT-2 vocabulary padded to 51,200 as Megatron does. The mixtures of
+experts are read from the keys of their published `config.json` (mistralai/Mixtral-8x7B-v0.1,
+Qwen/Qwen3-235B-A22B) as a checkpoint's config is.
 """
 
 from __future__ import annotations
@@ -62,6 +64,42 @@ PRESETS: dict[str, ModelConfig] = {
         _preset("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064),
         _preset("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064),
         gpt_style(12288, 96, 96, name="gpt3-175b"),
+        ModelConfig.from_hf_dict(
+            {
+                "_name_or_path": "mixtral-8x7b",
+                "model_type": "mixtral",
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "vocab_size": 32000,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "max_position_embeddings": 32768,
+                "rope_theta": 1e6,
+                "sliding_window": None,
+            }
+        ),
+        ModelConfig.from_hf_dict(
+            {
+                "_name_or_path": "qwen3-235b-a22b",
+                "model_type": "qwen3_moe",
+                "hidden_size": 4096,
+                "intermediate_size": 12288,
+                "moe_intermediate_size": 1536,
+                "num_hidden_layers": 94,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 4,
+                "head_dim": 128,
+                "vocab_size": 151936,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "norm_topk_prob": True,
+                "max_position_embeddings": 40960,
+                "rope_theta": 1e6,
+            }
+        ),
     ]
 }
 

@@ -19,6 +19,10 @@ TRAINER_ZERO_STAGES: tuple[int, ...] = tuple(ZERO_STAGES)
 # write the key), so a planned layout runs without it and is priced without it.
 TRAINER_MEGATRON_SEQUENCE_PARALLEL = False
 
+# Expert parallelism: the planner proposes ep (docs/moe.md: folded over dp x cp x sp, experts split
+# over tp as the dense MLP is); the trainer has no separate expert TP (`etp`), so none is proposed.
+TRAINER_EXPERT_TP = False
+
 # `shiftlm serve` runs one engine over sp x tp ranks; it has no --dp (independent replicas behind
 # one API), so `plan serve` proposes one replica only.
 SERVE_DATA_PARALLEL = False

@@ -25,7 +25,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.train import simulate_step
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
-    for name in ("tp", "pp", "sp", "cp", "micro_batch", "seq", "gpus"):
+    for name in ("tp", "pp", "sp", "cp", "ep", "micro_batch", "seq", "gpus"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     from shiftlm.pipeline.schedules import SCHEDULES
@@ -58,6 +58,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         zero=args.zero,
         cp=args.cp,
+        ep=args.ep,
     )
     result = simulate_step(model, layout, hardware, flags.efficiency_for(args, hardware), args.dtype)
     report = {
@@ -72,6 +73,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     print(
         f"{model.name} on {args.gpus} x {hardware.name}: dp={dp} pp={args.pp}"
         + (f" cp={args.cp}" if args.cp > 1 else "")
+        + (f" ep={args.ep}" if args.ep > 1 else "")
         + f" sp={args.sp} tp={args.tp} "
         f"micro-batch={args.micro_batch} x {layout.microbatches} schedule={schedule} recompute={args.recompute}"
     )
@@ -99,6 +101,7 @@ def _register_simulate_train(subparsers) -> None:
         ("pp", 1, "pipeline stages"),
         ("sp", 1, "Ulysses sequence-parallel degree"),
         ("cp", 1, "context-parallel (ring attention) degree"),
+        ("ep", 1, "expert-parallel degree (a mixture of experts; folded over dp x cp x sp, docs/moe.md)"),
         ("dp", 0, "data-parallel degree (default 0: what --gpus leaves)"),
         ("micro-batch", 1, "sequences per micro-batch"),
         ("global-batch", 0, "sequences per optimizer step (default 0: dp x micro-batch x pp)"),
@@ -203,7 +206,8 @@ def _plan_train(args: argparse.Namespace) -> int:
     for rank, r in enumerate(plan.ranked, 1):
         lay = r.layout
         print(
-            f"{rank}. dp={lay.dp} pp={lay.pp}{f' cp={lay.cp}' if lay.cp > 1 else ''} sp={lay.sp} tp={lay.tp} "
+            f"{rank}. dp={lay.dp} pp={lay.pp}{f' cp={lay.cp}' if lay.cp > 1 else ''}"
+            f"{f' ep={lay.ep}' if lay.ep > 1 else ''} sp={lay.sp} tp={lay.tp} "
             f"mb={lay.micro_batch} {lay.schedule} "
             f"recompute={lay.recompute} zero={lay.zero}: {r.result.step_time:.2f} s/step, "
             f"MFU {100 * r.result.mfu:.1f}% ({r.why()})"
@@ -231,6 +235,8 @@ def top_pick_reason(ranked: list) -> str:
     peers = layout.dp * layout.cp * layout.sp
     if layout.zero > 1 and peers > 1:  # at dp = 1 too: cp and sp peers hold the same weights
         memory += f"; zero={layout.zero} shards the weights' state over the dp x cp x sp = {peers} ranks that hold them"
+        if layout.ep > 1:  # expert states shard over the ranks holding the same experts (sim/moe.py)
+            memory += f" (the experts' over their {peers // layout.ep} edp ranks)"
     return (
         f"the fastest predicted step that fits ({best.step_time:.2f} s, {gain:.1f}% faster than 2., which "
         f"spends {delta:.2f} s more in {term}); {memory}"

@@ -14,13 +14,15 @@ F / I / W costs per micro-batch (`layer_pass_costs`); a serving cost-model runne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.parallel import ParallelConfig
 from shiftlm.sim.collectives import Links, all_reduce_time, all_to_all_time
-from shiftlm.sim.efficiency import Efficiency
+from shiftlm.sim.efficiency import LAYER_OPS_BACKWARD, LAYER_OPS_FORWARD, Efficiency
+from shiftlm.sim.moe import moe_share
 
 INFERENCE_ROLE = "inference"  # a serving engine's forward GEMM (`shiftlm calibrate` times the engine's own)
 
@@ -37,6 +39,7 @@ class Kernel:
     gemm: bool
     shape: tuple[float, float, float] | None = None
     role: str = "forward"
+    seq: float = 0.0  # a fused attention kernel's sequence length (the calibrated rates are by length)
 
 
 def backward_gemms(ops: list[Kernel], role: str) -> list[Kernel]:
@@ -63,6 +66,7 @@ class Shard(ParallelConfig):
     sequence_parallel: bool = True
     flash_attention: bool = True
     dtype_bytes: int = 2
+    expert_tp: int = 0  # the tp splitting each expert (0: tp; `Layout.expert_tp`)
 
 
 def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
@@ -76,7 +80,7 @@ def forward_ops(
     attend to `kv_tokens` positions each (training: query_tokens = kv_tokens = seq_len)."""
     width = shard.dtype_bytes
     tokens = sequences * query_tokens / (shard.sp * shard.cp)  # Ulysses and the ring split tokens
-    h, f, tp = model.hidden_size, model.intermediate_size, shard.tp
+    h, tp = model.hidden_size, shard.tp
     q = model.num_heads * model.head_dim  # = h unless the config sets head_dim (Qwen3, Gemma)
     qkv = q + 2 * model.kv_dim
     # norms + the two residual/dropout adds touch 22 bytes per hidden element (Korthikanti 4.1)
@@ -85,9 +89,7 @@ def forward_ops(
         Kernel("norms+residuals", 0.0, 22 * tokens * h / pointwise_share, False),
         _gemm("qkv", tokens, h, qkv / tp, width),
         _gemm("out_proj", tokens, q / tp, h, width),
-        _gemm("mlp_in", tokens, h, f * (2 if model.gated_mlp else 1) / tp, width),
-        Kernel("activation", 0.0, (6 if model.gated_mlp else 4) * tokens * f / tp, False),
-        _gemm("mlp_out", tokens, f / tp, h, width),
+        *ffn_ops(model, tokens, shard),
     ]
     heads = model.num_heads / (tp * shard.sp)  # after the all-to-all: all tokens, fewer heads
     q_all, d = sequences * query_tokens * heads / shard.cp, model.head_dim  # zigzag: 1/cp of the work
@@ -102,6 +104,7 @@ def forward_ops(
                 2 * q_all * d * width + kv_bytes,
                 True,
                 role="attention",  # timed at the GPU's flash-attention rate (Hardware.attention_flops)
+                seq=kv_tokens,
             )
         )
     else:
@@ -112,6 +115,85 @@ def forward_ops(
             Kernel("av", 2 * scores * d, width * (scores + 2 * q_all * d), True),
         ]
     return ops
+
+
+def _grouped(name: str, groups: float, m: float, k: float, n: float, width: int) -> Kernel:
+    """One grouped GEMM over `groups` experts of m rows each: the FLOPs and bytes of all of them, one
+    kernel, timed at the per-expert shape (what a calibrated profile's table is looked up by)."""
+    return Kernel(name, groups * 2 * m * k * n, width * groups * (m * k + k * n + m * n), True, (m, k, n))
+
+
+def _scaled(op: Kernel, share: float) -> Kernel:
+    return replace(op, flops=op.flops * share, nbytes=op.nbytes * share)
+
+
+def ffn_ops(model: ModelConfig, tokens: float, shard: Shard) -> list[Kernel]:
+    """The FFN kernels of one layer (averaged over layers where dense and MoE layers mix): the dense
+    MLP, or the router, the permutes and the experts' grouped GEMMs at their real per-expert size
+    (`sim/moe.py`: T*k rows over the rank's E/ep experts, balanced) and the shared expert."""
+    h, tp, width = model.hidden_size, shard.tp, shard.dtype_bytes
+    gate, act = (2, 6) if model.gated_mlp else (1, 4)
+    f = model.intermediate_size / tp
+    dense = [
+        _gemm("mlp_in", tokens, h, f * gate, width),
+        Kernel("activation", 0.0, act * tokens * f, False),
+        _gemm("mlp_out", tokens, f, h, width),
+    ]
+    if not model.is_moe:
+        return dense
+    expert_tp = shard.expert_tp or tp
+    routed = tokens / tp if expert_tp == 1 < tp else tokens  # ep folded over tp: its own 1/tp
+    rows = routed * model.num_experts_per_tok
+    local = model.num_experts / shard.ep
+    fe = model.moe_intermediate_size / expert_tp
+    moe = [
+        _gemm("router", routed, h, model.num_experts, width),
+        Kernel("permute+unpermute", 0.0, 2 * width * (routed + rows) * h, False),
+        _grouped("expert_in", local, rows / local, h, fe * gate, width),
+        Kernel("expert_activation", 0.0, act * rows * fe, False),
+        _grouped("expert_out", local, rows / local, fe, h, width),
+    ]
+    if model.shared_expert_intermediate_size:
+        fs = model.shared_expert_intermediate_size / tp
+        moe += [
+            _gemm("shared_in", tokens, h, fs * gate, width),
+            Kernel("shared_activation", 0.0, act * tokens * fs, False),
+            _gemm("shared_out", tokens, fs, h, width),
+            _gemm("shared_gate", tokens, h, 1, width),
+        ]
+    share = moe_share(model)
+    if share >= 1:
+        return moe
+    return [_scaled(op, 1 - share) for op in dense] + [_scaled(op, share) for op in moe]
+
+
+# the GEMMs with weights: their backward is a dgrad (I) and a wgrad (W)
+WEIGHT_GEMMS = (
+    "qkv",
+    "out_proj",
+    "mlp_in",
+    "mlp_out",
+    "router",
+    "expert_in",
+    "expert_out",
+    "shared_in",
+    "shared_out",
+    "shared_gate",
+)
+
+
+ATTENTION_ROLES = ("attention", "attention_backward")
+
+
+def attention_rate(hardware: Hardware, role: str, seq: float) -> float | None:
+    """A calibrated profile's causal attention FLOP/s (`shiftlm calibrate` on CUDA writes
+    `attention_fwd_<seq>` / `attention_bwd_<seq>`) at the measured length nearest `seq` (log scale),
+    or None where the profile has none."""
+    key = "attention_fwd_" if role == "attention" else "attention_bwd_"
+    rates = {float(k[len(key) :]): v for k, v in hardware.extra.items() if k.startswith(key)}
+    if not rates or seq <= 0:
+        return None
+    return rates[min(rates, key=lambda length: abs(math.log(length / seq)))]
 
 
 def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, dtype: str) -> float:
@@ -130,7 +212,10 @@ def kernels_time(ops: list[Kernel], hardware: Hardware, efficiency: Efficiency, 
     total = 0.0
     for op in ops:
         measured = hardware.gemm_rate(op.role, *op.shape) if op.gemm and op.shape is not None else None
-        rate = attention_peak if op.role == "attention" else peak
+        rate = attention_peak if op.role in ATTENTION_ROLES else peak
+        if op.role in ATTENTION_ROLES:
+            measured = attention_rate(hardware, op.role, op.seq)
+            measured = measured and measured * efficiency.attention_kernel
         rate = rate if measured is None else min(measured * efficiency.gemm, device_peak)
         total += max(op.flops / rate, op.nbytes / bandwidth) + efficiency.kernel_overhead
     return total
@@ -156,15 +241,6 @@ def layer_comm_time(
         time += all_to_all_time(qkv_bytes, *sp_links, links)
         time += all_to_all_time(local_tokens * q / shard.tp * width, *sp_links, links)
     return time
-
-
-# Framework ops (each at most one kernel) the host issues for one layer's forward in Megatron-LM's GPT layer (fused LayerNorm,
-# fused softmax, fused bias-GeLU / bias-dropout-add): 2 norms, 4 GEMMs + 2 bias adds, ~12 view /
-# transpose / contiguous ops around attention, 2 batched GEMMs, softmax, 2 dropouts with the CUDA RNG
-# tracker's state swaps (~6), 2 bias-dropout-adds, 2 TP collectives and their autograd wrappers (~8).
-# Autograd's backward issues about two per forward op (dgrad and wgrad per GEMM).
-LAYER_OPS_FORWARD = 40
-LAYER_OPS_BACKWARD = 2 * LAYER_OPS_FORWARD
 
 
 def ring_exposed_time(
@@ -215,15 +291,25 @@ def layer_pass_costs(
     replays the forward before I: all of it (`full`) or the attention core (`selective`,
     Korthikanti 2022 Sec. 5); FlashAttention already recomputes its scores, so selective is free."""
     ops = forward_ops(model, micro_batch, seq_len, seq_len, shard)
-    gemms = [op for op in ops if op.gemm and op.name in ("qkv", "out_proj", "mlp_in", "mlp_out")]
+    gemms = [op for op in ops if op.gemm and op.name in WEIGHT_GEMMS]
     others = [op for op in ops if op not in gemms]
     forward = kernels_time(ops, hardware, efficiency, dtype)
     dgrad_time = kernels_time(backward_gemms(gemms, "dgrad"), hardware, efficiency, dtype)
     wgrad_time = kernels_time(backward_gemms(gemms, "wgrad"), hardware, efficiency, dtype)
     other_time = kernels_time(others, hardware, efficiency, dtype)
     attention_scale = 2.5 if shard.flash_attention else 2.0  # flash backward recomputes QK^T
-    attention_time = kernels_time([op for op in others if op.gemm], hardware, efficiency, dtype)
-    backward_input = dgrad_time + 2 * (other_time - attention_time) + attention_scale * attention_time
+    attention_ops = [op for op in others if op.gemm]
+    attention_time = kernels_time(attention_ops, hardware, efficiency, dtype)
+    attention_backward = attention_scale * attention_time
+    if shard.flash_attention and attention_rate(hardware, "attention_backward", seq_len):
+        # the profile's measured backward rate (FA-2's count: 2.5x the forward FLOPs; reads q, k, v,
+        # o, do and writes dq, dk, dv: ~2x the forward's bytes)
+        backward_ops = [
+            replace(op, flops=2.5 * op.flops, nbytes=2 * op.nbytes, role="attention_backward")
+            for op in attention_ops
+        ]
+        attention_backward = kernels_time(backward_ops, hardware, efficiency, dtype)
+    backward_input = dgrad_time + 2 * (other_time - attention_time) + attention_backward
     backward_input += comm_forward  # the conjugate collectives of the forward ones
     if recompute == "full":
         backward_input += forward + comm_forward

@@ -76,6 +76,7 @@ TABLES = {
     "llmfoundry_h100": "llmfoundry_h100_bf16.csv",
     "llmfoundry_a100": "llmfoundry_a100_bf16.csv",
     "torchtitan_h100": "torchtitan_h100_bf16.csv",
+    "megatron_core_moe_h100": "megatron_core_moe_h100_bf16.csv",
 }
 
 
@@ -269,6 +270,55 @@ def _torchtitan(row: dict) -> Case:
     )
 
 
+def mcore_v08_flops(model: ModelConfig, layout: Layout) -> float:
+    """FLOPs of one step as Megatron-Core v0.8 counts them for its reported TFLOP/s
+    (`num_floating_point_operations`, megatron/training/training.py): 12 B s L h^2 x (attention
+    (1 + groups/heads + s/h) x q/h + MLP f/h x top-k x 3/2 (SwiGLU) + logits V / 2Lh); full (not
+    causal) attention, no recompute."""
+    h, s, layers = model.hidden_size, layout.seq_len, model.num_layers
+    q_ratio = model.num_heads * model.head_dim / h
+    attention = (1 + model.num_kv_heads / model.num_heads + s / h) * q_ratio
+    top_k = model.num_experts_per_tok if model.is_moe else 1
+    ffn = model.moe_intermediate_size if model.is_moe else model.intermediate_size
+    mlp = ffn / h * top_k * (1.5 if model.gated_mlp else 1.0)
+    logits = model.vocab_size / (2 * layers * h)
+    return 12 * layout.global_batch * s * layers * h * h * (attention + mlp + logits)
+
+
+def _megatron_core_moe(row: dict) -> Case:
+    """A row of the Megatron-Core MoE tables on H100 (shiftlm/data/README.md): bf16, rank order
+    tp-cp-ep-dp-pp, Megatron SP, TE fused attention, distributed optimizer (ZeRO-1) with overlapped
+    gradient reduce, interleaved 1F1B with `vp` chunks, expert TP 1 (`Layout.expert_tp`), dropless
+    balanced routing. DeepEP's dispatch is replayed as the all-to-all of the same rows; the fine-grained
+    recompute of norms and activations ("norm,act") as selective (pointwise only, not priced)."""
+    model = PRESETS[row["model"]]
+    pp, vp = int(row["pp"]), int(row["vp"])
+    layout = Layout(
+        dp=int(row["dp"]),
+        pp=pp,
+        tp=int(row["tp"]),
+        cp=int(row["cp"]),
+        ep=int(row["ep"]),
+        expert_tp=int(row["expert_tp"]),
+        micro_batch=int(row["micro_batch"]),
+        global_batch=int(row["global_batch"]),
+        seq_len=int(row["seq"]),
+        schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+        chunks=vp,
+        recompute="selective" if row["recompute"] else "none",
+        zero=1,
+        sequence_parallel=int(row["tp"]) > 1,
+        rank_order=MEGATRON_ORDER,
+    )
+    assert layout.gpus == int(row["gpus"]), row
+    label = f"{row['model']} {layout.gpus}gpu tp{layout.tp} ep{layout.ep} pp{pp} vp{vp} ({row['dispatcher']})"
+    # a row that gives Megatron-Core's TFLOP/s only: its step time by that release's own FLOPs count
+    step = float(row["step_time_s"] or 0) or mcore_v08_flops(model, layout) / (
+        float(row["tflops_per_gpu"]) * 1e12 * layout.gpus
+    )
+    return Case("megatron_core_moe_h100", label, model, layout, H100, step, "iteration_s", "bf16")
+
+
 PARSERS = {
     "megatron_2021_table1": _megatron_table1,
     "korthikanti_2022_table5": _korthikanti_table5,
@@ -277,6 +327,7 @@ PARSERS = {
     "llmfoundry_h100": _llmfoundry("llmfoundry_h100", H100),
     "llmfoundry_a100": _llmfoundry("llmfoundry_a100", A100),
     "torchtitan_h100": _torchtitan,
+    "megatron_core_moe_h100": _megatron_core_moe,
 }
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 from shiftlm.config import ModelConfig
 from shiftlm.sim.layout import Layout
+from shiftlm.sim.moe import dispatched_rows, expert_layer_params, ffn_width, stage_expert_params, zero_sharded
 
 GIB = 2**30
 # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation: a common rule of thumb.
@@ -53,7 +54,9 @@ def stage_params(model: ModelConfig, layout: Layout) -> float:
     # with pp > 1 the first rank holds the embedding and the last the LM head (Megatron keeps a
     # copy of tied embeddings on both); with pp = 1 one rank holds both unless they are tied
     embeddings = 1 if layout.pp > 1 or model.tie_word_embeddings else 2
-    return (layers_per_rank * model.layer_params + embeddings * model.embedding_params) / layout.tp
+    dense = model.layer_params - expert_layer_params(model)  # routed experts: 1/ep of them (sim/moe.py)
+    stage = (layers_per_rank * dense + embeddings * model.embedding_params) / layout.tp
+    return stage + stage_expert_params(model, layout)
 
 
 def layer_activation_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> float:
@@ -62,8 +65,9 @@ def layer_activation_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int 
     if layout.recompute == "full":
         return dtype_bytes * s * b * h / (t if layout.sequence_parallel else 1)
     width = dtype_bytes / 2  # the paper counts fp16 (2 bytes) plus 1-byte dropout masks
-    replicated = 10 * s * b * h  # norm inputs, linear inputs, dropout masks
-    ffn = model.intermediate_size * (3 if model.gated_mlp else 2) / h  # tensors in ffn width, in units of h
+    # norm inputs, linear inputs, dropout masks; a MoE layer's permuted rows (every tp rank's copy)
+    replicated = s * b * h * (10 + 2 * dispatched_rows(model))
+    ffn = ffn_width(model) * (3 if model.gated_mlp else 2) / h  # tensors in ffn width, in units of h
     kv = 2 * model.kv_dim / h
     sharded = s * b * h * (2 * (1 + kv) + 2 + 2 * ffn)  # q,k,v + attention out + MLP (= 24sbh for GPT)
     total = replicated / (t if layout.sequence_parallel else 1) + sharded / t
@@ -86,11 +90,13 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Memory on the busiest rank; `peak_in_flight` = most stage-micro-batches (of L/(pp*chunks)
     layers each) whose activations one rank holds at once, from the simulated schedule."""
-    params = stage_params(model, layout)
+    params, experts = stage_params(model, layout), stage_expert_params(model, layout)
     dp = layout.dp * layout.cp * layout.sp  # the ZeRO group is the trainer's dp_sp (DP, cp, Ulysses)
-    weights = 2 * params / (dp if layout.zero >= 3 else 1)
-    gradients = 2 * params / (dp if layout.zero >= 2 else 1)
-    optimizer = 12 * params / (dp if layout.zero >= 1 else 1)
+
+    def sharded(stage: int) -> float:  # experts' states over their edp group
+        return zero_sharded(params, experts, layout, dp, layout.zero >= stage)
+
+    weights, gradients, optimizer = 2 * sharded(3), 2 * sharded(2), 12 * sharded(1)
     layers_per_chunk = model.num_layers / (layout.pp * layout.chunks)
     activations = peak_in_flight * layers_per_chunk * layer_activation_bytes(model, layout, dtype_bytes)
     activations += working_set_bytes(model, layout, dtype_bytes)

@@ -1,6 +1,6 @@
 """Find the fastest training layout that fits: enumerate, bound, simulate only what can still win.
 
-Every layout (dp, pp, sp, tp, micro-batch, schedule, recompute, ZeRO) is enumerated and given a
+Every layout (dp, pp, sp, tp, ep for a mixture of experts, micro-batch, schedule, recompute, ZeRO) is enumerated and given a
 lower bound on its memory (one micro-batch in flight) and on its step time (`step_time_bound`: no
 rank finishes before the forward chain reaches its first stage and it has done all its own work).
 Candidates are then simulated in order of their bound, with the real schedule; the search stops once
@@ -63,21 +63,38 @@ def enumerate_layouts(
                     for schedule, chunks in _schedules(model, pp, microbatches):
                         for recompute in PLANNED_RECOMPUTE:
                             for zero in planned_zero_stages(dp * cp * sp, pp=pp):  # ZeRO group: dp_sp
-                                yield Layout(
-                                    dp=dp,
-                                    pp=pp,
-                                    tp=tp,
-                                    sp=sp,
-                                    micro_batch=micro_batch,
-                                    global_batch=global_batch,
-                                    seq_len=seq_len,
-                                    schedule=schedule,
-                                    chunks=chunks,
-                                    recompute=recompute,
-                                    zero=zero,
-                                    sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
-                                    cp=cp,
-                                )
+                                for ep in planned_ep(model, dp * cp * sp, tp):
+                                    yield Layout(
+                                        dp=dp,
+                                        pp=pp,
+                                        tp=tp,
+                                        sp=sp,
+                                        micro_batch=micro_batch,
+                                        global_batch=global_batch,
+                                        seq_len=seq_len,
+                                        schedule=schedule,
+                                        chunks=chunks,
+                                        recompute=recompute,
+                                        zero=zero,
+                                        sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
+                                        cp=cp,
+                                        ep=ep,
+                                    )
+
+
+def planned_ep(model: ModelConfig, token_ranks: int, tp: int) -> list[int]:
+    """Expert-parallel degrees to plan: powers of two dividing the experts and the dp x cp x sp ranks
+    ep folds over (`ParallelConfig.check_experts`); 1 for a dense model or one whose experts tp
+    cannot split. No separate expert TP: the trainer has none (`capabilities.TRAINER_EXPERT_TP`)."""
+    if not model.is_moe:
+        return [1]
+    if model.moe_intermediate_size % tp or model.shared_expert_intermediate_size % tp:
+        return []
+    return [
+        ep
+        for ep in _powers_of_two(model.num_experts)
+        if model.num_experts % ep == 0 and token_ranks % ep == 0
+    ]
 
 
 # ring attention hides a K/V transfer behind one c x 2c block; below this many tokens per zigzag
@@ -186,6 +203,8 @@ def plan_training(
             layout.chunks,
             layout.micro_batch,
             layout.recompute,
+            layout.ep,
+            layout.dp if layout.ep > 1 else 0,  # where an ep group lies depends on dp
         )
         if key not in stage_memo:
             stage_memo[key] = stage_costs(
@@ -220,6 +239,7 @@ def train_config_toml(model_name: str, layout: Layout) -> str:
         f'[model]\nname = "{model_name}"\n\n'
         f"[parallel]\ndp = {layout.dp}\npp = {layout.pp}\nsp = {layout.sp}\ntp = {layout.tp}\n"
         + (f"cp = {layout.cp}\n" if layout.cp > 1 else "")
+        + (f"ep = {layout.ep}\n" if layout.ep > 1 else "")
         + "\n"
         f"[train]\nmicro_batch = {layout.micro_batch}\nglobal_batch = {layout.global_batch}\n"
         f'seq_len = {layout.seq_len}\nschedule = "{schedule}"\nchunks = {layout.chunks}\n'

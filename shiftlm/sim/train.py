@@ -17,8 +17,15 @@ from functools import lru_cache
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
 from shiftlm.pipeline.peak import lowered_schedule as build
-from shiftlm.sim import costs
-from shiftlm.sim.collectives import Links, all_reduce_time, p2p_links, p2p_time, reduce_scatter_time
+from shiftlm.sim import costs, moe
+from shiftlm.sim.collectives import (
+    Links,
+    all_reduce_time,
+    all_to_all_time,
+    p2p_links,
+    p2p_time,
+    reduce_scatter_time,
+)
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
@@ -103,11 +110,18 @@ def stage_costs(
         cp=layout.cp,
         flash_attention=layout.flash_attention,
         dtype_bytes=width,
+        ep=layout.ep,
+        expert_tp=layout.expert_tp,
     )
     tokens = layout.micro_batch * layout.seq_len
     tp_links = group_placement(layout, "tp", hardware.gpus_per_node)
     sp_links = group_placement(layout, "sp", hardware.gpus_per_node)
     comm = costs.layer_comm_time(model, tokens, shard, tp_links, sp_links, links)
+    if layout.ep > 1:  # dispatch and combine all-to-alls of each MoE layer (sim/moe.py)
+        a2a = all_to_all_time(
+            moe.dispatch_bytes(model, layout, width), *moe.ep_placement(layout, hardware.gpus_per_node), links
+        )
+        comm += 2 * a2a * moe.moe_share(model)
     ring_backward = 0.0
     if layout.cp > 1:  # ring attention: transfers overlap the attention blocks; only the rest shows
         ops = costs.forward_ops(model, layout.micro_batch, layout.seq_len, layout.seq_len, shard)
@@ -254,12 +268,17 @@ def grad_sync_time(
     different tokens (ranks per node and nodes: the products over the three axes)."""
     if layout.dp * layout.cp * layout.sp == 1:
         return 0.0
-    nbytes = stage_params(model, layout) * DTYPE_BYTES[dtype]
+    experts = moe.stage_expert_params(model, layout)
+    nbytes = (stage_params(model, layout) - experts) * DTYPE_BYTES[dtype]
     placement = (1, 1)
     for axis in ("dp", "cp", "sp"):
         per_node, nodes = group_placement(layout, axis, hardware.gpus_per_node)
         placement = (placement[0] * per_node, placement[1] * nodes)
-    time = all_reduce_time(nbytes, *placement, Links.of(hardware, efficiency))
+    links = Links.of(hardware, efficiency)
+    time = all_reduce_time(nbytes, *placement, links)
+    if experts:  # expert gradients are summed over their edp group only (docs/moe.md)
+        edp = moe.edp_placement(layout, hardware.gpus_per_node)
+        time += all_reduce_time(experts * DTYPE_BYTES[dtype], *edp, links)
     return time * zero_sync_factor(layout)
 
 
@@ -296,7 +315,13 @@ def step_overheads(
     exposed_sync = max(0.0, sync - last_backward) if layout.overlap_grad_sync else sync
     exposed_sync += tied_embedding_sync_time(model, layout, hardware, efficiency, dtype)
     replicas = layout.dp * layout.cp * layout.sp  # the ZeRO group is the trainer's dp_sp
-    local_params = stage_params(model, layout) / (replicas if layout.zero >= 1 else 1)
+    local_params = moe.zero_sharded(
+        stage_params(model, layout),
+        moe.stage_expert_params(model, layout),
+        layout,
+        replicas,
+        layout.zero >= 1,
+    )
     return exposed_sync, costs.optimizer_time(local_params, hardware, efficiency, layout.optimizer_bytes)
 
 

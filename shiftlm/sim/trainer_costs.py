@@ -42,6 +42,14 @@ from shiftlm.sim.collectives import Links, reduce_scatter_time
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+from shiftlm.sim.moe import (
+    dispatched_rows,
+    expert_layer_params,
+    expert_tp,
+    ffn_width,
+    stage_expert_params,
+    zero_sharded,
+)
 
 FP32 = 4
 
@@ -53,25 +61,28 @@ def data_group(layout: Layout) -> int:
 
 def largest_unit(model: ModelConfig, layout: Layout) -> float:
     """Parameters of the largest ZeRO-3 unit on a rank (a decoder layer, or the embedding / head)."""
-    return max(model.layer_params, model.embedding_params) / layout.tp
+    experts = expert_layer_params(model)
+    layer = (model.layer_params - experts) / layout.tp + experts / (layout.ep * expert_tp(layout))
+    return max(layer, model.embedding_params / layout.tp)
 
 
 def trainer_states(model: ModelConfig, layout: Layout) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes the trainer keeps on the busiest rank (module docstring)."""
     params = stage_params(model, layout)
     n = data_group(layout)
-    sharded = n if layout.zero >= 1 else 1
+    # the owned range: 1/n of the dense parameters, 1/edp of the experts' (sim/moe.py)
+    owned = zero_sharded(params, stage_expert_params(model, layout), layout, n, True)
     weights = FP32 * params
     if layout.zero >= 3 and n > 1:
-        weights = FP32 * params / n + 2 * FP32 * largest_unit(model, layout)
+        weights = FP32 * owned + 2 * FP32 * largest_unit(model, layout)
     gradients = 2 * FP32 * params  # the flat gradient buffer and the grad-norm mask
     if layout.zero >= 2 and n > 1:  # the shard and its norm mask, plus two units in transit
-        gradients = 2 * FP32 * params / n + 2 * FP32 * largest_unit(model, layout)
+        gradients = 2 * FP32 * owned + 2 * FP32 * largest_unit(model, layout)
         if layout.schedule == "bitpipe":  # replica-synced stages keep `.grad` until the step's end
             gradients += FP32 * params
-    optimizer = 3 * FP32 * params / sharded  # m, v and the decay mask over the owned range
+    optimizer = 3 * FP32 * (owned if layout.zero >= 1 else params)  # m, v and the decay mask
     if layout.zero in (1, 2) and n > 1:  # the parameter refill's input buffer (train/zero.py)
-        optimizer += FP32 * params / n
+        optimizer += FP32 * owned
     return weights, gradients, optimizer
 
 
@@ -83,14 +94,17 @@ def layer_saved_elements(model: ModelConfig, layout: Layout) -> float:
     tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
     q_dim = model.num_heads * model.head_dim
     kv_dim = model.num_kv_heads * model.head_dim
-    sharded = (3 * q_dim + 2 * kv_dim + 4 * model.intermediate_size) / layout.tp
-    return tokens * (5 * model.hidden_size + sharded)
+    sharded = (3 * q_dim + 2 * kv_dim + 4 * ffn_width(model)) / layout.tp
+    return tokens * ((5 + dispatched_rows(model)) * model.hidden_size + sharded)
 
 
 def optimizer_transient(model: ModelConfig, layout: Layout) -> float:
     """Bytes of the AdamW update's four fp32 temporaries over this rank's owned range."""
-    n = data_group(layout) if layout.zero >= 1 else 1
-    return 4 * FP32 * stage_params(model, layout) / n
+    params = stage_params(model, layout)
+    owned = zero_sharded(
+        params, stage_expert_params(model, layout), layout, data_group(layout), layout.zero >= 1
+    )
+    return 4 * FP32 * owned
 
 
 def trainer_memory(

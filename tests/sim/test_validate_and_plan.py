@@ -30,8 +30,9 @@ def _held_out(table):
 
 MET_TODAY = {  # issue 17's held-out goals (validate_cli.TARGET_PCT): which are met today
     "megatron_2021_table1": True,  # 2.88% (5.04% before Megatron-LM 2021's gradient accumulation)
-    "korthikanti_2022_table5": True,
-    "vtrain_multi_node": True,  # 6.99% (7.45% before the measured NCCL tables and the converged fit)
+    # 3.06% since 2026-11-27 (2.50% before): the price of three fewer fitted constants (docs/simulator.md)
+    "korthikanti_2022_table5": False,
+    "vtrain_multi_node": True,  # 6.89% (6.99% with 10 fitted constants, 7.45% before the NCCL tables)
     "vtrain_single_node": True,
     "llmfoundry_h100": True,  # never fitted: 6.4% with llm-foundry's two A100-fitted constants
 }
@@ -58,7 +59,7 @@ def test_fitted_model_meets_the_issue_goal_on_held_out_rows(table):
     [
         # where a goal is not met, the bound is today's value plus a little: a regression fails
         ("megatron_2021_table1", 4.0),
-        ("korthikanti_2022_table5", 3.0),
+        ("korthikanti_2022_table5", 3.1),
         ("vtrain_multi_node", 7.0),
         ("vtrain_single_node", 8.0),
         ("llmfoundry_h100", 8.0),
