@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm import all_reduce
-from shiftlm.config import ModelConfig
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import take_shard
 from shiftlm.train.config import load_config
 from shiftlm.train.trainer import Trainer
+from tests.train.conftest import moe_qwen2_config
 
 STEPS = 5
 TOLERANCE = 1e-5
@@ -28,36 +28,6 @@ BASE = [
     "--optim.grad_clip=0.5",  # below the norms (~1): every step is clipped, so the norm must be right
     "--log.progress=off",
 ]
-
-
-def moe_config() -> ModelConfig:
-    """A qwen2_moe micro model: a dense layer 0, 4 experts top-2 and a gated shared expert in the
-    others, the load-balancing loss in the training loss with a large coefficient (0.1)."""
-    return ModelConfig(
-        vocab_size=2048,  # the embedded tokenizer's
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        model_type="qwen2_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        mlp_only_layers=(0,),
-        norm_topk_prob=False,
-        router_aux_loss_coef=0.1,
-        output_router_logits=True,
-    )
-
-
-@pytest.fixture(scope="module")
-def moe_model(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("qwen2_moe")
-    (directory / "config.json").write_text(json.dumps(moe_config().to_hf_dict()))
-    return f"--model.name={directory}"
 
 
 def _full_local_grads(trainer: Trainer) -> torch.Tensor:
@@ -134,7 +104,7 @@ def test_ep_layout_losses_and_first_gradients_equal_one_rank(ranks, tmp_path, mo
             assert norms[step] == pytest.approx(one_norms[step], rel=TOLERANCE), (
                 f"norm: rank {rank} step {step}"
             )
-    config, seen = moe_config(), set()
+    config, seen = moe_qwen2_config(), set()
     for rank, (_, grads, (tp_rank, tp_size)) in enumerate(runs):
         for name, grad in grads.items():
             expected = take_shard(one_grads[name], shard_spec(name, config, tp_rank, tp_size))
@@ -153,11 +123,11 @@ def test_ep_layout_losses_and_first_gradients_equal_one_rank(ranks, tmp_path, mo
 def test_the_load_balancing_loss_is_in_the_training_loss(ranks, tmp_path, moe_model, one_rank):
     """Without it (output_router_logits false) the step-1 loss drops by ~coef x top-k (balanced
     routing's aux loss is about top-k), and the routers' gradients change."""
-    config = moe_config()
     directory = tmp_path / "no_aux"
     directory.mkdir()
-    raw = {**config.to_hf_dict(), "output_router_logits": False}
-    (directory / "config.json").write_text(json.dumps(raw))
+    (directory / "config.json").write_text(
+        json.dumps(moe_qwen2_config(output_router_logits=False).to_hf_dict())
+    )
     (losses, _), grads, _ = ranks.run(
         1, losses_and_first_grads, [f"--model.name={directory}"], str(tmp_path)
     )[0]
