@@ -187,3 +187,14 @@ def test_one_rank_loss_is_transformers_loss_with_its_aux_term(ranks, tmp_path):
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
     ours, expected = ranks.run(1, step_one_losses, str(tmp_path / "hf"), str(tmp_path / "run"))[0]
     assert ours == pytest.approx(expected, rel=TOLERANCE)
+
+
+def test_dry_run_checks_an_ep_x_pp_layout_against_one_rank(capsys, tmp_path, moe_model):
+    """`shiftlm train --dry-run`: the stand-in keeps the MoE (2 experts per ep rank, the aux loss) and
+    its step at ep2 x pp2 x ZeRO-2 equals one rank's."""
+    from shiftlm.cli import main
+
+    layout = ["--parallel.dp=2", "--parallel.ep=2", "--parallel.pp=2", "--train.zero=2"]
+    assert main(["train", "--dry-run", moe_model, *layout, f"--log.dir={tmp_path}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "ep2" in lines[0] and "equal to one rank" in lines[-1], lines
