@@ -24,8 +24,6 @@ from shiftlm.mesh import Mesh
 from shiftlm.model.moe import SparseMoE
 from shiftlm.model.sharding import is_expert_param
 
-TAIL = 2  # after the statistics: the rows count, and the batch size of the packed activation
-
 
 def aux_loss_active(model: ModelConfig) -> bool:
     """transformers adds the load-balancing loss to the training loss when the config asks."""
@@ -63,17 +61,16 @@ def aux_loss_share(stats: torch.Tensor, mesh: Mesh, coef: float, micro_batches: 
 
 
 def pack(hidden: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """One tensor for the pipeline executor: the activation, flattened, then the statistics and the
-    batch size (the receiver's `unpack` restores [B, S, H]). fp32: counts stay exact."""
-    batch = torch.tensor([float(hidden.shape[0])], device=hidden.device)
-    return torch.cat([hidden.float().reshape(-1), stats, batch])
+    """One tensor for the pipeline executor: the activation, flattened, then the statistics (the
+    receiver's `unpack` restores [B, S, H]). fp32: counts stay exact."""
+    return torch.cat([hidden.float().reshape(-1), stats])
 
 
-def unpack(packed: torch.Tensor, experts: int, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tail = 2 * experts + TAIL
-    batch = int(packed[-1].item())
-    hidden = packed[:-tail].view(batch, -1, hidden_size)
-    return hidden, packed[-tail:-1]
+def unpack(
+    packed: torch.Tensor, stats: int, batch: int, hidden_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states [batch, S, hidden_size], the `stats` statistics) of a `pack`ed tensor."""
+    return packed[:-stats].view(batch, -1, hidden_size), packed[-stats:]
 
 
 class RouterStatsStage(nn.Module):
@@ -81,9 +78,11 @@ class RouterStatsStage(nn.Module):
     the first stage takes token ids, the others a `pack`ed tensor; the last returns (its output,
     the statistics of the whole model), which `pipeline_aux_loss` turns into the loss."""
 
-    def __init__(self, stage: nn.Module):
+    def __init__(self, stage: nn.Module, sequences: int):
+        """`sequences`: per micro-batch, the packed activation's batch dimension (not `micro_batch`,
+        the attribute the pipeline executor sets on stages that take one)."""
         super().__init__()
-        self.stage = stage
+        self.stage, self.sequences = stage, sequences
         self.experts = stage.config.num_experts
 
     def forward(self, x: torch.Tensor):
@@ -91,7 +90,7 @@ class RouterStatsStage(nn.Module):
         if self.stage.with_embedding:
             hidden, running = x, torch.zeros(2 * self.experts + 1, device=device)
         else:
-            hidden, running = unpack(x, self.experts, config.hidden_size)
+            hidden, running = unpack(x, 2 * self.experts + 1, self.sequences, config.hidden_size)
         out = self.stage(hidden)
         running = running + router_stats(self.stage, self.experts, device)
         if self.stage.with_head:

@@ -105,7 +105,8 @@ class StepRunner:
 
                 modules = [StreamStage(stage) for stage in stages]
             elif self.aux_coef:  # the router statistics travel with the activations
-                modules, loss = [RouterStatsStage(stage) for stage in stages], self._pipeline_loss
+                modules = [RouterStatsStage(stage, config.train.micro_batch) for stage in stages]
+                loss = self._pipeline_loss
             self.modules = modules
             self.pipeline = make_executor(modules, mesh, config, loss, on_stage_grads_ready)
 
