@@ -56,16 +56,16 @@ class Layout(ParallelConfig):
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""
         super().check_model(model, self.chunks if chunks is None else chunks)
 
-    def check_experts(self, model: ModelConfig) -> None:
+    def check_experts(self, model: ModelConfig, shift: bool = False) -> None:
         """The core's expert checks; with expert_tp 1 over the tp x dp x cp x sp ranks ep folds over."""
         if self.expert_tp not in (0, 1, self.tp):
             raise ValueError(f"expert_tp = {self.expert_tp} must be 1 or tp = {self.tp}")
         if self.expert_tp == 1 < self.tp:
             ParallelConfig(
                 dp=self.dp * self.tp, pp=self.pp, sp=self.sp, cp=self.cp, ep=self.ep
-            ).check_experts(model)
+            ).check_experts(model, shift)
             return
-        super().check_experts(model)
+        super().check_experts(model, shift)
 
     @property
     def gpus(self) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -66,6 +67,21 @@ def stand_in_model(real: ModelConfig, degrees: dict[str, int], stages: int) -> M
     shift = degrees["sp"] * degrees["tp"]
     heads = 2 * shift
     kv = heads if real.num_kv_heads == real.num_heads else shift
+    moe = {}
+    if real.is_moe:  # two experts per ep rank, every layer routed, the real router's settings
+        experts = 2 * degrees.get("ep", 1)
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=min(real.num_experts_per_tok, experts),
+            moe_intermediate_size=2 * STAND_IN_HIDDEN,
+            shared_expert_intermediate_size=2 * STAND_IN_HIDDEN
+            if real.shared_expert_intermediate_size
+            else 0,
+            norm_topk_prob=real.norm_topk_prob,
+            router_aux_loss_coef=real.router_aux_loss_coef,
+            output_router_logits=real.output_router_logits,
+            qk_norm=real.qk_norm,
+        )
     return ModelConfig(
         vocab_size=STAND_IN_VOCAB,
         hidden_size=STAND_IN_HIDDEN,
@@ -80,6 +96,7 @@ def stand_in_model(real: ModelConfig, degrees: dict[str, int], stages: int) -> M
         model_type=real.model_type,
         bos_token_id=0,
         eos_token_id=0,
+        **moe,
     )
 
 
@@ -99,6 +116,8 @@ def stand_in_config(
     from shiftlm.train.pipeline import resolved_chunks
 
     small = copy.deepcopy(config)
+    # ep is folded over dp x cp x sp: it keeps what of it still divides the scaled token ranks
+    degrees = {**degrees, "ep": math.gcd(config.parallel.ep, degrees["dp"] * degrees["cp"] * degrees["sp"])}
     small.parallel = dataclasses.replace(small.parallel, **degrees)
     split = 2 * degrees["cp"] * degrees["sp"] if degrees["cp"] > 1 else degrees["sp"]
     small.train.seq_len = split * -(-32 // split)
@@ -126,7 +145,7 @@ def _real_model(config: TrainConfig) -> ModelConfig:
 
 def single_rank(config: TrainConfig) -> TrainConfig:
     reference = copy.deepcopy(config)
-    reference.parallel = dataclasses.replace(reference.parallel, **dict.fromkeys(AXES, 1))
+    reference.parallel = dataclasses.replace(reference.parallel, **dict.fromkeys((*AXES, "ep"), 1))
     reference.train.zero = 0
     reference.train.schedule, reference.train.chunks = "1f1b", 1
     reference.log.dir = str(Path(config.log.dir).with_name("reference"))
@@ -161,10 +180,11 @@ def dry_run(config: TrainConfig, max_ranks: int = 8, launch: Launch = launch_loc
     p = config.parallel
     phases: dict[str, dict] = {}
     model = model_shape(config)  # every layout check against the real model
+    axes = (*AXES, "ep") if p.ep > 1 else AXES
     phases["config"] = {
         "model": config.model.name,
         "params": model.num_params,
-        "layout": {axis: getattr(p, axis) for axis in AXES},
+        "layout": {axis: getattr(p, axis) for axis in axes},  # ep (folded over dp x cp x sp) where used
         "world_size": p.world_size,
         "zero": config.train.zero,
         "schedule": config.train.schedule if p.pp > 1 else "none",

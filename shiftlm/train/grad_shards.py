@@ -51,11 +51,14 @@ class ShardedGrads:
         ranges: list[tuple[int, int]],
         hooked: list[bool] | None = None,
         in_flight: int = 1,
+        unit_groups: list[CommGroup] | None = None,
     ):
         """`ranges`: this rank's [start, end) of every unit (`zero.owned_ranges`); `hooked[i]`: whether
         parameter i's gradient is taken from autograd's accumulate hook (False for parameters whose
         gradients other code sums first, e.g. BitPipe's replica sync; `parameters_ready` brings them)."""
         self.flat, self.group, self.ranges = flat, group, ranges
+        # each unit's data group where they differ (routed experts over `edp`, train/moe.py)
+        self.unit_groups = unit_groups if unit_groups is not None else [group] * len(flat.units)
         self.in_flight = max(1, in_flight)
         self.offsets, offset = [], 0  # where each unit's piece starts in `shard`
         for a, b in ranges:
@@ -69,7 +72,7 @@ class ShardedGrads:
         self._buffers: dict[int, torch.Tensor] = {}  # unit -> its full-size gradient (transient)
         self._arrivals: list[set[int]] = [set() for _ in flat.units]  # parameters in the open buffer
         self._pending: deque = deque()  # (unit, work, buffer, output) reductions in flight
-        self.gloo = group.size > 1 and dist.get_backend(group.pg) == "gloo"
+        self.gloo = [g.size > 1 and dist.get_backend(g.pg) == "gloo" for g in self.unit_groups]
         self.reductions = 0  # unit reductions this step (a test reads it)
         hooked = hooked if hooked is not None else [True] * len(flat.parameters)
         for index, (param, hook) in enumerate(zip(flat.parameters, hooked)):
@@ -148,14 +151,15 @@ class ShardedGrads:
         buffer = self._buffers.pop(unit)
         self._arrivals[unit] = set()
         self.reductions += 1
-        if self.group.size == 1:
+        group = self.unit_groups[unit]
+        if group.size == 1:
             self._pending.append((unit, None, buffer, buffer))
-        elif self.gloo:  # gloo has no reduce-scatter: an in-place all-reduce, then this rank's slice
-            work = all_reduce(buffer, self.group, async_op=True, in_place=True)
+        elif self.gloo[unit]:  # gloo has no reduce-scatter: an in-place all-reduce, then this rank's slice
+            work = all_reduce(buffer, group, async_op=True, in_place=True)
             self._pending.append((unit, work, buffer, None))
         else:
             with torch.profiler.record_function(GRADS_TAG):
-                self._pending.append((unit, None, None, reduce_scatter(buffer, self.group, 0)))
+                self._pending.append((unit, None, None, reduce_scatter(buffer, group, 0)))
         while len(self._pending) > self.in_flight:
             self._complete()
 
@@ -163,7 +167,8 @@ class ShardedGrads:
         unit, work, buffer, output = self._pending.popleft()
         if work is not None:
             work.wait()
-            output = buffer.chunk(self.group.size)[self.group.rank]
+            group = self.unit_groups[unit]
+            output = buffer.chunk(group.size)[group.rank]
         start = self.offsets[unit]
         self.shard[start : start + output.numel()].add_(output)
         if buffer is not None:  # free it now: gloo's finished work may keep a reference for a while

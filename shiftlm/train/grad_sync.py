@@ -33,13 +33,17 @@ class GradSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         count_accumulations: bool = True,
+        groups: list[CommGroup] | None = None,
     ):
         """`count_accumulations=False`: ignore autograd's accumulate hooks, only `parameters_ready`
         completes a parameter (the pipeline executor: its I pass fires a weight's hook without a
-        gradient, whose W comes later)."""
+        gradient, whose W comes later). `groups[i]`: parameter i's data group when they differ
+        (routed experts over `edp`, train/moe.py); a bucket never spans two groups."""
         self.flat, self.group = flat, group
-        self.overlap = overlap and group.size > 1
+        self.groups = groups if groups is not None else [group] * len(flat.parameters)
+        self.overlap = overlap and max((g.size for g in self.groups), default=1) > 1
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the flat buffer
+        self._bucket_group: list[CommGroup] = []
         self._bucket_of: list[int] = []  # parameter index -> bucket index
         self._build_buckets(bucket_bytes // 4)
         self._expected = 0
@@ -60,8 +64,10 @@ class GradSync:
                 end = slot.offset + slot.numel
             start = slot.offset
             self._bucket_of[index] = len(self.buckets)
-            if end - start >= bucket_elements or index == 0:
+            boundary = index == 0 or self.groups[index - 1] is not self.groups[index]
+            if end - start >= bucket_elements or boundary:
                 self.buckets.append((start, end))
+                self._bucket_group.append(self.groups[index])
                 end = None
 
     def begin_step(self, micro_batches: int) -> None:
@@ -103,12 +109,12 @@ class GradSync:
     def _launch(self, bucket: int) -> None:
         start, end = self.buckets[bucket]
         chunk = self.flat.grads[start:end]
-        self._handles[bucket] = all_reduce(chunk, self.group, async_op=True, in_place=True)
+        self._handles[bucket] = all_reduce(chunk, self._bucket_group[bucket], async_op=True, in_place=True)
 
     @torch.no_grad()
     def finish(self) -> None:
         """All gradients are summed over the group when this returns."""
-        if self.group.size == 1:
+        if all(group.size == 1 for group in self._bucket_group):
             return
         for bucket in range(len(self.buckets)):  # in bucket order on every rank: same collective order
             if bucket not in self._handles:

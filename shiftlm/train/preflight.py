@@ -122,6 +122,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool =
         recompute=t.recompute,
         zero=min(t.zero, 3),
         cp=p.cp,
+        ep=p.ep,
         sequence_parallel=p.sequence_parallel,
         flash_attention=True,  # PyTorch SDPA's fused causal path keeps no s x s scores
     )

@@ -17,6 +17,7 @@ from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.parallel import ParallelConfig
 from shiftlm.train.config import TrainConfig
+from shiftlm.train.moe import aux_loss_active
 from shiftlm.train.pipeline import resolved_chunks
 from shiftlm.train.sources import prepare_shards
 from shiftlm.train.streams import check_data_format
@@ -91,10 +92,10 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
     parallel = config.parallel
     # before the world size: a layout that cannot fit the model is the news
     parallel.check_model(model, resolved_chunks(config))
-    if parallel.ep > 1 or (model.is_moe and model.output_router_logits):
-        raise ConfigError(
-            "training with expert parallelism or the MoE load-balancing loss is not implemented yet "
-            "(docs/moe.md): use parallel.ep = 1 and a config.json with output_router_logits false"
+    if config.data.format == "streams" and parallel.pp > 1 and aux_loss_active(model):
+        raise ConfigError(  # the router statistics travel with the activations; stream stages do not carry them
+            "data.format = 'streams' with the MoE load-balancing loss (output_router_logits) needs pp = 1: "
+            "set parallel.pp = 1, or output_router_logits false in config.json"
         )
     parallel.check_world_size(world_size)
     parallel.check_sequence(config.train.seq_len)

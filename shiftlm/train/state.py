@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shiftlm.model.sharding import shard_spec
+from shiftlm.model.sharding import is_expert_param, shard_spec
 from shiftlm.model.transformer import Transformer
 from shiftlm.model.weights import CheckpointError, gather_to_full, open_safetensors, source_name, take_shard
 
@@ -40,7 +40,8 @@ def gather_moments(
 def save_moments(
     stages: list[Transformer], moments: dict[str, dict[str, torch.Tensor]], directory: Path
 ) -> None:
-    """Write this rank's stages' full moments; one writer per pp rank (dp = sp = tp = 0). Collective over TP."""
+    """Write this rank's stages' full moments; one writer per pp rank (dp = sp = tp = 0), and with
+    ep > 1 one per (pp, ep) rank for the routed experts. Collective over TP."""
     full = {}
     for stage in stages:
         names = {name for name, _ in stage.named_parameters()}
@@ -48,12 +49,19 @@ def save_moments(
             moment: {n: t for n, t in by_name.items() if n in names} for moment, by_name in moments.items()
         }
         full.update(gather_moments(stage, mine))
-    c = stages[0].mesh.coords
-    if c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0:
-        save_file(
-            {k: v.contiguous().cpu() for k, v in full.items()},
-            directory / f"optimizer-{c.pp:05d}.safetensors",
-        )
+    mesh = stages[0].mesh
+    c = mesh.coords
+    writes = {f"optimizer-{c.pp:05d}.safetensors": c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0}
+    parts = {name: {k: v for k, v in full.items() if not is_expert_param(k)} for name in writes}
+    if mesh.config.ep > 1:  # each ep rank of the first expert replica writes its experts' (as the weights)
+        name = f"optimizer-{c.pp:05d}-ep{mesh.ep_rank:03d}.safetensors"
+        writes[name] = c.tp == 0 and mesh.edp.rank == 0
+        parts[name] = {k: v for k, v in full.items() if is_expert_param(k)}
+    else:
+        parts = {name: full for name in writes}
+    for name, write in writes.items():
+        if write and parts[name]:
+            save_file({k: v.contiguous().cpu() for k, v in parts[name].items()}, directory / name)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from shiftlm.model import Transformer, build_model, stage_layers
 from shiftlm.model.deferred import plain_linears
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.train.config import TrainConfig
+from shiftlm.train.moe import RouterStatsStage, aux_loss_active, aux_loss_share, router_stats
 from shiftlm.train.recompute import apply_recompute
 from shiftlm.train.streams import stream_context
 
@@ -91,16 +92,30 @@ class StepRunner:
         self.stages, self.mesh, self.config = stages, mesh, config
         self.autocast_dtype = autocast_dtype(config, mesh.device)
         self.pipeline = None
+        model = stages[0].config
+        # the MoE load-balancing loss: coefficient over the step's micro-batches (train/moe.py)
+        self.aux_coef = model.router_aux_loss_coef if aux_loss_active(model) else 0.0
+        self.micro_batches = config.train.global_batch // config.train.micro_batch
         if mesh.config.pp > 1:
             from shiftlm.train.pipeline import make_executor
 
-            modules = stages
+            modules, loss = stages, normalised_loss
             if config.data.format == "streams":  # each stage runs its micro-batch's positions and mask
                 from shiftlm.train.streams import StreamStage
 
                 modules = [StreamStage(stage) for stage in stages]
+            elif self.aux_coef:  # the router statistics travel with the activations
+                modules = [RouterStatsStage(stage, config.train.micro_batch) for stage in stages]
+                loss = self._pipeline_loss
             self.modules = modules
-            self.pipeline = make_executor(modules, mesh, config, normalised_loss, on_stage_grads_ready)
+            self.pipeline = make_executor(modules, mesh, config, loss, on_stage_grads_ready)
+
+    def _aux_share(self, stats: torch.Tensor) -> torch.Tensor:
+        return aux_loss_share(stats, self.mesh, self.aux_coef, self.micro_batches)
+
+    def _pipeline_loss(self, module: RouterStatsStage, out: tuple, targets: torch.Tensor, tokens: int):
+        logits, stats = out
+        return normalised_loss(module.stage, logits, targets, tokens) + self._aux_share(stats)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -124,6 +139,9 @@ class StepRunner:
                 with plain_linears():  # no pipeline, no deferred weight gradients: autograd's linears
                     logits = stage(x) if context is None else stage(x, context.positions, context.backend)
                 loss = normalised_loss(stage, logits, y, target_tokens)
+                if self.aux_coef:
+                    experts = stage.config.num_experts
+                    loss = loss + self._aux_share(router_stats(stage, experts, self.mesh.device))
                 loss.backward()
                 total += loss.detach().float()
         return total

@@ -27,7 +27,7 @@ from shiftlm.comm import all_reduce
 from shiftlm.hardware import device_peak_flops
 from shiftlm.mesh import Mesh, choose_device, device_name
 from shiftlm.model.grads import sync_tp_replicated_grads
-from shiftlm.model.sharding import shard_spec
+from shiftlm.model.sharding import is_expert_param, shard_spec
 from shiftlm.model.weights import source_name
 from shiftlm.monitor import Watchdog, connect_store, faults
 from shiftlm.monitor.live import straggler_watch
@@ -38,6 +38,7 @@ from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_shards import ShardedGrads
 from shiftlm.train.grad_sync import GradSync
 from shiftlm.train.metrics import RunLog, StepRecord, throughput
+from shiftlm.train.moe import unit_groups, unit_labels_with_experts
 from shiftlm.train.optim import clip_coefficient, learning_rate
 from shiftlm.train.pipeline import StageKey, stage_keys
 from shiftlm.train.run_checkpoints import RunCheckpoints, flat_name
@@ -101,20 +102,31 @@ class Trainer(RunCheckpoints):
         named = [(flat_name(name, key[1]), param) for key, _, name, param in owned]
         # ZeRO-2/3 with more than one rank: sharded gradients (`grad_shards.py`), cut per layer as at 3
         self.sharded_grads = config.train.zero >= 2 and data_group.size > 1
-        units = unit_labels([name for name, _ in named]) if config.train.zero >= 2 else None
+        names = [name for name, _ in named]
+        units = unit_labels(names) if config.train.zero >= 2 else None
+        # ep > 1: routed experts are units of their own, summed and sharded over `edp` (train/moe.py)
+        units = unit_labels_with_experts(names, units, parallel.ep)
         self.flat = FlatParameters(
             named, pad_to=data_group.size, units=units, full_grads=not self.sharded_grads
         )
+        groups = unit_groups(self.flat, self.mesh) if parallel.ep > 1 else None
         overlap = config.train.overlap_grad_sync
         if not self.sharded_grads:
             bucket_bytes = int(config.train.bucket_mb * 2**20)
             self.grad_sync = GradSync(
-                self.flat, data_group, bucket_bytes, overlap, count_accumulations=config.parallel.pp == 1
+                self.flat,
+                data_group,
+                bucket_bytes,
+                overlap,
+                count_accumulations=config.parallel.pp == 1,
+                groups=[groups[u] for u in self.flat.unit_of] if groups else None,
             )
         decay = lambda name, shape: len(shape) >= 2  # noqa: E731 (no decay on norms and biases)
-        self.optimizer = ShardedAdamW(self.flat, data_group, config.optim, decay, stage=config.train.zero)
+        self.optimizer = ShardedAdamW(
+            self.flat, data_group, config.optim, decay, stage=config.train.zero, unit_groups=groups
+        )
         self.optimizer.shard_parameters(self.stages)  # ZeRO-3 only: shards at rest, gathered per layer
-        self.norm_mask = self._norm_mask(owned)
+        self.norm_mask, self.expert_norm = self._norm_mask(owned)
         validation = config.validation
         holdout = validation.steps * config.train.global_batch if validation.freq else 0
         dataset, held_out = split_holdout(self._dataset(), holdout)
@@ -134,7 +146,9 @@ class Trainer(RunCheckpoints):
             pipeline = self.runner.pipeline
             self._synced = set(pipeline.executor.synced_stages) if pipeline else set()
             hooked = [key not in self._synced for key, *_ in owned]
-            self.grad_sync = ShardedGrads(self.flat, data_group, self.optimizer.ranges, hooked)
+            self.grad_sync = ShardedGrads(
+                self.flat, data_group, self.optimizer.ranges, hooked, unit_groups=groups
+            )
             self.optimizer.grad_shard = self.grad_sync.shard
             self._owned_names = [(stage, name) for _, stage, name, _ in owned]
             index_of = {id(param): index for index, (*_, param) in enumerate(owned)}
@@ -161,9 +175,10 @@ class Trainer(RunCheckpoints):
             return StreamSamples(config.data.source, tokenizer, config.train.seq_len)
         return TokenDataset(self.inputs.shards, config.train.seq_len)
 
-    def _norm_mask(self, owned: list) -> torch.Tensor:
+    def _norm_mask(self, owned: list) -> tuple[torch.Tensor, tuple | None]:
         """Count each element of the whole model once: replica 0 only (BitPipe), the embedding and not
-        a tied head's copy of it, TP-replicated tensors (norms, shared KV heads) on their first holder."""
+        a tied head's copy of it, TP-replicated tensors (norms, shared KV heads) on their first holder.
+        With ep > 1 the routed experts get a mask of their own (summed over ep: `global_grad_norm`)."""
         tp = self.mesh.tp
         counted = set()
         for (_, replica), stage, name, _ in owned:
@@ -173,7 +188,11 @@ class Trainer(RunCheckpoints):
             if replica == 0 and source == name and tp.rank == holders[0]:
                 counted.add(flat_name(name, replica))
         ranges = self.optimizer.ranges if self.sharded_grads else None  # shard-sized when sharded
-        return self.flat.mask(lambda name, shape: name in counted, ranges)
+        if self.mesh.config.ep == 1:
+            return self.flat.mask(lambda name, shape: name in counted, ranges), None
+        dense = self.flat.mask(lambda name, shape: name in counted and not is_expert_param(name), ranges)
+        experts = self.flat.mask(lambda name, shape: name in counted and is_expert_param(name), ranges)
+        return dense, (experts, self.mesh.ep)
 
     def _stage_grads_ready(self, key: StageKey) -> None:
         """The pipeline executor's callback: this stage's gradients are final, start its buckets."""
@@ -307,7 +326,9 @@ class Trainer(RunCheckpoints):
         self.grad_sync.begin_step(len(micro_batches))
         loss = self.runner.run(micro_batches, target_tokens)
         self._sum_grads()
-        grad_norm = global_grad_norm(self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer)
+        grad_norm = global_grad_norm(
+            self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer, self.expert_norm
+        )
         lr = learning_rate(step, self.config.train.steps, self.config.optim)
         self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))
         # the loss lives on the last stage, split over the data group: sum it to every rank

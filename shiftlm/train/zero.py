@@ -25,14 +25,20 @@ from shiftlm.model.compile import compile_usable
 from shiftlm.train.config import OptimSection
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.optim import adamw_update
+from shiftlm.train.zero3 import ParameterShards, unit_labels
 
 
-def owned_ranges(flat: FlatParameters, group: CommGroup, sharded: bool) -> list[tuple[int, int]]:
-    """[start, end) of every range of the flat buffers this rank owns: its 1/N of each unit."""
+def owned_ranges(
+    flat: FlatParameters, groups: CommGroup | list[CommGroup], sharded: bool
+) -> list[tuple[int, int]]:
+    """[start, end) of every range of the flat buffers this rank owns: its 1/N of each unit, N the
+    unit's group (`groups`: one for all units, or one per unit)."""
     if not sharded:
         return [(0, flat.padded)]
+    if isinstance(groups, CommGroup):
+        groups = [groups] * len(flat.units)
     ranges = []
-    for offset, length in flat.units:
+    for (offset, length), group in zip(flat.units, groups):
         size = length // group.size
         ranges.append((offset + group.rank * size, offset + (group.rank + 1) * size))
     return ranges
@@ -47,13 +53,17 @@ class ShardedAdamW:
         decay_mask,
         shard: bool | None = None,
         stage: int | None = None,
+        unit_groups: list[CommGroup] | None = None,
     ):
         """`stage`: the ZeRO stage (0-3); `shard` (older form) means stage 1 when true. `decay_mask`:
-        a full-size flat 0/1 tensor, or `keep(name, shape)` (then only the owned ranges are built)."""
+        a full-size flat 0/1 tensor, or `keep(name, shape)` (then only the owned ranges are built).
+        `unit_groups`: each unit's data group where they differ (routed experts shard over `edp`);
+        `group` (`dp_sp`) covers every element once either way, as the gradient norm needs."""
         self.flat, self.group, self.optim = flat, group, optim
+        self.unit_groups = unit_groups if unit_groups is not None else [group] * len(flat.units)
         self.stage = stage if stage is not None else int(bool(shard))
         self.sharded = self.stage >= 1 and group.size > 1
-        self.ranges = owned_ranges(flat, group, self.sharded)
+        self.ranges = owned_ranges(flat, self.unit_groups, self.sharded)
         if callable(decay_mask):
             self.decay_mask = flat.mask(decay_mask, self.ranges)
         else:
@@ -70,16 +80,23 @@ class ShardedAdamW:
     def shard_parameters(self, stages: list[torch.nn.Module]) -> None:
         """ZeRO-3: keep only this rank's master shards at rest and gather each unit of `stages` (in
         the flat buffers' order) around its use (`zero3.ParameterShards`)."""
-        from shiftlm.train.zero3 import ParameterShards
-
         if self.stage < 3 or not self.sharded:
             return
-        self.shards = ParameterShards(self.flat, self.group, self.ranges)
+        self.shards = ParameterShards(self.flat, self.unit_groups, self.ranges)
+        labels = unit_labels([slot.name for slot in self.flat.slots])
         stage_units, index = [], 0
-        for stage in stages:
+        for stage in stages:  # per module (embedding, layer, norm, head): its units (a layer's experts')
             count = len(list(stage.parameters()))
-            units = [self.flat.unit_of[i] for i in range(index, index + count)]
-            stage_units.append([u for k, u in enumerate(units) if k == 0 or units[k - 1] != u])
+            modules: list[list[int]] = []
+            for i in range(index, index + count):
+                unit = self.flat.unit_of[i]
+                if modules and modules[-1][-1] == unit:
+                    continue
+                if modules and labels[i] == labels[i - 1]:
+                    modules[-1].append(unit)
+                else:
+                    modules.append([unit])
+            stage_units.append(modules)
             index += count
         tied = [
             stage.with_head and stage.with_embedding and not hasattr(stage, "lm_head") for stage in stages
@@ -119,7 +136,8 @@ class ShardedAdamW:
                 self.fused,
             )
         if self.sharded and self.shards is None:  # stages 1 and 2: refill the full parameters
-            for index, ((offset, length), (a, b)) in enumerate(zip(self.flat.units, self.ranges)):
+            units = zip(self.flat.units, self.ranges, self.unit_groups)
+            for index, ((offset, length), (a, b), group) in enumerate(units):
                 # all_gather may not read from a view of its output: a copy, into one buffer kept for
                 # the run (a fresh clone per step was held by gloo's finished work into the next step,
                 # 0-3 of them at a time: peaks varied by 3 shards between identical runs)
@@ -127,16 +145,14 @@ class ShardedAdamW:
                     self._refill[index] = torch.empty_like(self.flat.params[a:b])
                 shard = self._refill[index]
                 shard.copy_(self.flat.params[a:b])
-                all_gather_flat(self.flat.params[offset : offset + length], shard, self.group)
+                all_gather_flat(self.flat.params[offset : offset + length], shard, group)
 
     def _gather(self, moment: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return moment.clone()
         full = self.flat.zeros()
-        for (offset, length), (a, b, start) in zip(self.flat.units, self._pieces()):
-            all_gather_flat(
-                full[offset : offset + length], moment[start : start + b - a].contiguous(), self.group
-            )
+        for (offset, length), (a, b, start), group in zip(self.flat.units, self._pieces(), self.unit_groups):
+            all_gather_flat(full[offset : offset + length], moment[start : start + b - a].contiguous(), group)
         return full
 
     def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -160,6 +176,7 @@ def global_grad_norm(
     norm_mask: torch.Tensor,
     groups: list[CommGroup],
     optimizer: ShardedAdamW | None = None,
+    experts: tuple[torch.Tensor, CommGroup] | None = None,
 ) -> float:
     """The L2 norm of the whole model's gradient (all stages, all TP shards), counted once per element.
 
@@ -169,18 +186,30 @@ def global_grad_norm(
     except at ZeRO stage >= 2 (`optimizer` given), where each holds the sum of its own ranges only:
     then those ranges are counted and the data group is summed over too. With sharded gradients
     (`optimizer.grad_shard`) `norm_mask` is shard-sized (`flat.mask(keep, optimizer.ranges)`).
+    `experts` (ep > 1): (the mask of the routed experts' elements, laid out as `norm_mask`, which
+    then leaves them out; the `ep` group): an expert lives on one ep rank, so its squares are summed
+    over ep where the data group is not summed (sharded, the data group covers each element once).
     """
     if optimizer is not None and optimizer.grad_shard is not None:
         grads = optimizer.grad_shard
         squares = torch.dot(grads * norm_mask, grads).reshape(1)
+        if experts is not None:
+            squares = squares + torch.dot(grads * experts[0], grads)
         groups = [*groups, optimizer.group]
     elif optimizer is not None and optimizer.stage >= 2 and optimizer.sharded:
+        masks = [norm_mask] if experts is None else [norm_mask, experts[0]]
         squares = sum(
-            torch.dot(flat.grads[a:b] * norm_mask[a:b], flat.grads[a:b]) for a, b in optimizer.ranges
+            torch.dot(flat.grads[a:b] * mask[a:b], flat.grads[a:b])
+            for a, b in optimizer.ranges
+            for mask in masks
         ).reshape(1)
         groups = [*groups, optimizer.group]
     else:
         squares = torch.dot(flat.grads * norm_mask, flat.grads).reshape(1)
+        if experts is not None:
+            squares = squares + all_reduce(
+                torch.dot(flat.grads * experts[0], flat.grads).reshape(1), experts[1]
+            )
     for group in groups:
         if group.size > 1:
             squares = all_reduce(squares, group, in_place=True)

@@ -63,8 +63,13 @@ def unit_labels(names: list[str]) -> list[str]:
 class ParameterShards:
     """Owns the master shards and the per-unit full buffers of a ZeRO-3 rank; wraps the stages."""
 
-    def __init__(self, flat: FlatParameters, group: CommGroup, ranges: list[tuple[int, int]]):
-        self.flat, self.group = flat, group
+    def __init__(
+        self, flat: FlatParameters, groups: CommGroup | list[CommGroup], ranges: list[tuple[int, int]]
+    ):
+        """`groups`: the data group of every unit (one for all, or one per unit: routed experts over `edp`)."""
+        if isinstance(groups, CommGroup):
+            groups = [groups] * len(flat.units)
+        self.flat, self.groups = flat, groups
         with torch.profiler.record_function(PARAMS_TAG):
             self.master = [flat.params[a:b].clone() for a, b in ranges]  # fp32, updated by the optimizer
         self.buffers: list[torch.Tensor] = []
@@ -103,12 +108,16 @@ class ParameterShards:
             self._account(nbytes)
         return buffer
 
-    def prefetch(self, unit: int | None) -> None:
-        """Start gathering `unit` asynchronously (no-op if it is gathered or on its way)."""
+    def prefetch(self, unit: int | list[int] | None) -> None:
+        """Start gathering `unit` (or each of a list) asynchronously (no-op if gathered or on its way)."""
+        if isinstance(unit, list):
+            for one in unit:
+                self.prefetch(one)
+            return
         if unit is None or self._gathered[unit] or unit in self._handles:
             return
         buffer = self._allocate(unit)
-        self._handles[unit] = all_gather_flat(buffer, self.master[unit], self.group, async_op=True)
+        self._handles[unit] = all_gather_flat(buffer, self.master[unit], self.groups[unit], async_op=True)
 
     @torch.no_grad()
     def gather(self, unit: int) -> None:
@@ -144,18 +153,21 @@ class ParameterShards:
             if write_back:
                 with torch.no_grad():
                     for unit, ((_, length), shard) in enumerate(zip(self.flat.units, self.master)):
-                        size = length // self.group.size
-                        start = self.group.rank * size
+                        size = length // self.groups[unit].size
+                        start = self.groups[unit].rank * size
                         shard.copy_(self.buffers[unit][start : start + size])
             for unit in range(len(self.buffers)):
                 self.free(unit)
 
     # -- hooks -------------------------------------------------------------------------------------
-    def wrap(self, stages: list[torch.nn.Module], stage_units: list[list[int]], tied: list[bool]) -> None:
+    def wrap(
+        self, stages: list[torch.nn.Module], stage_units: list[list[list[int]]], tied: list[bool]
+    ) -> None:
         """Gather-before-use around each unit of each stage: its embedding, decoder layers and head.
 
-        `stage_units[i]`: the units of stage i in forward order (embedding, layers..., final norm,
-        LM head; those it has); `tied[i]`: stage i's head reads the embedding's weight (then the head gathers both)."""
+        `stage_units[i]`: the units of stage i's modules in forward order (embedding, layers..., final
+        norm, LM head; those it has), a list per module (a layer with routed experts has their unit
+        too); `tied[i]`: stage i's head reads the embedding's weight (then the head gathers both)."""
         for stage, units, is_tied in zip(stages, stage_units, tied):
             modules: list[tuple[Any, str]] = []
             if stage.with_embedding:
@@ -165,9 +177,9 @@ class ParameterShards:
                 modules.append((stage, "loss" if stage.loss_chunk else "head"))
             for position, ((owner, attribute), unit) in enumerate(zip(modules, units)):
                 head = attribute in ("head", "loss")
-                extra = [units[0]] if is_tied and head else []
+                extra = list(units[0]) if is_tied and head else []
                 if head:  # the final norm's unit, then the LM head's
-                    extra += units[len(modules) :]
+                    extra += [u for rest in units[len(modules) :] for u in rest]
                 embedding = stage.with_embedding and position == 0
                 nxt = units[position + 1] if position + 1 < len(units) else None
                 prev = (
@@ -178,11 +190,16 @@ class ParameterShards:
                 setattr(
                     owner,
                     attribute,
-                    self._wrapped(getattr(owner, attribute), [unit, *extra], nxt, prev, not embedding),
+                    self._wrapped(getattr(owner, attribute), [*unit, *extra], nxt, prev, not embedding),
                 )
 
     def _wrapped(
-        self, fn: Callable, units: list[int], nxt: int | None, prev: int | None, backward_needs_weights: bool
+        self,
+        fn: Callable,
+        units: list[int],
+        nxt: list[int] | None,
+        prev: list[int] | None,
+        backward_needs_weights: bool,
     ) -> Callable:
         def run(*args: Any, **kwargs: Any) -> Any:
             for unit in units:

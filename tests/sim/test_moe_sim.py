@@ -16,6 +16,7 @@ from shiftlm.sim.costs import WEIGHT_GEMMS, Shard, forward_ops, kernels_time
 from shiftlm.sim.efficiency import FITTED
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
 from shiftlm.sim.memory import estimate_memory, stage_params
+from shiftlm.sim.planner import plan_training, train_config_toml
 from shiftlm.sim.train import simulate_step, stage_costs
 
 MIXTRAL, H100 = PRESETS["mixtral-8x7b"], CATALOG["h100-sxm"]
@@ -111,12 +112,10 @@ def test_dense_models_take_no_expert_terms():
 
 def test_mixtral_plans_on_64_h100s_propose_ep_and_pass_the_trainers_config(tmp_path):
     """`shiftlm plan train` for Mixtral 8x7B on 64 H100s proposes ep > 1 (no expert TP: the trainer has
-    none). Every plan passes `load_config`; the trainer's layout check (the first phase of
-    `--dry-run`) takes it except for one refusal, tolerated here only: training with ep > 1 is not
-    implemented yet on this branch (docs/moe.md)."""
-    from shiftlm.config import ConfigError
-    from shiftlm.sim.planner import plan_training, train_config_toml
+    none). Every plan passes `load_config` and the trainer's layout check (the first phase of
+    `--dry-run`), and fits an H100 as the trainer's preflight prices it (ep included)."""
     from shiftlm.train.config import load_config
+    from shiftlm.train.preflight import estimate
     from shiftlm.train.setup import check_layout, model_config
 
     plan = plan_training(MIXTRAL, H100, 64, 4096, 256, top_k=5, efficiency=FITTED)
@@ -130,12 +129,34 @@ def test_mixtral_plans_on_64_h100s_propose_ep_and_pass_the_trainers_config(tmp_p
         config = load_config(path)
         assert config.parallel.ep == layout.ep
         model, _ = model_config(config.model.name, MIXTRAL.vocab_size, 0)
-        try:
-            parallel = check_layout(config, model, 64)
-        except ConfigError as err:
-            assert layout.ep > 1 and "expert parallelism" in str(err) and "not implemented yet" in str(err)
-        else:
-            assert parallel.world_size == 64
+        assert check_layout(config, model, 64).world_size == 64
+        per_rank = estimate(config, model, 64, on_gpu=True)["per_rank_gib"]["total"]
+        assert per_rank <= H100.hbm_bytes / 2**30 + 0.01, (layout, per_rank)
+
+
+def test_the_top_mixtral_plan_runs_the_dry_run(ranks, tmp_path):
+    """The must-show of issue 32: the best plan for Mixtral 8x7B on 64 H100s runs `shiftlm train
+    --dry-run`: a stand-in MoE with every parallel axis of the plan (ep included) takes a step equal
+    to one rank's."""
+    import math
+
+    from shiftlm.train.config import load_config
+    from shiftlm.train.dryrun import AXES, dry_run
+    from shiftlm.train.elastic import run_training
+
+    plan = plan_training(MIXTRAL, H100, 64, 4096, 256, top_k=1, efficiency=FITTED)
+    top = plan.ranked[0].layout
+    path = tmp_path / "plan.toml"
+    path.write_text(train_config_toml("mixtral-8x7b", top))
+    config = load_config(path, [f"--log.dir={tmp_path / 'run'}"])
+    assert top.ep > 1 and config.parallel.ep == top.ep
+
+    def pooled(config, nproc):
+        return ranks.run(nproc, run_training, config.to_dict(), True)[0]
+
+    needed = math.prod(min(getattr(config.parallel, axis), 2) for axis in AXES)
+    phases = dry_run(config, max(8, needed), launch=pooled)  # raises unless the step equals one rank's
+    assert phases["check"]["rel_diff"]["loss"] <= 1e-5 and phases["check"]["rel_diff"]["grad_norm"] <= 5e-5
 
 
 def test_megatron_core_moe_rows_agree_with_the_flops_they_state():

@@ -25,6 +25,38 @@ def tied_qwen2_config(directory, num_kv_heads: int = 2) -> str:
     return f"--model.name={directory}"
 
 
+def moe_qwen2_config(**changes) -> ModelConfig:
+    """A qwen2_moe micro model: a dense layer 0, 4 experts top-2 and a gated shared expert in the
+    others, the load-balancing loss in the training loss with a large coefficient (0.1)."""
+    fields = dict(
+        vocab_size=2048,  # the embedded tokenizer's
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        mlp_only_layers=(0,),
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.1,
+        output_router_logits=True,
+    )
+    return ModelConfig(**{**fields, **changes})
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    """`--model.name=DIR` of `moe_qwen2_config()` (seeded init)."""
+    directory = tmp_path_factory.mktemp("qwen2_moe")
+    (directory / "config.json").write_text(json.dumps(moe_qwen2_config().to_hf_dict()))
+    return f"--model.name={directory}"
+
+
 @pytest.fixture(scope="session")
 def tied_qwen2_model(tmp_path_factory) -> str:
     """`--model.name=DIR` of a qwen2 micro model (q/k/v biases, GQA, LM head tied to the embedding)."""
