@@ -296,21 +296,3 @@ def test_moe_configs_round_trip_through_config_json(tiny_checkpoints):
     qwen2 = ModelConfig.from_hf(tiny_checkpoints["qwen2-moe"])
     assert not qwen2.is_moe_layer(0) and qwen2.is_moe_layer(1) and qwen2.shared_expert_intermediate_size == 48
     assert ModelConfig.from_hf(tiny_checkpoints["qwen3-moe"]).qk_norm
-
-
-def test_train_refuses_what_is_not_built_in_one_line(tiny_checkpoints):
-    """Training with ep > 1 or the aux loss are refused before any rank (serving runs MoE models:
-    tests/serve/test_moe_serving.py)."""
-    from dataclasses import replace
-
-    from shiftlm.train.config import TrainConfig
-    from shiftlm.train.setup import check_layout
-
-    mixtral = ModelConfig(
-        model_type="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
-    )
-    config = replace(TrainConfig(), parallel=ParallelConfig(dp=2, ep=2))
-    with pytest.raises(ConfigError, match="use parallel.ep = 1"):
-        check_layout(config, mixtral, 2)
-    with pytest.raises(ConfigError, match="output_router_logits false"):
-        check_layout(TrainConfig(), replace(mixtral, output_router_logits=True), 1)
