@@ -41,25 +41,9 @@ LAYOUTS = {  # name: (ranks, overrides)
 
 def model_dir() -> str:
     from shiftlm.config import ModelConfig
+    from shiftlm.train.setup import EMBEDDED_MODELS
 
-    config = ModelConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        model_type="qwen2_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        mlp_only_layers=(0,),
-        norm_topk_prob=False,
-        router_aux_loss_coef=0.1,
-        output_router_logits=True,
-    )
+    config = ModelConfig(vocab_size=2048, **EMBEDDED_MODELS["micro-moe"])  # the tests' model
     directory = tempfile.mkdtemp(prefix="moe-train-")
     (Path(directory) / "config.json").write_text(json.dumps(config.to_hf_dict()))
     return directory

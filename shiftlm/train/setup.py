@@ -32,6 +32,25 @@ EMBEDDED_MODELS = {
     "micro": dict(
         hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8
     ),
+    # micro as a Qwen2-MoE: a dense layer 0, then 4 experts top-2 and a gated shared expert, the
+    # load-balancing loss in the training loss (`--model.name=micro-moe --parallel.ep=2`)
+    "micro-moe": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        mlp_only_layers=(0,),
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.1,
+        output_router_logits=True,
+    ),  # fmt: skip
 }
 
 

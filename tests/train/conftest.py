@@ -4,6 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from shiftlm.config import ModelConfig
+from shiftlm.train.setup import EMBEDDED_MODELS
 
 
 def tied_qwen2_config(directory, num_kv_heads: int = 2) -> str:
@@ -26,27 +27,9 @@ def tied_qwen2_config(directory, num_kv_heads: int = 2) -> str:
 
 
 def moe_qwen2_config(**changes) -> ModelConfig:
-    """A qwen2_moe micro model: a dense layer 0, 4 experts top-2 and a gated shared expert in the
-    others, the load-balancing loss in the training loss with a large coefficient (0.1)."""
-    fields = dict(
-        vocab_size=2048,  # the embedded tokenizer's
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        model_type="qwen2_moe",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        mlp_only_layers=(0,),
-        norm_topk_prob=False,
-        router_aux_loss_coef=0.1,
-        output_router_logits=True,
-    )
-    return ModelConfig(**{**fields, **changes})
+    """The embedded `micro-moe` (train/setup.py): a qwen2_moe micro model, a dense layer 0, 4 experts
+    top-2 and a gated shared expert in the others, the load-balancing loss with coefficient 0.1."""
+    return ModelConfig(vocab_size=2048, **{**EMBEDDED_MODELS["micro-moe"], **changes})
 
 
 @pytest.fixture(scope="module")
