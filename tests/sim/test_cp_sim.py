@@ -86,5 +86,8 @@ def test_plan_train_picks_cp_for_128k_and_not_for_4k(tmp_path):
     assert check_layout(config, model, 128).cp == config.parallel.cp
     short = plan_training(MODEL, H100, 64, 4096, 64, top_k=3, efficiency=FITTED)
     # at 4k, cp only where each zigzag chunk keeps >= 1k tokens (cp <= 2); with the trainer's fp32
-    # states, pp8 x tp4 leaves 2 GPUs of 64 and cp2 (sharding ZeRO over dp_sp) is among the best
-    assert short.ranked and all(4096 / (2 * r.layout.cp * r.layout.sp) >= 1024 for r in short.ranked)
+    # states, pp8 x tp4 leaves 2 GPUs of 64 and cp2 (sharding ZeRO over dp_sp) is among the best.
+    # Without cp the rule does not apply (Ulysses alone: tp2 x sp4 ranks third since the kernel,
+    # hand-off and overlap constants are priors, 2026-11-27)
+    assert short.ranked and any(r.layout.cp == 2 for r in short.ranked)
+    assert all(r.layout.cp == 1 or 4096 / (2 * r.layout.cp * r.layout.sp) >= 1024 for r in short.ranked)
