@@ -75,7 +75,8 @@ class LLM:
         self._runner, self._workers = start_ranks(setup.runner, 0, False)
         self._closed = False
         try:
-            setup = setup.with_kv_blocks(self._runner.cache.num_blocks)
+            if setup.scheduler is None:  # a GPU cache sized by the ranks from what memory left
+                setup = setup.with_kv_blocks(self._runner.cache.num_blocks)
             setup = measure_shift_threshold(self._runner, setup)
             self._engine = build_engine(self._runner, setup)
         except BaseException:

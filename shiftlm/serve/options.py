@@ -204,7 +204,7 @@ class ServeOptions:
             kv_bytes_per_block,
         )
 
-        dtype_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        dtype_bytes = getattr(torch, dtype).itemsize
         activations = activation_bytes(
             config, parallel, self.max_tokens_per_step, self.max_num_seqs, dtype_bytes
         )

@@ -94,7 +94,8 @@ def run_server(options: ServeOptions) -> int:
         print(error_line("serve", f"failed to start: {err}"), file=sys.stderr, flush=True)
         return 1
     try:
-        setup = setup.with_kv_blocks(runner.cache.num_blocks)  # on a GPU: what memory left
+        if setup.scheduler is None:  # a GPU cache sized by the ranks from what memory left
+            setup = setup.with_kv_blocks(runner.cache.num_blocks)
     except ConfigError as err:
         print(error_line("serve", str(err)), file=sys.stderr, flush=True)
         if setup.rank == 0:

@@ -222,18 +222,17 @@ class StreamRequest(Request):
     def rows(self, last_row: int) -> list[SampleRow]:
         group = self.seq
         first = last_row - group.num_sampled_rows + 1
-        self._drawing = []
         rows = []
         for k, offset in group.to_sample():
             history = (group.prompt_ids + list(group.prefixes[k]), group.generated[k])
             rows.append(
                 SampleRow(first + offset, group.stream_params[k], self.samples[k].generator, *history)
             )
-            self._drawing.append(k)
         return rows
 
     def advance(self, picks, now):
-        group, streams = self.seq, self._drawing
+        group = self.seq
+        streams = [k for k, _ in group.to_sample()]  # the streams `rows` drew for, in its order
         group.append_timestep({k: token for k, (token, _) in zip(streams, picks)})
         outputs = []
         for k, (token, logprob) in zip(streams, picks):

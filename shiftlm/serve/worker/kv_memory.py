@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
+from shiftlm.model.sharding import kv_heads_of_block
 from shiftlm.parallel import ParallelConfig
 
 CPU_BLOCKS = 256  # --num-blocks on the CPU when not given: 4,096 tokens of 16 per rank
 
 
 def kv_heads_per_rank(config: ModelConfig, parallel: ParallelConfig) -> int:
-    """KV heads each rank caches: its block of P = sp*tp (whole heads, or one replicated head)."""
-    return max(config.num_kv_heads // parallel.shift_size, 1)
+    """KV heads each rank caches: its block of P = sp*tp (`sharding.kv_heads_of_block`, as the runner
+    sizes its cache)."""
+    first, last = kv_heads_of_block(0, parallel.shift_size, config.num_kv_heads)
+    return last - first
 
 
 def kv_bytes_per_block(

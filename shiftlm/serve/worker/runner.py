@@ -207,9 +207,7 @@ def _blocks_from_memory(
 
     if mesh.device.type != "cuda":
         raise ConfigError("num_blocks=None sizes the KV cache from GPU memory: give a block count on the CPU")
-    per_block = kv_bytes_per_block(
-        config, mesh.config, block_size, torch.empty((), dtype=dtype).element_size()
-    )
+    per_block = kv_bytes_per_block(config, mesh.config, block_size, dtype.itemsize)
     free, total = torch.cuda.mem_get_info(mesh.device)
     blocks = torch.tensor(
         [blocks_for_memory(free, total, utilization, activations, per_block)], device=mesh.device
