@@ -22,7 +22,7 @@ def build_model(
     """This rank's part of the model: its pipeline stage (by default from the mesh) and TP shard.
 
     Weights come from a HF checkpoint directory, or from a seeded init that is the same in every layout.
-    The parameters are made in `dtype` (not in fp32 and then cast: half the weight memory at load).
+    The parameters are made in `dtype` (no fp32 copy that is then cast).
     """
     from shiftlm.model.weights import init_weights, load_hf_checkpoint
 
