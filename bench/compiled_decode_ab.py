@@ -69,6 +69,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--checkpoint-dir", default=None, help="reuse (or write) the model here")
+    parser.add_argument(
+        "--gemv-rows",
+        type=int,
+        default=None,
+        help="batches of up to this many rows run MKL's GEMV in both runners, and compiled (default: the "
+        "startup probe decides; where oneDNN wins at 1 row nothing is compiled)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     try:
@@ -95,10 +102,14 @@ def main() -> int:
         blocks = max(s * (c // 16 + 1) for s, c in cases) + 16
         mesh = Mesh(ParallelConfig())
         start = time.perf_counter()
-        compiled = ModelRunner.load(model, mesh, num_blocks=blocks, block_size=16, compile_decode=True)
+        compiled = ModelRunner.load(
+            model, mesh, num_blocks=blocks, block_size=16, compile_decode=True, gemv_rows=args.gemv_rows
+        )
         compile_s = time.perf_counter() - start
         runners = {
-            "eager": ModelRunner.load(model, mesh, num_blocks=blocks, block_size=16),
+            "eager": ModelRunner.load(
+                model, mesh, num_blocks=blocks, block_size=16, gemv_rows=args.gemv_rows
+            ),
             "compiled": compiled,
         }
     rows = []

@@ -32,8 +32,10 @@ def main() -> int:
     args = parser.parse_args()
 
     from shiftlm.config import ModelConfig
-    from shiftlm.model import build_model, cpu_kernels
+    from shiftlm.kernels import cpu as cpu_kernels
+    from shiftlm.model import build_model
     from shiftlm.model.inference_linear import PackedWeights
+    from shiftlm.model.ops import InferenceOps
 
     torch.set_num_threads(1)
     kernel = cpu_kernels.load()
@@ -54,16 +56,18 @@ def main() -> int:
     result = {"rounds": args.rounds, "cases": {}}
     for name, shape in CASES.items():
         ids = torch.randint(0, config.vocab_size, shape)
-        ways = {"pytorch_ops": PackedWeights(None), "fused": PackedWeights(kernel)}
+        ways = {
+            "pytorch_ops": InferenceOps(PackedWeights(None)),
+            "fused": InferenceOps(PackedWeights(kernel)),
+        }
         times: dict[str, list[float]] = {way: [] for way in ways}
         with torch.no_grad():
             for round_ in range(args.rounds):
                 order = list(ways) if round_ % 2 == 0 else list(reversed(ways))
                 for way in order:
-                    with ways[way].active():
-                        start = time.perf_counter()
-                        model(ids)
-                        times[way].append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    model(ids, ops=ways[way])
+                    times[way].append(time.perf_counter() - start)
         best = {way: 1e3 * min(values) for way, values in times.items()}
         result["cases"][name] = {f"{way}_ms": round(ms, 3) for way, ms in best.items()}
         result["cases"][name]["fused_over_pytorch"] = round(best["fused"] / best["pytorch_ops"], 3)

@@ -6,8 +6,8 @@ bench/results/gpu/, the device named in each.
     python bench/gpu_serve.py --smoke --out /tmp/gs                    # the CPU, tiny shapes: checks the script
 
 Phases (each a subprocess with its own time limit, so one failure leaves the others' results):
-- decode: the engine's decode step (ModelRunner, the ~1.1B Llama of bench/gpu.py in bf16) at
-  batch 1..128 and context 512 / 2048, against transformers with a static cache under
+- decode: the engine's decode step (ModelRunner, the ~1.1B Llama of bench/gpu.py in bf16), eager and
+  compiled (`--enforce-eager` off: worker/compiled_step.py), at batch 1..128 and context 512 / 2048, against transformers with a static cache under
   `torch.compile(mode="reduce-overhead")` (CUDA graphs) on the same weights, and the HBM roofline
   (weights + the K/V the step reads, over a measured device-to-device copy rate).
 - offline: 256 requests, prompts of 128-512 random tokens, 128 greedy tokens each (EOS ignored):
@@ -92,36 +92,59 @@ def phase_decode(out: Path) -> dict:
     batches = (1, 2, 4) if SMOKE else (1, 2, 4, 8, 16, 32, 64, 128)
     block = 16
     blocks_per_seq = max(contexts) // block + 1
-    runner = ModelRunner.load(
-        model_dir, Mesh(ParallelConfig(), device=device), max(batches) * blocks_per_seq, block, dtype=dtype
-    )
-    rate = _copy_rate(device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.shift_model.model.parameters())
-    kv_per_token = (
-        2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
-    )
-    rows = []
-    for context in contexts:
-        for batch in batches:
-            # prefill `batch` sequences of `context - 1` tokens, then time decode steps at `context`
-            chunks = []
-            for s in range(batch):
-                blocks = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-                ids = tuple(random.randrange(config.vocab_size) for _ in range(context - 1))
-                chunks.append(ScheduledChunk(s, ids, 0, blocks, True, row=s))
-            for chunk in chunks:
-                runner.run_step(StepPlan(0, Mode.TP, (chunk,)))
-            decode = StepPlan(
-                1, Mode.TP, tuple(ScheduledChunk(s, (7,), context - 1, (), True, row=s) for s in range(batch))
-            )
-            ours = _timed(lambda plan=decode: runner.run_step(plan), 5 if SMOKE else 20)
-            roofline = (weight_bytes + batch * context * kv_per_token) / rate
-            rows.append(dict(context=context, batch=batch, shiftlm_ms=ours * 1e3, roofline_ms=roofline * 1e3))
-            print(json.dumps(rows[-1]), flush=True)
+    rows = {}
+    # the eager step, then the compiled one (worker/compiled_step.py: on CUDA every decode batch), each
+    # on a runner of its own: its load time includes the compiles
+    for name, compiled in (("shiftlm", False), ("shiftlm_compiled", True)):
+        start = time.perf_counter()
+        runner = ModelRunner.load(
+            model_dir,
+            Mesh(ParallelConfig(), device=device),
+            max(batches) * blocks_per_seq,
+            block,
+            dtype=dtype,
+            compile_decode=compiled,
+        )
+        load_s = time.perf_counter() - start
+        rate = _copy_rate(device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.shift_model.model.parameters())
+        kv_per_token = (
+            2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+        )
+        for context in contexts:
+            for batch in batches:
+                # prefill `batch` sequences of `context - 1` tokens, then time decode steps at `context`
+                random.seed(context * 1000 + batch)
+                chunks = []
+                for s in range(batch):
+                    blocks = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+                    ids = tuple(random.randrange(config.vocab_size) for _ in range(context - 1))
+                    chunks.append(ScheduledChunk(s, ids, 0, blocks, True, row=s))
+                for chunk in chunks:
+                    runner.run_step(StepPlan(0, Mode.TP, (chunk,)))
+                decode = StepPlan(
+                    1,
+                    Mode.TP,
+                    tuple(ScheduledChunk(s, (7,), context - 1, (), True, row=s) for s in range(batch)),
+                )
+                compiled_steps = runner.shift_model.compiled.steps if runner.shift_model.compiled else 0
+                ours = _timed(lambda plan=decode, runner=runner: runner.run_step(plan), 5 if SMOKE else 20)
+                roofline = (weight_bytes + batch * context * kv_per_token) / rate
+                row = rows.setdefault(
+                    (context, batch), dict(context=context, batch=batch, roofline_ms=roofline * 1e3)
+                )
+                row[f"{name}_ms"] = ours * 1e3
+                row[f"{name}_load_s"] = load_s
+                ran = runner.shift_model.compiled.steps if runner.shift_model.compiled else 0
+                row[f"{name}_ran_compiled"] = ran > compiled_steps
+                print(json.dumps(row), flush=True)
+        runner = None
+    rows = list(rows.values())
     runner = None  # its cache's memory, before transformers loads
     for row, hf in zip(rows, _transformers_decode(model_dir, device, dtype, contexts, batches)):
         row["transformers_compiled_ms"] = hf * 1e3
         row["vs_transformers"] = hf / (row["shiftlm_ms"] / 1e3)
+        row["compiled_vs_transformers"] = hf / (row["shiftlm_compiled_ms"] / 1e3)
     result = dict(
         device=device_name(), dtype=str(dtype), copy_gbps=rate / 1e9, weight_bytes=weight_bytes, rows=rows
     )
@@ -168,7 +191,8 @@ def _plot_decode(rows: list[dict], path: Path, device: str) -> None:
         mine = [r for r in rows if r["context"] == context]
         batches = [r["batch"] for r in mine]
         for key, label in (
-            ("shiftlm_ms", "shiftlm"),
+            ("shiftlm_ms", "shiftlm eager"),
+            ("shiftlm_compiled_ms", "shiftlm compiled"),
             ("transformers_compiled_ms", "transformers compiled"),
             ("roofline_ms", "HBM roofline"),
         ):

@@ -228,7 +228,6 @@ def _decode_attention_ms() -> dict:
 
 def _rope_us() -> dict:
     from shiftlm.kernels import cpu as cpu_kernels
-    from shiftlm.model.inference_linear import PackedWeights
     from shiftlm.model.rope import apply_rope_qk, rope_cos_sin
 
     kernels = cpu_kernels.load()
@@ -243,10 +242,9 @@ def _rope_us() -> dict:
         with torch.no_grad():
             out[f"eager {tokens} tokens us"] = 1e6 * _best(lambda: apply_rope_qk(q, k, cos, sin), reps=200)
             if kernels is not None:
-                with PackedWeights(kernels).active():
-                    out[f"kernel {tokens} tokens us"] = 1e6 * _best(
-                        lambda: apply_rope_qk(q, k, cos, sin), reps=200
-                    )
+                out[f"kernel {tokens} tokens us"] = 1e6 * _best(
+                    lambda: apply_rope_qk(q, k, cos, sin, kernels), reps=200
+                )
     return out
 
 

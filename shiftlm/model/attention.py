@@ -25,10 +25,9 @@ from torch import nn
 
 from shiftlm.comm import CommGroup, all_to_all_along, reduce_from_group
 from shiftlm.config import ModelConfig
-from shiftlm.model.deferred import linear, linears
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from shiftlm.model.ops import PLAIN, Ops
 from shiftlm.model.ring_attention import ring_attention
-from shiftlm.model.rope import apply_rope_qk
 from shiftlm.model.sharding import kv_heads_of_block
 
 HEAD_DIM_AXIS = 2  # activations are [batch, tokens, heads, head_dim]
@@ -128,22 +127,24 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         backend: AttentionBackend | None = None,
         full_tp: FullTP | None = None,
+        ops: Ops = PLAIN,
     ) -> torch.Tensor:
         """x: [B, S_local, hidden] (S_local/TP with sequence parallelism); cos/sin: [B, S_local, D].
 
         `backend` replaces dense causal attention (serving: paged); `full_tp` runs the layer as P-way
-        tensor parallelism (every rank sees all tokens) instead of TP shards with Ulysses over sp."""
+        tensor parallelism (every rank sees all tokens) instead of TP shards with Ulysses over sp;
+        `ops` runs the projections, norms and RoPE (model/ops.py)."""
         if full_tp is not None:
-            return self._forward_full_tp(x, cos, sin, backend, full_tp)
+            return self._forward_full_tp(x, cos, sin, backend, full_tp, ops)
         d = self.config.head_dim
         x = self.q_proj.enter(x)
         batch, tokens = x.shape[:2]
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = linears(x, tuple(p.weight for p in projections), tuple(p.bias for p in projections))
+        q, k, v = ops.linears(x, tuple(p.weight for p in projections), tuple(p.bias for p in projections))
         q, k, v = (t.view(batch, tokens, -1, d) for t in (q, k, v))
         if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope_qk(q, k, cos, sin)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        q, k = ops.rope_qk(q, k, cos, sin)
         if self.sp.size > 1:
             q, k, v = self.scatter_heads(q, k, v)
         if backend is not None:  # serving: paged attention over the KV cache
@@ -154,23 +155,23 @@ class Attention(nn.Module):
             out = causal_attention(q, k, v, self.config.sliding_window)
         if self.sp.size > 1:
             out = all_to_all_along(out, self.sp, scatter_dim=1, gather_dim=HEAD_DIM_AXIS)
-        return self.o_proj(out.reshape(batch, -1, self.heads_local * d))
+        return self.o_proj(out.reshape(batch, -1, self.heads_local * d), ops)
 
     def _forward_full_tp(
-        self, x, cos, sin, backend: AttentionBackend | None, full_tp: FullTP
+        self, x, cos, sin, backend: AttentionBackend | None, full_tp: FullTP, ops: Ops
     ) -> torch.Tensor:
         d, views = self.config.head_dim, self.full_tp_views(full_tp)
         batch, tokens = x.shape[:2]
-        q, k, v = linears(x, (views.q, views.k, views.v), (views.q_bias, views.k_bias, views.v_bias))
+        q, k, v = ops.linears(x, (views.q, views.k, views.v), (views.q_bias, views.k_bias, views.v_bias))
         q, k, v = (t.view(batch, tokens, -1, d) for t in (q, k, v))
         if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope_qk(q, k, cos, sin)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        q, k = ops.rope_qk(q, k, cos, sin)
         if backend is None:
             out = causal_attention(q, k, v, self.config.sliding_window)
         else:
             out = backend(self.layer_index, q, k, v)
-        return reduce_from_group(linear(out.reshape(batch, tokens, -1), views.o), full_tp.group)
+        return reduce_from_group(ops.linear(out.reshape(batch, tokens, -1), views.o), full_tp.group)
 
     def full_tp_views(self, full_tp: FullTP) -> _Views:
         """Head block j = tp*SP + sp of P as views into TP shard tp (sub-slice sp); taken once, after

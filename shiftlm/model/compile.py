@@ -9,11 +9,11 @@ forward), `selective` runs the compiled block under the mode that checkpoints th
 the collectives of TP/SP/CP (Python autograd functions over our own groups) are where dynamo splits a
 block into graphs; on one rank, DP and ZeRO a block is one graph (tests/train/test_compile.py checks it).
 
-How a linear runs is the caller's choice (`model/deferred.py`): a forward inside `plain_linears()`
-(the trainer without a pipeline, a pipeline's B micro-batches) runs the compiled block, whose linears
-are `F.linear` in the graph; a forward the executor will split into I + W (zero-bubble schedules)
-wants deferrable linears, whose weight gradients are queued in Python at backward time, so that
-block runs eagerly.
+How a linear runs is the caller's choice, passed to every layer as `ops` (model/ops.py): a forward
+with `PLAIN` ops (the trainer without a pipeline, a pipeline's B micro-batches) runs the compiled
+block, whose linears are `F.linear` in the graph; a forward the executor will split into I + W
+(zero-bubble schedules) passes `DEFERRABLE`, whose weight gradients are queued in Python at backward
+time, so that block runs eagerly.
 
 Where inductor cannot build kernels (no C++ compiler on the CPU, no Triton on the GPU) training warns
 in one line and runs eagerly.
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from shiftlm.model import Transformer
-from shiftlm.model.deferred import plain_linears_active
+from shiftlm.model.ops import PLAIN
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,17 @@ def wants_compile(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def compile_usable(setting: str, device: torch.device, what: str) -> bool:
+def compile_usable(
+    setting: str, device: torch.device, what: str, silence: str = "set it to false to silence this"
+) -> bool:
     """Whether `setting` (auto / true / false) asks to compile on `device` and inductor can build
-    there; where it asks but cannot, one warning line naming `what` runs eagerly."""
+    there; where it asks but cannot, one warning line naming `what` (and how to `silence` it) runs
+    eagerly."""
     if not wants_compile(setting, device):
         return False
     problem = inductor_problem(device)
     if problem is not None:
-        log.warning("%s: %s; running eagerly (set it to false to silence this)", what, problem)
+        log.warning("%s: %s; running eagerly (%s)", what, problem, silence)
     return problem is None
 
 
@@ -72,8 +75,8 @@ def inductor_problem(device: torch.device) -> str | None:
 
 
 class CompiledBlock:
-    """A decoder layer's forward: compiled for plain linears, eager when the caller wants deferrable
-    ones. The first compiled call that fails to build (a toolchain inductor's check missed) warns once
+    """A decoder layer's forward: compiled for `PLAIN` ops (the `ops` keyword the transformer passes),
+    eager for any other. The first compiled call that fails to build (a toolchain inductor's check missed) warns once
     and turns every block eager; a compile failure runs nothing, so the eager rerun is the same step."""
 
     broken: str | None = None  # set by the first build failure: every block runs eagerly from then on
@@ -83,7 +86,7 @@ class CompiledBlock:
         self.compiled = torch.compile(eager)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not plain_linears_active() or CompiledBlock.broken is not None:
+        if kwargs.get("ops", PLAIN) is not PLAIN or CompiledBlock.broken is not None:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)

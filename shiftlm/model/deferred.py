@@ -2,7 +2,7 @@
 
 A linear layer's backward is two GEMMs: the input gradient dX = dY A, which the previous pipeline
 stage waits for, and the weight gradient dA = dY^T X (plus db = sum dY), which nobody waits for.
-Zero-bubble schedules run the first as I and the second later, as W, to fill bubbles. `linear` is
+Zero-bubble schedules run the first as I and the second later, as W, to fill bubbles. `deferrable_linear` is
 `F.linear` with a backward that, while a `WeightGradStore` is deferring, returns only dX and queues
 a closure computing dA and db; `store.flush(key)` runs the closures of that key and accumulates into
 `.grad`. This is the zero-bubble implementation's `WeightGradStore` (put / flush / pop in
@@ -33,14 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftlm.model.inference_linear import (
-    inference_linear,
-    inference_linears,
-    inference_swiglu,
-)
-
 _deferring: tuple[WeightGradStore, Hashable] | None = None
-_plain = False  # inside `plain_linears()`: `linear` is F.linear (autograd's own backward)
 
 
 class WeightGradStore:
@@ -72,25 +65,6 @@ class WeightGradStore:
         """Run (and drop) the closures queued under `key`: the W of that key."""
         for compute in self._queues.pop(key, ()):
             compute()
-
-
-@contextmanager
-def plain_linears(plain: bool = True) -> Iterator[None]:
-    """Forwards run inside this block build autograd's own linear nodes (F.linear): for a forward
-    whose backward will not be deferred (a pipeline's B rather than I + W), that backward skips
-    the Python `_DeferrableLinear.backward` (about 7% of an MLP's F + B on one CPU thread).
-    `plain=False` builds the deferrable ones (what a recomputation uses when its forward did)."""
-    global _plain
-    previous, _plain = _plain, plain
-    try:
-        yield
-    finally:
-        _plain = previous
-
-
-def plain_linears_active() -> bool:
-    """Whether forwards now build plain linears (inside `plain_linears()`)."""
-    return _plain
 
 
 def _weight_grads(
@@ -175,37 +149,16 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_x, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` whose weight and bias gradients can be deferred by `WeightGradStore.deferring`;
-    without autograd (inference, as serving runs) the plain GEMM (`inference_linear`)."""
-    if not torch.is_grad_enabled():
-        return inference_linear(x, weight, bias)
-    if _plain:
-        return F.linear(x, weight, bias)
+def deferrable_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear` whose weight and bias gradients can be deferred by `WeightGradStore.deferring`
+    (`model.ops.DEFERRABLE` runs every linear of a forward this way)."""
     return _DeferrableLinear.apply(x, weight, bias)
 
 
-def linears(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...] | None = None
-) -> tuple[torch.Tensor, ...]:
-    """`linear` of one input with each weight (and bias); without autograd possibly one fused GEMM
-    (`inference_linears`), so the outputs may be views of one tensor."""
-    if not torch.is_grad_enabled():
-        return inference_linears(x, weights, biases)
-    biases = biases if biases is not None else (None,) * len(weights)
-    return tuple(linear(x, w, b) for w, b in zip(weights, biases))
-
-
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(linear(x, gate)) * linear(x, up) (bias-free); without autograd `inference_swiglu`."""
-    if not torch.is_grad_enabled():
-        return inference_swiglu(x, gate, up)
-    g, u = linears(x, (gate, up))
-    return F.silu(g) * u
-
-
 class Linear(nn.Linear):
-    """`nn.Linear` built on the deferrable `linear` (for models outside the transformer, e.g. benches)."""
+    """`nn.Linear` built on `deferrable_linear` (for models outside the transformer, e.g. benches)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return deferrable_linear(x, self.weight, self.bias)

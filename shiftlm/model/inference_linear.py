@@ -18,10 +18,8 @@ bench/serve_kernels.py`). Which one a
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,19 +36,19 @@ ONEDNN_DTYPES = _onednn_dtypes()
 log = logging.getLogger(__name__)
 GEMV_ROWS = 2  # inputs of at most this many rows may run MKL's F.linear on the weights as they are
 PACK_ROWS = 32  # the row count oneDNN tunes a packed layout for; measured as good from 1 to 512 rows
-_active = threading.local()  # .packed: the PackedWeights of the forward running on this thread
 
 
 class PackedWeights:
-    """oneDNN-layout copies of the weights used inside `with packed.active():`, made on first use.
+    """oneDNN-layout copies of the weights a forward's linears use, made on first use (the forward is
+    handed them explicitly: `model.ops.InferenceOps(packed)`).
 
     Keyed by the weight's storage address, shape and strides, so a view (full-TP's head slices) gets a
     copy of its own. The weights must not change while the copies are in use (serving's are frozen)."""
 
     def __init__(self, ops=None, gemv_rows: int = GEMV_ROWS) -> None:
         self._copies: dict[tuple, torch.Tensor] = {}
-        # the CPU kernels (kernels/cpu.py) the forward inside `active()` may use for its fused
-        # RMSNorm and SwiGLU; None: PyTorch's ops
+        # the CPU kernels (kernels/cpu.py) the forward may use for its fused RMSNorm, SwiGLU and
+        # RoPE; None: PyTorch's ops
         self.ops = ops
         # inputs of at most this many rows run MKL's `F.linear` on the weights as they are (0: none);
         # `choose_small_rows` measures it
@@ -129,15 +127,6 @@ class PackedWeights:
             fused = self._copies[key] = (weight, bias)
         return fused
 
-    @contextmanager
-    def active(self) -> Iterator[None]:
-        previous = getattr(_active, "packed", None)
-        _active.packed = self
-        try:
-            yield
-        finally:
-            _active.packed = previous
-
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -152,25 +141,31 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def inference_linears(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...] | None = None
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    biases: tuple[torch.Tensor | None, ...] | None = None,
+    packed: PackedWeights | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Several linears of the same input (`inference_linear` each). While a `PackedWeights` is active,
-    one GEMM on a packed concatenation of the weights, its output split into views (one call instead
-    of three for Q, K, V: each call costs ~10 us of fixed overhead at decode sizes)."""
+    """Several linears of the same input (`inference_linear` each). With `packed`, one GEMM on a packed
+    concatenation of the weights, its output split into views (one call instead of three for Q, K, V:
+    each call costs ~10 us of fixed overhead at decode sizes)."""
     biases = biases if biases is not None else (None,) * len(weights)
-    packed = getattr(_active, "packed", None)
     if packed is None or not _onednn(x, weights[0]) or x.numel() <= packed.gemv_rows * x.shape[-1]:
-        return tuple(inference_linear(x, w, b) for w, b in zip(weights, biases))
+        return tuple(inference_linear(x, w, b, packed) for w, b in zip(weights, biases))
     weight, bias = packed.get_fused(weights, biases)
     out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return out.split([w.shape[0] for w in weights], dim=-1)
 
 
-def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` without autograd: oneDNN's matmul for CPU tensors it supports (on the packed copy
-    while a `PackedWeights` is active on this thread), else `F.linear`."""
+def inference_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: PackedWeights | None = None,
+) -> torch.Tensor:
+    """`F.linear` without autograd: oneDNN's matmul for CPU tensors it supports (on the copy in
+    `packed` when given), else `F.linear`."""
     if _onednn(x, weight):
-        packed = getattr(_active, "packed", None)
         if x.numel() > (GEMV_ROWS if packed is None else packed.gemv_rows) * x.shape[-1]:
             if packed is not None:
                 weight = packed.get(weight)
@@ -178,29 +173,33 @@ def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.linear(x, weight, bias)
 
 
-def active_ops(x: torch.Tensor):
-    """The CPU kernels of the PackedWeights active on this thread, for fp32 CPU tensors, else None."""
-    packed = getattr(_active, "packed", None)
+def cpu_kernels(x: torch.Tensor, packed: PackedWeights | None):
+    """The CPU kernels `packed` carries, for fp32 CPU tensors, else None."""
     if packed is None or packed.ops is None or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     return packed.ops
 
 
-def inference_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) without autograd (bias-free gate and up): with the CPU kernels
-    active, one GEMM on the packed gate|up and one fused pass over its output (PyTorch's silu and
-    product over the two strided halves took 1.94 ms at 512 x 1408, the fused pass 0.42 ms)."""
-    ops = active_ops(x)
-    if ops is not None and _onednn(x, gate) and x.numel() > _active.packed.gemv_rows * x.shape[-1]:
-        weight, _ = _active.packed.get_fused((gate, up), (None, None))
+def inference_swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, packed: PackedWeights | None = None
+) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) without autograd (bias-free gate and up): with the CPU kernels,
+    one GEMM on the packed gate|up and one fused pass over its output (PyTorch's silu and product
+    over the two strided halves took 1.94 ms at 512 x 1408, the fused pass 0.42 ms)."""
+    ops = cpu_kernels(x, packed)
+    if ops is not None and _onednn(x, gate) and x.numel() > packed.gemv_rows * x.shape[-1]:
+        weight, _ = packed.get_fused((gate, up), (None, None))
         return ops.silu_mul(torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
-    g, u = inference_linears(x, (gate, up))
+    g, u = inference_linears(x, (gate, up), packed=packed)
     return F.silu(g) * u
 
 
-def inference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of fp32 rows without autograd: the CPU kernel where active, else `F.rms_norm`."""
-    ops = active_ops(x)
+def inference_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, packed: PackedWeights | None = None
+) -> torch.Tensor:
+    """RMSNorm of fp32 rows without autograd: the CPU kernel where `packed` carries it, else
+    `F.rms_norm`."""
+    ops = cpu_kernels(x, packed)
     if ops is not None and x.is_contiguous() and weight.dtype == x.dtype:
         return ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)

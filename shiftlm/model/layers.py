@@ -5,8 +5,8 @@ column->row regions are split along the sequence (dim 1) across the TP group: a 
 all-gathers its input (backward: reduce-scatter), a row-parallel layer reduce-scatters its output
 (backward: all-gather) instead of all-reducing it.
 
-The two parallel linears use `deferred.linear`, so zero-bubble pipeline schedules can run their
-weight-gradient GEMMs apart from the input gradient (see shiftlm/model/deferred.py).
+Every forward takes the caller's `ops` (model/ops.py): how its linears and norms run (autograd's,
+deferrable for zero-bubble pipeline schedules, serving's inference kernels).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftlm.comm import CommGroup, copy_to_group, gather_along, reduce_from_group, reduce_scatter_along
-from shiftlm.model.deferred import linear
-from shiftlm.model.inference_linear import inference_rms_norm
+from shiftlm.model.ops import PLAIN, Ops
 
 SEQ_DIM = 1
 
@@ -30,13 +29,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and not torch.is_grad_enabled():  # the same formula in one call
-            return inference_rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -62,8 +56,8 @@ class ColumnParallelLinear(nn.Module):
             return gather_along(x, self.group, SEQ_DIM)
         return copy_to_group(x, self.group)
 
-    def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
-        return linear(x if entered else self.enter(x), self.weight, self.bias)
+    def forward(self, x: torch.Tensor, entered: bool = False, ops: Ops = PLAIN) -> torch.Tensor:
+        return ops.linear(x if entered else self.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -77,8 +71,8 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear(x, self.weight)
+    def forward(self, x: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
+        partial = ops.linear(x, self.weight)
         if self.sequence_parallel:
             return reduce_scatter_along(partial, self.group, SEQ_DIM)
         return reduce_from_group(partial, self.group)

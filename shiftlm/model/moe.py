@@ -180,7 +180,9 @@ class SparseMoE(nn.Module):
         self.router_stats = (counts, probs.sum(dim=0), x.shape[0])
         return weights.to(x.dtype), index
 
-    def forward(self, x: torch.Tensor, full_tp: object = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, full_tp: object = None, ops: object = None) -> torch.Tensor:
+        """`ops` (model/ops.py) is accepted for the layer's interface and not used: the router and the
+        grouped expert GEMMs run autograd's ops in every mode (their weight gradients are never deferred)."""
         if full_tp is not None:
             # serving's full TP: every rank routes all the tokens (the same way: the router is replicated)
             # and computes sub-slice `part` of each expert's TP shard, summed over all P = SP x TP ranks

@@ -10,7 +10,6 @@ import math
 import torch
 
 from shiftlm.config import ModelConfig
-from shiftlm.model.inference_linear import active_ops  # serving's kernels, if active on this thread
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -55,10 +54,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def apply_rope_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rope` of q and of k ([..., tokens, heads, head_dim]); in one pass over both when k's
-    heads follow q's in memory (the outputs of one fused QKV GEMM), with the same values."""
+    heads follow q's in memory (the outputs of one fused QKV GEMM), with the same values.
+    `kernels`: serving's CPU kernels (kernels/cpu.py), which have a one-pass RoPE; None: PyTorch's."""
     heads, dim = q.shape[-2], q.shape[-1]
     adjacent = (
         q.shape[:-2] == k.shape[:-2]
@@ -67,18 +67,23 @@ def apply_rope_qk(
         and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
     )
     if not adjacent:
-        return _rope(q, cos, sin), _rope(k, cos, sin)
-    both = _rope(q.as_strided((*q.shape[:-2], heads + k.shape[-2], dim), q.stride()), cos, sin)
+        return _rope(q, cos, sin, kernels), _rope(k, cos, sin, kernels)
+    both = _rope(q.as_strided((*q.shape[:-2], heads + k.shape[-2], dim), q.stride()), cos, sin, kernels)
     return both[..., :heads, :], both[..., heads:, :]
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope`, by the CPU kernel (one pass; 512 tokens x 10 heads 44 us
-    against eager's 166, `python bench/serve_kernels.py`)
-    inside serving's no-grad forward where it is active and the layout fits: tokens [1, T, H, D] or
-    [T, H, D] with heads contiguous, cos/sin one row per token."""
-    ops = active_ops(x)
-    if ops is None or not hasattr(ops, "rope") or x.requires_grad or x.dim() not in (3, 4):
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops=None) -> torch.Tensor:
+    """`apply_rope`, by the CPU kernel `ops` where given (one pass; 512 tokens x 10 heads 44 us
+    against eager's 166, `python bench/serve_kernels.py`) and the layout fits: tokens [1, T, H, D] or
+    [T, H, D] with heads contiguous, cos/sin one row per token, fp32 on the CPU."""
+    if (
+        ops is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or not hasattr(ops, "rope")
+        or x.requires_grad
+        or x.dim() not in (3, 4)
+    ):
         return apply_rope(x, cos, sin)
     tokens, dim = x.shape[-3], x.shape[-1]
     rows = x[0] if x.dim() == 4 and x.shape[0] == 1 else x

@@ -21,10 +21,10 @@ from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model.attention import Attention, AttentionBackend, FullTP
-from shiftlm.model.deferred import linear, swiglu
 from shiftlm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from shiftlm.model.loss import IGNORE_INDEX, chunked_head_cross_entropy, vocab_parallel_cross_entropy
 from shiftlm.model.moe import SparseMoE, ffn_name, load_balancing_loss
+from shiftlm.model.ops import PLAIN, Ops
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.model.rope import inverse_frequencies, rope_cos_sin
 from shiftlm.model.sharding import padded_vocab
@@ -46,13 +46,13 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(f, h, tp, sequence_parallel)
         self._views: tuple[tuple, tuple] | None = None
 
-    def forward(self, x: torch.Tensor, full_tp: FullTP | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, full_tp: FullTP | None = None, ops: Ops = PLAIN) -> torch.Tensor:
         if full_tp is not None:  # sub-slice `part` of this TP shard's FFN columns, summed over all P ranks
             gate, up, down = self.full_tp_views(full_tp)
-            hidden = swiglu(x, gate, up)  # without autograd one GEMM on gate|up (packed), fused silu * up
-            return reduce_from_group(linear(hidden, down), full_tp.group)
+            hidden = ops.swiglu(x, gate, up)  # serving's ops: one GEMM on gate|up (packed), fused silu * up
+            return reduce_from_group(ops.linear(hidden, down), full_tp.group)
         x = self.gate_proj.enter(x)
-        return self.down_proj(swiglu(x, self.gate_proj.weight, self.up_proj.weight))
+        return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight), ops)
 
     def full_tp_views(self, full_tp: FullTP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sub-slice `part` of this TP shard's gate/up rows and down columns (views, taken once)."""
@@ -100,9 +100,10 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         backend: AttentionBackend | None = None,
         full_tp: FullTP | None = None,
+        ops: Ops = PLAIN,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, full_tp)
-        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x), full_tp)
+        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, backend, full_tp, ops)
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x, ops), full_tp, ops)
 
 
 class _Body(nn.Module):
@@ -191,13 +192,19 @@ class Transformer(nn.Module):
         return torch.as_tensor(index, device=self.mesh.device).unsqueeze(0).expand(batch, -1)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, backend: AttentionBackend | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        backend: AttentionBackend | None = None,
+        ops: Ops = PLAIN,
     ) -> torch.Tensor:
-        """`backend`: attention other than dense causal (multi-stream samples: `stream_mask.MaskedAttention`)."""
-        hidden = self.hidden_states(x, positions, backend)
+        """`backend`: attention other than dense causal (multi-stream samples: `stream_mask.MaskedAttention`);
+        `ops`: how the linears and norms run (model/ops.py: a zero-bubble pipeline's I + W forwards
+        pass `DEFERRABLE`)."""
+        hidden = self.hidden_states(x, positions, backend, ops=ops)
         if not self.with_head or self.loss_chunk:  # with loss_chunk the head runs inside `loss`
             return hidden
-        return self.head(hidden)
+        return self.head(hidden, ops)
 
     def full_tp(self) -> FullTP:
         """Shift Parallelism's latency mode on this rank: P-way TP over the mesh's shift group."""
@@ -209,6 +216,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         backend: AttentionBackend | None = None,
         full_tp: FullTP | None = None,
+        ops: Ops = PLAIN,
     ) -> torch.Tensor:
         """The layers' output (before the final norm): training's forward, or serving's with a paged
         `backend` and, for full TP, every rank on all tokens (`full_tp`, see attention.FullTP)."""
@@ -224,19 +232,19 @@ class Transformer(nn.Module):
         # [B, S, 1, head_dim]: broadcast over heads by every layer's RoPE without a per-layer unsqueeze
         cos, sin = (t.unsqueeze(-2) for t in rope_cos_sin(self.inv_freq, positions, hidden.dtype))
         for layer in self.model.layers.values():
-            hidden = layer(hidden, cos, sin, backend, full_tp)
+            hidden = layer(hidden, cos, sin, backend, full_tp, ops=ops)
         return hidden
 
-    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_input(self, hidden: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
         """Final norm, brought into the TP region (every TP rank holds every token)."""
-        hidden = self.model.norm(hidden)
+        hidden = self.model.norm(hidden, ops)
         if self.sequence_parallel:
             return gather_along(hidden, self.mesh.tp, dim=1)
         return copy_to_group(hidden, self.mesh.tp)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
         """Final norm + vocab-parallel LM head; padding columns are -inf so they never win or weigh."""
-        logits = linear(self.head_input(hidden), self.head_weight)  # deferrable: W can wait
+        logits = ops.linear(self.head_input(hidden, ops), self.head_weight)  # DEFERRABLE: W can wait
         if self.has_vocab_padding:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits

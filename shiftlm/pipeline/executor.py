@@ -40,6 +40,7 @@ unchanged (tested with the Transformer at pp 2 x tp 2 and pp 2 x sp 2).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -48,7 +49,8 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm import CommGroup
-from shiftlm.model.deferred import WeightGradStore, plain_linears
+from shiftlm.model.deferred import WeightGradStore
+from shiftlm.model.ops import DEFERRABLE, PLAIN
 from shiftlm.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
 from shiftlm.pipeline.lowering import lower
 from shiftlm.pipeline.messaging import PairMessaging, shape_header
@@ -90,8 +92,13 @@ class PipelineExecutor(PairMessaging):
         self.on_stage_grads_ready = on_stage_grads_ready
         actions = self.schedule.ranks[rank]
         # stages whose gradients are final only once the replicas' GRAD_SYNC lands (end of step)
-        # forwards whose backward is split (I + W) build deferrable linears; the others autograd's own
+        # forwards whose backward is split (I + W) build deferrable linears; the others autograd's own.
+        # The choice reaches a stage whose forward takes `ops` (model/ops.py); other modules (tests'
+        # toy stages) run the linears they were built with
         self._split = {(a.stage, a.microbatch, a.replica) for a in actions if a.kind is Kind.I}
+        self._takes_ops = {
+            k for k, m in self.modules.items() if "ops" in inspect.signature(m.forward).parameters
+        }
         self._synced = sorted({(a.stage, a.replica) for a in actions if a.kind is Kind.GRAD_SYNC})
         last = {(a.stage, a.replica): i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.I, Kind.W)}
         ready_after = {index: key for key, index in last.items() if key not in self._synced}
@@ -177,11 +184,10 @@ class PipelineExecutor(PairMessaging):
         module = self.modules[(stage, action.replica)]
         if hasattr(module, "micro_batch"):  # a stage that needs its micro-batch's context (train/streams.py)
             module.micro_batch = action.microbatch
-        if key in self._split:
-            out = module(x)
+        if (stage, action.replica) in self._takes_ops:
+            out = module(x, ops=DEFERRABLE if key in self._split else PLAIN)
         else:
-            with plain_linears():
-                out = module(x)
+            out = module(x)
         if stage == last:
             out = self.loss_fn(out, self._targets[action.microbatch])
             self._loss = out.detach() if self._loss is None else self._loss + out.detach()

@@ -90,20 +90,20 @@ def gemm_pass(role: str, m: int, weights: list, biases: list) -> Callable[[], ob
     """One pass of a layer stack's GEMM in `role` through STACK_DEPTH distinct [n, k] weights (so
     weights stream from memory as in a real pass): the forward F.linear(x, W, b), its dgrad dy @ W, or
     its wgrad dy^T @ x (what autograd runs for a Linear's input and weight gradients); or the serving
-    engine's forward (`INFERENCE_ROLE`): the very function its step calls, inside the engine's own
-    `PackedWeights` context and `torch.no_grad()`, so the probe follows the engine's code path."""
+    engine's forward (`INFERENCE_ROLE`): the very function its step calls, with a `PackedWeights` of
+    its own as the engine's `InferenceOps` passes it, under `torch.no_grad()`: the engine's code path."""
     import torch
 
     n, k = weights[0].shape
     like = dict(device=weights[0].device, dtype=weights[0].dtype)  # the weights' device and dtype
     if role == INFERENCE_ROLE:
-        from shiftlm.serve.worker.shift_model import PackedWeights, inference_linear
+        from shiftlm.model.inference_linear import PackedWeights, inference_linear
 
         x, packed = torch.randn(m, k), PackedWeights()
 
         def serve_pass() -> list:
-            with torch.no_grad(), packed.active():
-                return [inference_linear(x, w, b) for w, b in zip(weights, biases)]
+            with torch.no_grad():
+                return [inference_linear(x, w, b, packed) for w, b in zip(weights, biases)]
 
         return serve_pass
     if role == "forward":

@@ -87,7 +87,6 @@ def _step_overheads(device, budget: float) -> dict[str, float]:
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
     from shiftlm.model.compile import compile_blocks
-    from shiftlm.model.deferred import plain_linears
 
     config = ModelConfig(**OVERHEAD_MODEL)
     ids = torch.randint(0, config.vocab_size, (1, 8), device=device)
@@ -99,8 +98,7 @@ def _step_overheads(device, budget: float) -> dict[str, float]:
             continue
 
         def step(model=model) -> None:
-            with plain_linears():
-                model(ids).float().sum().backward()
+            model(ids).float().sum().backward()  # PLAIN ops, the compiled blocks' (model/ops.py)
 
         step()  # the compiled blocks build here, outside the timing
         result[f"step_overhead_{name}"] = _synced_mean(step, device, 20, budget) / config.num_layers

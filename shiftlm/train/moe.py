@@ -22,6 +22,7 @@ from shiftlm.comm import all_reduce
 from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh
 from shiftlm.model.moe import SparseMoE
+from shiftlm.model.ops import PLAIN, Ops
 from shiftlm.model.sharding import is_expert_param
 
 
@@ -85,13 +86,13 @@ class RouterStatsStage(nn.Module):
         self.stage, self.sequences = stage, sequences
         self.experts = stage.config.num_experts
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, ops: Ops = PLAIN):
         config, device = self.stage.config, self.stage.mesh.device
         if self.stage.with_embedding:
             hidden, running = x, torch.zeros(2 * self.experts + 1, device=device)
         else:
             hidden, running = unpack(x, 2 * self.experts + 1, self.sequences, config.hidden_size)
-        out = self.stage(hidden)
+        out = self.stage(hidden, ops=ops)
         running = running + router_stats(self.stage, self.experts, device)
         if self.stage.with_head:
             return out, running

@@ -55,6 +55,7 @@ def sample(
     """Top-k samples from an exported model, with shiftlm's own (single-rank) model."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
+    from shiftlm.model.ops import InferenceOps
     from shiftlm.train.tokenizer import read_tokenizer_json
 
     model = build_model(ModelConfig.from_hf(model_dir), checkpoint=model_dir)
@@ -64,7 +65,7 @@ def sample(
     for prompt in prompts:
         ids = torch.tensor([tokenizer.encode(prompt).ids])
         for _ in range(max_new_tokens):
-            logits = model(ids)[0, -1] / temperature
+            logits = model(ids, ops=InferenceOps())[0, -1] / temperature  # serving's no-grad GEMMs
             threshold = logits.topk(top_k).values[-1]
             probs = torch.softmax(logits.masked_fill(logits < threshold, float("-inf")), dim=-1)
             ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator).view(1, 1)], dim=1)

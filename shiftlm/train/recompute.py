@@ -21,7 +21,6 @@ kernels on the same inputs, so losses and gradients are bit-identical to `none`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -30,7 +29,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from shiftlm.model import Transformer
-from shiftlm.model.deferred import plain_linears, plain_linears_active
 
 
 class _RecomputeAttentionCore(TorchFunctionMode):
@@ -48,13 +46,6 @@ def _attention_with_core_recompute(forward: Callable, *args: Any, **kwargs: Any)
         return forward(*args, **kwargs)
 
 
-def _same_linears() -> tuple[Any, Any]:
-    """checkpoint's `context_fn`: the recomputation in backward builds the kind of linear the forward
-    built (plain inside the executor's `plain_linears()`, else deferrable), so the tensors it saves
-    match the forward's (they differ in shape otherwise, and checkpoint refuses)."""
-    return nullcontext(), plain_linears(plain_linears_active())
-
-
 def apply_recompute(stage: Transformer, mode: str, compiled: bool = False) -> None:
     """Make `stage`'s decoder layers recompute activations in backward: none | selective | full.
 
@@ -63,7 +54,8 @@ def apply_recompute(stage: Transformer, mode: str, compiled: bool = False) -> No
     per-attention patch is a distinct object per layer and dynamo would compile every layer anew."""
     for layer in stage.model.layers.values():
         if mode == "full":
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, context_fn=_same_linears)
+            # the recomputation gets the forward's arguments again, `ops` among them: the same linears
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
         elif mode == "selective":
             owner = layer if compiled else layer.self_attn
             owner.forward = partial(_attention_with_core_recompute, owner.forward)

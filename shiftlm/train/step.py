@@ -19,7 +19,7 @@ import torch
 from shiftlm.config import ModelConfig
 from shiftlm.mesh import Mesh, check_dtype
 from shiftlm.model import Transformer, build_model, stage_layers
-from shiftlm.model.deferred import plain_linears
+from shiftlm.model.ops import PLAIN
 from shiftlm.model.ring_attention import sequence_indices
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.moe import RouterStatsStage, aux_loss_active, aux_loss_share, router_stats
@@ -136,8 +136,9 @@ class StepRunner:
             total = torch.zeros((), device=self.mesh.device)
             stage = self.stages[0]
             for x, y, context in zip(inputs, targets, contexts):
-                with plain_linears():  # no pipeline, no deferred weight gradients: autograd's linears
-                    logits = stage(x) if context is None else stage(x, context.positions, context.backend)
+                # no pipeline, no deferred weight gradients: autograd's linears
+                positions, backend = (None, None) if context is None else (context.positions, context.backend)
+                logits = stage(x, positions, backend, ops=PLAIN)
                 loss = normalised_loss(stage, logits, y, target_tokens)
                 if self.aux_coef:
                     experts = stage.config.num_experts

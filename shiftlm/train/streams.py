@@ -26,6 +26,7 @@ import torch
 
 from shiftlm.errors import ConfigError
 from shiftlm.model.loss import IGNORE_INDEX
+from shiftlm.model.ops import PLAIN, Ops
 from shiftlm.model.stream_mask import PROMPT, TIMESTEP, MaskedAttention, interleave, stream_visibility
 from shiftlm.train.sources import DataError
 
@@ -130,9 +131,9 @@ class StreamStage(torch.nn.Module):
         self.micro_batch = 0
         self.contexts: list[StreamContext] = []
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
         context = self.contexts[self.micro_batch]
-        return self.stage(x, context.positions, context.backend)
+        return self.stage(x, context.positions, context.backend, ops=ops)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.stage.loss(logits, targets)

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shiftlm.model.deferred import linear
 from shiftlm.model.inference_linear import (
     GEMV_ROWS,
     ONEDNN_DTYPES,
@@ -35,11 +34,7 @@ def test_inference_linear_equals_f_linear_on_weights_and_views(rows, packed):
     cache = PackedWeights()
     for name, (weight, bias) in weights.items():
         x = torch.randn(1, rows, weight.shape[1])
-        if packed:
-            with cache.active():
-                out = inference_linear(x, weight, bias)
-        else:
-            out = inference_linear(x, weight, bias)
+        out = inference_linear(x, weight, bias, cache if packed else None)
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5, msg=name)
     if packed and torch.float32 in ONEDNN_DTYPES:
         # one copy per view (the two views of one storage differ); none for GEMV-sized inputs (MKL)
@@ -57,9 +52,9 @@ def test_fused_linears_equal_each_linear(rows, packed):
     biases = (torch.randn(24), None, torch.randn(8))
     cache = PackedWeights()
     x = torch.randn(1, rows, 24)
-    with cache.active() if packed else torch.no_grad():
+    with torch.no_grad():
         for _ in range(2):
-            outs = inference_linears(x, weights, biases)
+            outs = inference_linears(x, weights, biases, cache if packed else None)
     for out, weight, bias in zip(outs, weights, biases):
         torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     fused = packed and torch.float32 in ONEDNN_DTYPES and rows > GEMV_ROWS
@@ -69,25 +64,14 @@ def test_fused_linears_equal_each_linear(rows, packed):
 
 
 @needs_onednn
-def test_packed_copies_are_made_once_and_only_inside_active():
+def test_packed_copies_are_made_once_and_only_where_given():
     weight = torch.randn(24, 16)
     cache = PackedWeights()
     inference_linear(torch.randn(3, 16), weight)
     assert len(cache) == 0
-    with cache.active():
-        for rows in (1, 5, 64):
-            inference_linear(torch.randn(rows, 16), weight)
+    for rows in (1, 5, 64):
+        inference_linear(torch.randn(rows, 16), weight, packed=cache)
     assert len(cache) == 1
-
-
-def test_linear_without_grad_skips_autograd_and_with_grad_keeps_it():
-    weight = torch.randn(8, 6, requires_grad=True)
-    x = torch.randn(2, 6)
-    with torch.no_grad():
-        assert linear(x, weight).grad_fn is None
-    out = linear(x, weight)
-    out.sum().backward()
-    torch.testing.assert_close(weight.grad, torch.ones(2, 8).t() @ x)
 
 
 def test_other_dtypes_fall_back_to_f_linear():
@@ -104,8 +88,7 @@ def test_small_inputs_take_the_path_gemv_rows_names(gemv_rows):
     for rows in (1, 2, 3):
         cache = PackedWeights(gemv_rows=gemv_rows)
         x = torch.randn(rows, 16)
-        with cache.active():
-            out = inference_linear(x, weight)
+        out = inference_linear(x, weight, packed=cache)
         torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
         assert len(cache) == (0 if rows <= gemv_rows else 1), rows
 

@@ -87,9 +87,9 @@ def greedy_one_at_a_time_equals_hf(runner, model_dir) -> None:
     assert runner.shift_model.compiled.steps == steps + len(PROMPTS) * (NEW_TOKENS - 1)
 
 
-def test_compiled_decode_covers_cpu_models_only(tmp_path):
-    """The compiled decode is built around MKL's GEMV on the CPU; a model on another device (a GPU; the
-    meta device stands in here) keeps the eager step."""
+def test_compiled_decode_covers_one_rank_dense_models_on_cpu_and_cuda(tmp_path):
+    """The CPU runs fp32 models compiled (the GEMV choice is measured in fp32), CUDA any dtype; other
+    devices (the meta device stands in), several ranks and MoE models keep the eager step."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
     from shiftlm.serve.worker.compiled_step import CompiledDecode
@@ -97,5 +97,61 @@ def test_compiled_decode_covers_cpu_models_only(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     model = build_model(ModelConfig.from_hf(model_dir), checkpoint=model_dir).eval()
     assert CompiledDecode.supports(model, 1)
-    assert not CompiledDecode.supports(model.to("meta"), 1)
     assert not CompiledDecode.supports(model, 2)
+    assert not CompiledDecode.supports(model.to(torch.bfloat16), 1)
+    assert not CompiledDecode.supports(model.to("meta"), 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_graph_for_every_batch_equals_the_eager_step(tmp_path, monkeypatch, dtype):
+    """The GPU's way (`dynamic_batch`: one graph for a single sequence, one for every larger batch),
+    run on the CPU: decode steps of 1 to 5 sequences equal the eager step (fp32 to 1e-5; bf16 within
+    bf16's rounding of the same math), with no compile after the warm-up's two."""
+    from torch._dynamo.utils import counters
+
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker.compiled_step import CompiledDecode
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    mesh, torch_dtype = Mesh(ParallelConfig()), getattr(torch, dtype)
+    eager, compiled = (
+        ModelRunner.load(model_dir, mesh, num_blocks=64, block_size=BLOCK, dtype=torch_dtype, gemv_rows=0)
+        for _ in range(2)
+    )
+    compiled.shift_model.compiled = CompiledDecode(
+        compiled.shift_model.model, compiled.cache, max_seqs=8, dynamic_batch=True
+    )
+    counters.clear()
+    assert compiled.shift_model.compiled.warm_up()
+    assert counters["stats"]["unique_graphs"] == 2
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(3 + i)] for i in range(5)]
+    prefill = StepPlan(
+        0,
+        Mode.TP,
+        tuple(
+            ScheduledChunk(i, tuple(p), 0, tuple(range(8 * i, 8 * i + 8)), True, row=i)
+            for i, p in enumerate(prompts)
+        ),
+    )
+    plans, lengths = [prefill], [len(p) for p in prompts]
+    for step in range(1, 9):  # batches of 5, 4, 3, 2, 1, then 5 again
+        seqs = range(max(1, 5 - step + 1)) if step <= 5 else range(5)
+        plans.append(
+            StepPlan(
+                step,
+                Mode.TP,
+                tuple(ScheduledChunk(i, (20 + step,), lengths[i], (), True, row=i) for i in seqs),
+            )
+        )
+        for i in seqs:
+            lengths[i] += 1
+    tolerance = 1e-5 if dtype == "float32" else 3e-2
+    for plan in plans:
+        want, got = eager.execute(plan), compiled.execute(plan)
+        error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        assert error <= tolerance, (plan.step, len(plan.chunks), error)
+    assert compiled.shift_model.compiled.steps == len(plans) - 1
+    assert counters["stats"]["unique_graphs"] == 2  # batch sizes 1-5, contexts 4-13: no recompile

@@ -156,7 +156,6 @@ def test_fused_silu_mul_equals_torch(shape):
 def test_fused_rope_equals_apply_rope(tokens, batched):
     """RoPE of the fused Q|K view (k's heads right after q's, rows strided by the QKV GEMM's width) and
     of separate q and k, by the kernel inside the serving forward, equals `apply_rope`."""
-    from shiftlm.model.inference_linear import PackedWeights
     from shiftlm.model.rope import apply_rope, apply_rope_qk, rope_cos_sin
 
     torch.manual_seed(tokens)
@@ -173,9 +172,9 @@ def test_fused_rope_equals_apply_rope(tokens, batched):
             calls.append(args[0].shape)
             return kernel.rope(*args)
 
-    with torch.no_grad(), PackedWeights(Counting()).active():
-        fused = apply_rope_qk(q, k, cos, sin)
-        separate = apply_rope_qk(q, k.clone(), cos, sin)  # not adjacent: q and k each
+    with torch.no_grad():
+        fused = apply_rope_qk(q, k, cos, sin, Counting())
+        separate = apply_rope_qk(q, k.clone(), cos, sin, Counting())  # not adjacent: q and k each
     assert [tuple(shape) for shape in calls] == [(tokens, 10, 64), (tokens, 8, 64), (tokens, 2, 64)]
     for got in (fused, separate):
         torch.testing.assert_close(got[0], apply_rope(q, cos, sin), rtol=1e-5, atol=1e-6)
@@ -184,19 +183,19 @@ def test_fused_rope_equals_apply_rope(tokens, batched):
 
 @needs_kernel
 def test_fused_ops_leave_the_models_forward_unchanged():
-    """The no-grad forward with the kernels active (packed GEMMs, fused RMSNorm, SwiGLU and RoPE) gives
-    the logits of the plain forward."""
+    """The no-grad forward with serving's ops (packed GEMMs, fused RMSNorm, SwiGLU and RoPE by the
+    kernels) gives the logits of the plain forward."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
     from shiftlm.model.inference_linear import PackedWeights
+    from shiftlm.model.ops import InferenceOps
 
     model = build_model(ModelConfig(vocab_size=300), seed=0).eval()
     ids = torch.randint(0, 300, (1, 40))
     with torch.no_grad():
         plain = model(ids)
         packed = PackedWeights(kernel)
-        with packed.active():
-            fused = model(ids)
+        fused = model(ids, ops=InferenceOps(packed))
     assert len(packed) > 0  # the packed path really ran
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
 

@@ -30,7 +30,18 @@ class SyncRecorder(TorchDispatchMode):
             and not (name == "repeat_interleave" and (kwargs or {}).get("output_size"))
         ):
             self.found.append(name)
+        if (
+            self.inside
+            and name in ("index", "index_put", "index_put_", "_index_put_impl_")
+            and _bool_index(args)
+        ):
+            self.found.append(f"{name} by a boolean mask")  # sized by the mask's count: a read on a GPU
         return func(*args, **(kwargs or {}))
+
+
+def _bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices)
 
 
 def _decode_plans():
@@ -77,3 +88,83 @@ def test_a_decode_step_reads_nothing_back_inside_the_layers(tmp_path, monkeypatc
     assert logits.shape[0] == 2
     assert recorder.inside is False  # the hooks ran: the layers were inside the recording
     assert recorder.found == (["_local_scalar_dense"] if backend == "planted" else [])
+
+
+def _tensors(value, path="batch"):
+    """Every tensor inside a (nested) dataclass, with its path."""
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name), f"{path}.{field.name}")
+    elif isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, f"{path}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{path}[{key!r}]")
+
+
+def test_the_plan_is_decoded_on_the_host_and_every_tensor_moves_to_the_device():
+    """The runner decodes a plan where its sizes cost no device sync (the host), then `FlatBatch.to`
+    moves the batch: every tensor of it, the attention groups' and a stream group's rotation too (a
+    field added later without a move fails here)."""
+    from shiftlm.model.stream_mask import HOGWILD
+    from shiftlm.serve.worker.plan_codec import BlockTables, decode_plan, encode_plan
+    from tests.model.test_stream_mask import POSITIONS, STREAMS
+
+    tables = BlockTables(8)
+    prefill, decode = _decode_plans()
+    batches = [decode_plan(encode_plan(plan), tables, 4)[2] for plan in (prefill, decode)]
+    streams = dict(layout=HOGWILD, prompt_len=2, streams=tuple(STREAMS), positions=tuple(POSITIONS))
+    group = ScheduledChunk(0, (7, 8, 9, 10, 11), 0, (3, 1, 4), True, sample_rows=2, **streams)
+    stream_plan = StepPlan(0, Mode.TP, (group,))
+    batches.append(decode_plan(encode_plan(stream_plan), BlockTables(8), 2, inv_freq=torch.ones(2))[2])
+    assert batches[-1].chunks[0].rotation is not None
+    for batch in batches:
+        host = list(_tensors(batch))
+        assert host and all(t.device.type == "cpu" for _, t in host)
+        moved = list(_tensors(batch.to(torch.device("meta"))))
+        assert [path for path, _ in moved] == [path for path, _ in host if not path.endswith("_folded")]
+        assert [path for path, t in moved if t.device.type != "meta"] == []
+
+
+def test_sampling_a_step_reads_the_device_once(monkeypatch):
+    """A step mixing every parameter the API accepts (greedy, temperature, top-k/p, penalties, logit
+    bias, min_tokens, logprobs, seeds, a row with no finite logit) reads back to the host once: the
+    tokens and logprobs together. Without a GPU the reads are counted: `.tolist()` calls and the ops
+    that read a value or size by data (`SyncRecorder`)."""
+    from shiftlm.serve.engine.sampling import SampleRow, make_generator, sample_rows
+    from shiftlm.serve.engine.sequence import SamplingParams
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50)
+    logits[6] = float("-inf")  # no finite probability: keeps its argmax
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_k=5, logprobs=3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+        SamplingParams(temperature=1.2, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+        SamplingParams(temperature=0.7, logit_bias=((3, 5.0), (9, -100.0)), min_tokens=4, logprobs=0),
+        SamplingParams(temperature=1.0, seed=3, top_k=10, top_p=0.5),
+        SamplingParams(temperature=1.0),
+    ]
+    rows = [
+        SampleRow(i, p, make_generator(p, 0), prompt_ids=(1, 2, 3), output_ids=(4, 4))
+        for i, p in enumerate(params)
+    ]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append("tolist"), tolist(t))[1])
+    recorder = SyncRecorder()
+    recorder.inside = True
+    with recorder:
+        result = sample_rows(logits, rows, eos_ids={0})
+    assert reads == ["tolist"] and recorder.found == []
+    assert len(result.tokens) == 7 and result.tokens[0] == int(logits[0].argmax())
+    assert result.tokens[6] == int(logits[6].argmax())
+    assert result.logprobs[1] is not None and len(result.logprobs[1].top) == 3
+    assert result.logprobs[4] is not None and result.logprobs[4].top == ()
+    assert result.logprobs[0] is None

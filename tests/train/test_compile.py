@@ -15,7 +15,6 @@ from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.model import build_model
 from shiftlm.model.compile import CompiledBlock, compile_blocks, inductor_problem, wants_compile
-from shiftlm.model.deferred import plain_linears
 from shiftlm.model.rope import rope_cos_sin
 from shiftlm.train.config import load_config
 from tests.train.conftest import run_training
@@ -48,9 +47,8 @@ def test_a_block_and_the_whole_model_trace_without_graph_breaks():
     config = ModelConfig(vocab_size=250, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4)
     model = build_model(config, seed=0)  # 250 rows: the head masks padding columns
     torch._dynamo.reset()
-    with plain_linears():
-        block = torch._dynamo.explain(model.model.layers["0"].forward)(*_layer_inputs(model))
-        whole = torch._dynamo.explain(model.forward)(torch.randint(0, 250, (2, 8)))
+    block = torch._dynamo.explain(model.model.layers["0"].forward)(*_layer_inputs(model))
+    whole = torch._dynamo.explain(model.forward)(torch.randint(0, 250, (2, 8)))
     assert (block.graph_count, block.graph_break_count) == (1, 0), block.break_reasons
     assert (whole.graph_count, whole.graph_break_count) == (1, 0), whole.break_reasons
 
@@ -64,8 +62,7 @@ def test_every_layer_reuses_the_first_layers_graph():
     torch._dynamo.reset()
     counters.clear()
     assert compile_blocks([model], torch.device("cpu"))
-    with plain_linears():
-        model(torch.randint(0, 256, (2, 8))).sum().backward()
+    model(torch.randint(0, 256, (2, 8))).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1
 
 

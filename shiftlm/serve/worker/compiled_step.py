@@ -1,20 +1,22 @@
-"""A pure decode step as one `torch.compile`d function (inductor): the serving runner's default on a
-single rank in full-TP mode; `--enforce-eager` keeps the eager step (docs/serving.md "Compiled decode").
+"""A pure decode step of the model's own layers as one `torch.compile`d graph (inductor): the serving
+runner's default on a single rank in full-TP mode; `--enforce-eager` keeps the eager step
+(docs/serving.md "Compiled decode").
 
 The eager step runs ~300 small ops (norms, RoPE, reshapes, residual adds, ...) at a few microseconds
 of dispatch each; inductor fuses them into a few C++ kernels a layer around the GEMMs (extern `mm`).
-The function is tensor code only, so it compiles to one graph without breaks (`fullgraph=True`): its
-inputs are the step's token ids, positions, slots, gather index, mask bias and sampled rows, the cache
-storage, and the weights (passed in, so their identity is not guarded: no recompiles), with Q|K|V and
-gate|up concatenated once (one more copy of those weights). Attention stays the eager code as one
-custom op per layer (`paged_decode_attention`: cache write, gather into the cache's kept buffers,
-SDPA): inlined, inductor cloned the whole cache per layer for a mutated view, and its dynamic-context
-kernels ran 2-4x slower than eager's at 8-64 sequences. So the graph's only dynamic size is the context
-length, inside the gather index and mask (`warm_up`, at startup: one compile per batch size).
+What is compiled is `Transformer.hidden_states` itself, with the `PLAIN` ops (model/ops.py: `F.linear`,
+transformers' RMSNorm) and a paged attention backend whose call is one custom op per layer
+(`paged_decode_attention`: cache write, then the CPU kernel or a gather into the cache's kept buffers
+and SDPA): inlined, inductor cloned the whole cache per layer for a mutated view, and its
+dynamic-context kernels ran 2-4x slower than eager's at 8-64 sequences. The model is an argument of
+the compiled function (parameters are graph inputs, not constants: no recompiles, no copies), and the
+graph's only dynamic size is the context length, inside the gather index and mask (`warm_up`, at
+startup: one compile per batch size). There is no second copy of the model's math to keep in step.
 
-Applies to: one rank (shift group of 1), fp32, a pure decode step (one query per sequence, no stream
-rotation) of at most `max_seqs` sequences (those where MKL's GEMV is the faster linear): the latency case (TPOT one request at a time). Everything
-else (larger batches, prefill and mixed steps, several ranks) runs the eager step.
+Applies to: one rank (shift group of 1), a dense model in fp32 on the CPU, a pure decode step (one
+query per sequence, no stream rotation) of at most `max_seqs` sequences (those where MKL's GEMV, the
+graph's linear, is the faster one): the latency case (TPOT one request at a time). Everything else
+(larger batches, prefill and mixed steps, several ranks) runs the eager step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
 
@@ -70,50 +73,69 @@ def _(q, k, v, storage, layer, slots, block_index, bias, positions, window):
     return torch.empty_like(q)
 
 
+class DecodeAttention:
+    """The attention backend (`model.attention.AttentionBackend`) of a compiled decode step: each
+    layer's call is one `paged_decode_attention` on the step's tensors (made inside the graph)."""
+
+    def __init__(self, storage, slots, block_index, bias, positions, window: int):
+        self.storage, self.slots, self.block_index = storage, slots, block_index
+        self.bias, self.positions, self.window = bias, positions, window
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [1, S, Hq, D], k/v: [1, S, Hkv, D] -> [1, S, Hq, D]."""
+        out = paged_decode_attention(
+            q[0],
+            k[0],
+            v[0],
+            self.storage,
+            layer,
+            self.slots,
+            self.block_index,
+            self.bias,
+            self.positions,
+            self.window,
+        )
+        return out.unsqueeze(0)
+
+
+def decode_step(model: Transformer, ids, positions, slots, block_index, bias, rows, window, storage, head):
+    """The sampled rows' logits [rows, padded vocab] of a decode step: the model's own layers with
+    the `PLAIN` ops and `DecodeAttention`, then its final norm and `head` (what `torch.compile` traces)."""
+    backend = DecodeAttention(storage, slots, block_index, bias, positions, window)
+    hidden = model.hidden_states(ids[None], positions[None], backend, ops=PLAIN)[0]
+    return F.linear(model.model.norm(hidden[rows], PLAIN), head)
+
+
 class CompiledDecode:
     """The compiled decode step of one rank's model and cache; `applies(batch)` says when to use it."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache, max_seqs: int):
-        """`max_seqs`: the largest batch it runs (`ShiftModel` passes the row counts for which MKL's GEMV,
-        the graph's extern `mm`, beats oneDNN's packed GEMM that eager uses: compiled was 1.20x / 1.06x
-        eager's step at 8 / 32 sequences, where eager runs oneDNN)."""
-        config = model.config
-        self.cache = cache
-        self.max_seqs = max_seqs
-        self.window = config.sliding_window or 0  # the plan's groups carry the same (plan_codec)
-        layers = list(model.model.layers.values())
-        with torch.no_grad():
-            self.weights = tuple(
-                (
-                    layer.input_layernorm.weight.detach(),
-                    torch.cat([p.weight.detach() for p in _qkv(layer)]),
-                    _bias(layer),
-                    layer.self_attn.o_proj.weight.detach(),
-                    layer.post_attention_layernorm.weight.detach(),
-                    torch.cat((layer.mlp.gate_proj.weight.detach(), layer.mlp.up_proj.weight.detach())),
-                    layer.mlp.down_proj.weight.detach(),
-                )
-                for layer in layers
-            )
-        self.embed = model.model.embed_tokens.weight.detach()
-        self.norm = model.model.norm.weight.detach()
-        self.head = model.head_weight.detach()
-        self.ends = (self.embed, self.norm, self.head, model.inv_freq)
+    def __init__(self, model: Transformer, cache: PagedKVCache, max_seqs: int, dynamic_batch: bool = False):
+        """`max_seqs`: the largest batch it runs (on the CPU `ShiftModel` passes the row counts for which
+        MKL's GEMV, the graph's extern `mm`, beats oneDNN's packed GEMM that eager uses: compiled was
+        1.20x / 1.06x eager's step at 8 / 32 sequences, where eager runs oneDNN).
+        `dynamic_batch`: one graph for every batch of 2 to `max_seqs` sequences (the batch a symbolic
+        size) and one for a single sequence, instead of one graph per batch size: what a GPU, which
+        runs every decode batch compiled, uses."""
+        self.model, self.cache, self.max_seqs, self.dynamic_batch = model, cache, max_seqs, dynamic_batch
+        self.dtype = model.model.norm.weight.dtype
         _CACHES[cache.storage.data_ptr()] = cache
-        shape = (config.num_heads, cache.storage.shape[3], config.head_dim)
-        self._fn = torch.compile(_decode_step(shape, config.rms_norm_eps), fullgraph=True)
+        # a code object of its own per model: dynamo keeps at most 8 graphs per code object, so models
+        # (tests load several) sharing one would run out
+        fn = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, "decode_step")
+        self._fn = torch.compile(fn, fullgraph=True)
         self.steps = 0  # steps run compiled (tests check the path is taken)
 
     @staticmethod
     def supports(model: Transformer, shift_size: int) -> bool:
-        """The model and layout this path covers (else the runner keeps the eager step)."""
+        """The model and layout this path covers (else the runner keeps the eager step): one rank, a
+        dense model; on the CPU in fp32 (the GEMV choice is measured in fp32), on CUDA any dtype."""
+        device = model.head_weight.device.type
         return (
             shift_size == 1
             and not model.config.is_moe  # a dense Llama's step: the MoE layers run eager
-            and model.head_weight.device.type == "cpu"  # built around MKL's GEMV; GPUs keep the eager step
             and model.with_embedding
             and model.with_head
-            and model.model.norm.weight.dtype == torch.float32  # eager's RMSNorm is F.rms_norm in fp32 only
+            and (device == "cuda" or (device == "cpu" and model.model.norm.weight.dtype == torch.float32))
         )
 
     def applies(self, batch: FlatBatch) -> bool:
@@ -130,16 +152,16 @@ class CompiledDecode:
         """The sampled rows' logits [samples, padded vocab], as `ShiftModel.forward` returns them."""
         self.steps += 1
         group = batch.chunks[0]
-        bias = group.bias(self.embed.dtype)
+        bias = group.bias(self.dtype)
         args = (batch.token_ids, batch.positions, batch.slots, group.block_index, bias, batch.sample_rows)
-        args += (group.window,)
-        return self._fn(*args, self.cache.storage, self.weights, self.ends)
+        return self._fn(self.model, *args, group.window, self.cache.storage, self.model.head_weight)
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self) -> bool:
         """Compile now, one graph per batch size it applies to (any context length), on a dummy step
-        that writes slots of block 0, then zero the cache; one log line each."""
-        device = self.embed.device
+        that writes slots of block 0, then zero the cache; one log line each. False (after one warning
+        line) where inductor fails to build: the caller then runs the eager step."""
+        device, window = self.cache.storage.device, self.model.config.sliding_window or 0
         announce = int(os.environ.get("RANK", "0")) == 0  # one rank says it, before the wait
         if announce:
             log.info(
@@ -147,11 +169,12 @@ class CompiledDecode:
                 "--enforce-eager skips this)",
                 self.max_seqs,
             )
-        for seqs in range(1, self.max_seqs + 1):
+        sizes = range(1, min(self.max_seqs, 2) + 1) if self.dynamic_batch else range(1, self.max_seqs + 1)
+        for seqs in sizes:
             start = time.perf_counter()
             rows = torch.arange(seqs, device=device)
             blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence
-            bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.embed.dtype, device=device)
+            bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.dtype, device=device)
             args = (
                 torch.zeros_like(rows),
                 torch.zeros_like(rows),
@@ -159,73 +182,28 @@ class CompiledDecode:
                 blocks,
                 bias,
                 rows.clone(),
-                self.window,
+                window,
             )
             # every context length in one graph per batch size (unbacked: one block, i.e. a size of 1,
             # is not specialized into a graph of its own)
             torch._dynamo.decorators.mark_unbacked(blocks, 0)
             torch._dynamo.decorators.mark_unbacked(bias, 3)
-            self._fn(*args, self.cache.storage, self.weights, self.ends)
+            if self.dynamic_batch and seqs > 1:  # every batch of 2+ in this graph (1 is specialized)
+                for tensor in (*args[:3], bias, args[5]):
+                    torch._dynamo.mark_dynamic(tensor, 0, min=2, max=max(self.max_seqs, 3))
+            try:
+                self._fn(self.model, *args, self.cache.storage, self.model.head_weight)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                log.warning(
+                    "the compiled decode step: inductor failed (%s); decoding eagerly",
+                    str(err).splitlines()[0],
+                )
+                self.cache.storage.zero_()
+                return False
             if announce:
+                what = f"2-{self.max_seqs}" if self.dynamic_batch and seqs > 1 else str(seqs)
                 log.info(
-                    "compiled the decode step of %d sequence(s) in %.1f s", seqs, time.perf_counter() - start
+                    "compiled the decode step of %s sequence(s) in %.1f s", what, time.perf_counter() - start
                 )
         self.cache.storage.zero_()
-
-
-def _qkv(layer) -> tuple:
-    attn = layer.self_attn
-    return (attn.q_proj, attn.k_proj, attn.v_proj)
-
-
-def _bias(layer) -> torch.Tensor | None:
-    """Q|K|V's concatenated bias (qwen2), None without biases."""
-    if all(p.bias is None for p in _qkv(layer)):
-        return None
-    return torch.cat(
-        [p.weight.new_zeros(p.weight.shape[0]) if p.bias is None else p.bias.detach() for p in _qkv(layer)]
-    )
-
-
-def _decode_step(shape: tuple[int, int, int, int], eps: float):
-    """The whole decode step as tensor code (compiled with fullgraph=True), the model's sizes closed
-    over as constants. Same math as the eager step (model/transformer.py, paged_attention.py)."""
-    heads, kv_heads, d = shape
-
-    def step(*args):
-        return _step(heads, kv_heads, d, eps, *args)
-
-    # a code object of its own per model: dynamo keeps at most 8 graphs per code object, so models
-    # (tests load several) sharing one would run out
-    return types.FunctionType(
-        step.__code__.replace(), step.__globals__, "decode_step", None, step.__closure__
-    )
-
-
-def _step(
-    heads, kv_heads, d, eps, ids, positions, slots, block_index, bias, rows, window, storage, weights, ends
-):
-    embed, norm, head, inv_freq = ends
-    seqs = ids.shape[0]
-    hidden = heads * d
-    x = F.embedding(ids, embed)
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = angles.cos().to(x.dtype).unsqueeze(1), angles.sin().to(x.dtype).unsqueeze(1)
-    width = x.shape[-1]
-    for layer, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(weights):
-        h = F.rms_norm(x, (width,), ln1, eps)
-        q, k, v = F.linear(h, qkv_w, qkv_b).split((hidden, kv_heads * d, kv_heads * d), dim=-1)
-        q = _rope(q.view(seqs, heads, d), cos, sin)
-        k = _rope(k.view(seqs, kv_heads, d), cos, sin)
-        v = v.reshape(seqs, kv_heads, d)
-        out = paged_decode_attention(q, k, v, storage, layer, slots, block_index, bias, positions, window)
-        x = x + F.linear(out.reshape(seqs, hidden), o_w)
-        gate, up = F.linear(F.rms_norm(x, (width,), ln2, eps), gate_up_w).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, down_w)
-    return F.linear(F.rms_norm(x[rows], (width,), norm, eps), head)
-
-
-def _rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return True

@@ -17,7 +17,7 @@ gather indices are built once per step and shared by all layers; no Python loop 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,19 @@ class AttentionGroup:
     window: int = 0
     # every chunk starts at position 0 and no window cuts it: SDPA's own causal mask (is_causal) applies
     from_start: bool = False
+
+    def to(self, device: torch.device) -> AttentionGroup:
+        """This group's tensors on `device` (the plan is decoded on the host: `FlatBatch.to`)."""
+        return replace(
+            self,
+            query_rows=_to(self.query_rows, device),
+            query_valid=_to(self.query_valid, device),
+            mask=_to(self.mask, device),
+            block_index=_to(self.block_index, device),
+            _folded={},
+            rotation=None if self.rotation is None else self.rotation.to(device),
+            query_pos=_to(self.query_pos, device),
+        )
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as SDPA's additive bias (0 or -inf), made once per step: a boolean mask is
@@ -69,6 +82,25 @@ class FlatBatch:
     sample_rows: torch.Tensor  # rows whose logits are wanted, in plan order (ScheduledChunk.num_logits_rows)
     num_tokens: int  # N before padding
     sample_argmax: torch.Tensor | None = None  # [samples] bool: the row needs only its argmax (None: no row)
+
+    def to(self, device: torch.device) -> FlatBatch:
+        """The batch on `device`: the runner decodes each plan on the host (where its sizes are read
+        without waiting for the device) and moves the result in one pass of asynchronous copies."""
+        if torch.device(device) == self.token_ids.device:
+            return self
+        return replace(
+            self,
+            token_ids=_to(self.token_ids, device),
+            positions=_to(self.positions, device),
+            slots=_to(self.slots, device),
+            chunks=tuple(group.to(device) for group in self.chunks),
+            sample_rows=_to(self.sample_rows, device),
+            sample_argmax=_to(self.sample_argmax, device),
+        )
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
 class PagedKVCache:

@@ -99,7 +99,7 @@ def decode_plan(
     tables.update(rows, first_block, new_counts, message[end_chunks + num_tokens : end_blocks])
 
     offsets = torch.cumsum(lengths, 0) - lengths  # first row of each chunk in the flat batch
-    device = message.device  # the engine's: the batch is built where the model runs
+    device = message.device  # the host (the runner decodes plans there and moves the batch: FlatBatch.to)
     owner = torch.repeat_interleave(torch.arange(num_chunks, device=device), lengths, output_size=num_tokens)
     in_chunk = torch.arange(num_tokens, device=device) - offsets[owner]
     positions = starts[owner] + in_chunk  # index in the sequence's table = position, but in stream groups

@@ -8,8 +8,9 @@
         runner.serve_steps()                  # loops until rank 0 stops it
 
 The plan travels as one int64 tensor (`plan_codec`: one broadcast of a fixed 1024 ints, header and the
-payload when it fits, a second one for the rest of a larger plan), not as a pickle; every rank decodes it with tensor ops into the same flat batch and applies its
-block-table deltas to its own copy of the tables. Logits come back with one `gather` of the block each
+payload when it fits, a second one for the rest of a larger plan), not as a pickle; every rank decodes
+it on the host with tensor ops into the same flat batch, applies its block-table deltas to its own
+copy of the tables, and moves the batch to its device. Logits come back with one `gather` of the block each
 rank owns (`logits.py`).
 """
 
@@ -62,7 +63,9 @@ class ModelRunner:
         self.cache = shift_model.cache
         # rank 0, mixture-of-experts models: called after each step with its rows per expert
         self.on_expert_rows: Callable[[list[float]], None] | None = None
-        self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks, device=mesh.device)
+        # plans are decoded on the host (`_run`): the tables live there, the batch goes to the device
+        self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks, device="cpu")
+        self._inv_freq = shift_model.model.inv_freq.detach().cpu()  # stream groups' query rotation
         group = mesh.shift
         # new_group is collective: every rank builds the runner, in the same order. The plan's group
         # is gloo whatever the engine's backend: the message is a host tensor (a CPU side-channel under
@@ -125,8 +128,8 @@ class ModelRunner:
         )
         cache.kernel = _attention_kernel(backend, mesh.device)
         shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode, gemv_rows=gemv_rows)
-        if shift_model.compiled is not None:
-            shift_model.compiled.warm_up()
+        if shift_model.compiled is not None and not shift_model.compiled.warm_up():
+            shift_model.compiled = None  # it could not build (warned): every step runs eagerly
         return cls(config, shift_model, mesh, shm_collectives)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -184,15 +187,17 @@ class ModelRunner:
         return self._run(encode_plan(plan))
 
     def _run(self, message: torch.Tensor) -> torch.Tensor | None:
+        # decoded on the host: its sizes (`.tolist()`, `int()`, `nonzero`) never wait for the device,
+        # which may still be running the previous step; then one pass of copies to the device
         _, mode, batch = decode_plan(
-            message.to(self.mesh.device),
+            message,
             self.tables,
             self.cache.block_size,
             pad_to_multiple=self.mesh.config.sp,
             sliding_window=self.model_config.sliding_window,
-            inv_freq=self.shift_model.model.inv_freq,
+            inv_freq=self._inv_freq,
         )
-        mine = self.shift_model.forward(batch, mode)
+        mine = self.shift_model.forward(batch.to(self.mesh.device), mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column
             return mine
         vocab = self.model_config.vocab_size

@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from shiftlm.comm import all_reduce
 from shiftlm.mesh import Mesh
-from shiftlm.model.inference_linear import GEMV_ROWS, PackedWeights, inference_linear
+from shiftlm.model.compile import compile_usable
+from shiftlm.model.inference_linear import GEMV_ROWS, PackedWeights
 from shiftlm.model.moe import SparseMoE
+from shiftlm.model.ops import InferenceOps
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.compiled_step import CompiledDecode
@@ -67,12 +69,20 @@ class ShiftModel:
                 self.packed.choose_small_rows(_linear_groups(model))
             else:
                 self.packed.gemv_rows = gemv_rows
-        # pure decode steps as one compiled function where it applies (serve/worker/compiled_step.py): the
-        # batches small enough for MKL's GEMV, which the graph calls (oneDNN's packed GEMM, where it
-        # is faster, is not available inside the graph)
-        max_seqs = GEMV_ROWS if self.packed is None else self.packed.gemv_rows
+        # the eager step's linears, norms and RoPE: oneDNN on the packed copies, the CPU kernels
+        self.ops = InferenceOps(self.packed)
+        # pure decode steps as one compiled function where it applies (serve/worker/compiled_step.py).
+        # On the CPU the batches small enough for MKL's GEMV, which the graph calls (oneDNN's packed
+        # GEMM, where it is faster, is not available inside the graph), one graph per size; on CUDA
+        # every decode batch (at most one per block), one graph for all sizes
+        cuda = model.head_weight.device.type == "cuda"
+        max_seqs = cache.num_blocks if cuda else GEMV_ROWS if self.packed is None else self.packed.gemv_rows
         compiled = compile_decode and max_seqs > 0 and CompiledDecode.supports(model, mesh.shift.size)
-        self.compiled = CompiledDecode(model, cache, max_seqs) if compiled else None
+        # where inductor cannot build (no C++ compiler, no Triton): one warning line, the eager step
+        compiled = compiled and compile_usable(
+            "true", model.head_weight.device, "the compiled decode step", "--enforce-eager silences this"
+        )
+        self.compiled = CompiledDecode(model, cache, max_seqs, dynamic_batch=cuda) if compiled else None
         # mixture of experts: each step's load per expert (`expert_rows`), for /metrics and the step log
         self.moe_layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
         self.expert_rows: torch.Tensor | None = None
@@ -82,11 +92,7 @@ class ShiftModel:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
         if self.compiled is not None and self.compiled.applies(batch):  # one rank: the block is every logit
             return self.compiled(batch)
-        if self.packed is None:
-            out = self._forward(batch, mode)
-        else:
-            with self.packed.active():
-                out = self._forward(batch, mode)
+        out = self._forward(batch, mode)
         if self.moe_layers:
             self.expert_rows = self._expert_rows(mode)
         return out
@@ -109,10 +115,11 @@ class ShiftModel:
             positions = positions[first_row : first_row + per_rank]
         full_tp = self.full_tp if mode is Mode.TP else None
         backend = PagedAttention(self.cache, batch)
-        hidden = self.model.hidden_states(token_ids[None], positions[None], backend, full_tp)[0]
+        ops = self.ops
+        hidden = self.model.hidden_states(token_ids[None], positions[None], backend, full_tp, ops)[0]
         block = logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp)
         head = self.model.head_weight if mode is Mode.SP_TP else self.head_view
-        return inference_linear(self.model.model.norm(hidden[block.hidden_rows]), head)
+        return ops.linear(self.model.model.norm(hidden[block.hidden_rows], ops), head)
 
 
 def _linear_groups(model: Transformer, layers: int = 4) -> list[list[tuple[torch.Tensor, ...]]]:

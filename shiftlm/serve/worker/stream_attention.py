@@ -39,6 +39,9 @@ class QueryRotation:
         cos, sin = rope_cos_sin(inv_freq, per_block, dtype)
         return cls(cos, sin, key_block)
 
+    def to(self, device: torch.device) -> QueryRotation:
+        return QueryRotation(*(t.to(device, non_blocking=True) for t in (self.cos, self.sin, self.key_block)))
+
 
 def rotated_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, rotation: QueryRotation
