@@ -8,9 +8,16 @@ Order as in vLLM: logit_bias, min_tokens (EOS masked), repetition penalty (CTRL,
 divide a seen token's positive logit, multiply a negative one), frequency and presence penalties
 (OpenAI: logit - frequency * count - presence * [count > 0], over generated tokens), then temperature,
 top-k and top-p (nucleus; Holtzman et al., ICLR 2020), then one draw. Every step works on the whole
-[rows, vocab] tensor at once; only seeded draws loop over rows (each owns a `torch.Generator`, so its
-samples do not depend on what else is in the batch). Logprobs are those of the model's own
-distribution (`log_softmax` of the raw logits), as lm-eval and vLLM's default report them.
+[rows, vocab] tensor at once, where the logits are (the GPU). The draw is the exponential race (as
+vLLM's sampler): token = argmax(p / E) with E ~ Exp(1) per token, which picks token i with probability
+p_i; a seeded row's E comes from its own CPU `torch.Generator` (so its samples do not depend on what
+else is in the batch, and a seed picks the same token on every device), the others' from the device.
+Logprobs are those of the model's own distribution (`log_softmax` of the raw logits), as lm-eval and
+vLLM's default report them.
+
+Everything the host needs to decide (which rows are greedy, filter, are penalized) comes from the
+requests' parameters, never from the device; the step's results (tokens, chosen logprobs, top-k)
+cross to the host in one copy at the end (`_to_host`).
 
 Whatever a request sends, sampling cannot raise: temperatures below `GREEDY_BELOW` are greedy (dividing
 by 1e-40 turns logits into inf and the softmax into NaN), seeds are reduced mod 2**63 (what
@@ -72,9 +79,9 @@ def filter_logits(
     squeeze = logits.dim() == 1
     x = logits.unsqueeze(0) if squeeze else logits
     rows, vocab = x.shape
-    k = torch.as_tensor(top_k, dtype=torch.long, device=x.device).expand(rows).clone()
+    k = torch.as_tensor(top_k, dtype=torch.long, device=x.device).expand(rows)
     p = torch.as_tensor(top_p, dtype=x.dtype, device=x.device).expand(rows)
-    k[(k <= 0) | (k > vocab)] = vocab
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)  # (a boolean-mask store would read the mask back)
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
     drop = torch.arange(vocab, device=x.device).unsqueeze(0) >= k.unsqueeze(1)  # ranks past k
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
@@ -108,40 +115,48 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -
         if len(row.output_ids) < row.params.min_tokens and eos_ids:
             x[i, torch.tensor(sorted(eos_ids), device=x.device)] = float("-inf")
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype, device=x.device)
-    if bool((repetition != 1.0).any()):
+    if any(row.params.repetition_penalty != 1.0 for row in rows):  # decided from the params: no sync
         seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], vocab, x.device) > 0
         penalty = repetition.unsqueeze(1).expand_as(x)
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=x.dtype, device=x.device)
     presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=x.dtype, device=x.device)
-    if bool((frequency != 0).any() or (presence != 0).any()):
+    if any(row.params.frequency_penalty != 0 or row.params.presence_penalty != 0 for row in rows):
         counts = _history([r.output_ids for r in rows], vocab, x.device)
         x = x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(x.dtype)
     return x
 
 
-def token_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int | None]
-) -> list[TokenLogprob | None]:
-    """For rows of `logprobs` [rows, V]: the chosen token's logprob and the top-k of the row."""
+def _to_host(
+    logprobs: torch.Tensor | None, tokens: torch.Tensor, ks: list[int | None]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The step's tokens and, where asked (`ks[i]` not None), their logprob and the row's top-k, read
+    back in one device-to-host copy (float64 holds every token id exactly)."""
     wanted = [k for k in ks if k is not None]
-    if not wanted:
-        return [None] * len(ks)
-    top_values, top_ids = torch.topk(logprobs, min(max(wanted), logprobs.shape[1]), dim=-1)
-    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids, chosen_ids = top_values.tolist(), top_ids.tolist(), chosen.tolist()
+    columns = [tokens.to(torch.float64).unsqueeze(1)]
+    top, with_logprobs = 0, bool(wanted) and logprobs is not None
+    if with_logprobs:
+        top = min(max(wanted), logprobs.shape[1])
+        top_values, top_ids = torch.topk(logprobs, top, dim=-1)
+        chosen_lp = logprobs.gather(1, tokens.unsqueeze(1))
+        columns += [chosen_lp.to(torch.float64), top_values.to(torch.float64), top_ids.to(torch.float64)]
+    table = torch.cat(columns, dim=1).tolist()  # the one read
+    ids = [int(row[0]) for row in table]
     out: list[TokenLogprob | None] = []
-    for i, k in enumerate(ks):
-        if k is None:
+    for row, k in zip(table, ks):
+        if k is None or not with_logprobs:
             out.append(None)
             continue
-        top = tuple(zip(top_ids[i][:k], top_values[i][:k]))
-        out.append(TokenLogprob(chosen_ids[i], chosen_lp[i], top))
-    return out
+        values, top_ids = row[2 : 2 + top], row[2 + top :]
+        out.append(
+            TokenLogprob(int(row[0]), row[1], tuple((int(t), v) for t, v in zip(top_ids[:k], values[:k])))
+        )
+    return ids, out
 
 
 def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = frozenset()) -> SampleResult:
-    """Draw one token for each of `rows` from `logits` [R, V] (rows may share a logits row)."""
+    """Draw one token for each of `rows` from `logits` [R, V] (rows may share a logits row); one
+    device-to-host copy in all."""
     if not rows:
         return SampleResult([], [])
     device = logits.device
@@ -170,23 +185,32 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
             which = torch.tensor(narrow, device=device)
             scaled[which] = filter_logits(scaled[which], top_k, top_p)
         probs = torch.softmax(scaled, dim=-1).nan_to_num(0.0)
-        usable = (probs.sum(dim=-1) > 0).tolist()  # all -inf or NaN logits: keep the argmax
-        # unseeded rows draw together where the logits are; a seeded row draws on its generator's device
-        # (the CPU: a seed picks the same token on every device)
-        free = [j for j, i in enumerate(drawn) if usable[j] and rows[i].generator is None]
-        if free:
-            which = torch.tensor(free, device=device)
-            tokens[take[which]] = torch.multinomial(probs[which], 1).squeeze(1)
-        for j, i in enumerate(drawn):
-            generator = rows[i].generator
-            if usable[j] and generator is not None:
-                tokens[i] = torch.multinomial(probs[j].to(generator.device), 1, generator=generator)[0]
+        race = probs / _exponentials([rows[i].generator for i in drawn], probs)
+        picked = torch.argmax(race, dim=-1)
+        # a row with no finite probability (all -inf or NaN logits) keeps its argmax, decided on the device
+        usable = probs.sum(dim=-1) > 0
+        tokens[take] = torch.where(usable, picked, tokens[take])
     ks = [row.params.logprobs for row in rows]
-    if any(k is not None for k in ks):
-        logprobs = token_logprobs(torch.log_softmax(raw, dim=-1), tokens, ks)
-    else:  # no row asked for logprobs: no softmax over the vocabulary
-        logprobs = [None] * len(rows)
-    return SampleResult(tokens.tolist(), logprobs)
+    # no row asked for logprobs: no softmax over the vocabulary
+    logprobs = torch.log_softmax(raw, dim=-1) if any(k is not None for k in ks) else None
+    ids, entries = _to_host(logprobs, tokens, ks)
+    return SampleResult(ids, entries)
+
+
+def _exponentials(generators: list[torch.Generator | None], probs: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws shaped like `probs` [rows, V]: a seeded row's from its generator (on the CPU,
+    copied over asynchronously), the others' on the device in one call."""
+    noise = torch.empty_like(probs).exponential_()
+    seeded = [j for j, generator in enumerate(generators) if generator is not None]
+    if seeded:
+        host = torch.stack(
+            [
+                torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generators[j])
+                for j in seeded
+            ]
+        )
+        noise[torch.tensor(seeded, device=probs.device)] = host.to(probs.device, non_blocking=True)
+    return noise
 
 
 def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
@@ -205,7 +229,7 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> li
     """Logprob of each `next_ids[i]` under logits row i (the token the prompt actually has next)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.as_tensor(list(next_ids), dtype=torch.long, device=logprobs.device)
-    result = token_logprobs(logprobs, chosen, [k] * len(next_ids))
+    _, result = _to_host(logprobs, chosen, [k] * len(next_ids))
     return [entry for entry in result if entry is not None]
 
 
