@@ -24,6 +24,18 @@ def pytest_sessionstart(session):
     cpu_kernels.load()
 
 
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests skip where no CUDA device is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 class _Pools:
     def get(self, world_size: int) -> LocalWorkers:
         pool = _POOLS.get(world_size)

@@ -65,6 +65,11 @@ class FullTP:
     part: int
     parts: int
 
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over all P ranks (serving's compiled step passes a `FullTP`
+        whose sum is an op `torch.compile` traces: compiled_step.TracedFullTP)."""
+        return reduce_from_group(x, self.group)
+
 
 @dataclass(frozen=True)
 class _Views:
@@ -171,14 +176,19 @@ class Attention(nn.Module):
             out = causal_attention(q, k, v, self.config.sliding_window)
         else:
             out = backend(self.layer_index, q, k, v)
-        return reduce_from_group(ops.linear(out.reshape(batch, tokens, -1), views.o), full_tp.group)
+        return full_tp.reduce(ops.linear(out.reshape(batch, tokens, -1), views.o))
 
     def full_tp_views(self, full_tp: FullTP) -> _Views:
         """Head block j = tp*SP + sp of P as views into TP shard tp (sub-slice sp); taken once, after
         the weights are loaded (they are updated in place, never replaced, so the views stay valid)."""
+        if torch.compiler.is_compiling():  # inside a graph the narrows are free: no cache, no data_ptr
+            return self._make_views(full_tp)
         key = (full_tp.part, full_tp.parts, self.q_proj.weight.data_ptr())
-        if self._views is not None and self._views[0] == key:
-            return self._views[1]
+        if self._views is None or self._views[0] != key:
+            self._views = (key, self._make_views(full_tp))
+        return self._views[1]
+
+    def _make_views(self, full_tp: FullTP) -> _Views:
         config, d = self.config, self.config.head_dim
         q_rows = self.heads_local // full_tp.parts * d
         tp_first_kv, _ = kv_heads_of_block(self.tp.rank, self.tp.size, config.num_kv_heads)
@@ -186,7 +196,7 @@ class Attention(nn.Module):
         kv_first, kv_last = kv_heads_of_block(block, self.tp.size * full_tp.parts, config.num_kv_heads)
         kv_start, kv_rows = (kv_first - tp_first_kv) * d, (kv_last - kv_first) * d
         q_start = full_tp.part * q_rows
-        views = _Views(
+        return _Views(
             q=self.q_proj.weight.narrow(0, q_start, q_rows),
             k=self.k_proj.weight.narrow(0, kv_start, kv_rows),
             v=self.v_proj.weight.narrow(0, kv_start, kv_rows),
@@ -195,8 +205,6 @@ class Attention(nn.Module):
             k_bias=_narrow(self.k_proj.bias, 0, kv_start, kv_rows),
             v_bias=_narrow(self.v_proj.bias, 0, kv_start, kv_rows),
         )
-        self._views = (key, views)
-        return views
 
     def scatter_heads(self, q, k, v):
         """One all-to-all: [B, S/SP, (q, k, v) of my TP block] -> [B, S, (q, k, v) of head block j]."""

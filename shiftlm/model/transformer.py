@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftlm.comm import SINGLE, CommGroup, copy_to_group, gather_along, reduce_from_group
+from shiftlm.comm import SINGLE, CommGroup, copy_to_group, gather_along
 from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
@@ -50,24 +50,28 @@ class MLP(nn.Module):
         if full_tp is not None:  # sub-slice `part` of this TP shard's FFN columns, summed over all P ranks
             gate, up, down = self.full_tp_views(full_tp)
             hidden = ops.swiglu(x, gate, up)  # serving's ops: one GEMM on gate|up (packed), fused silu * up
-            return reduce_from_group(ops.linear(hidden, down), full_tp.group)
+            return full_tp.reduce(ops.linear(hidden, down))
         x = self.gate_proj.enter(x)
         return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight), ops)
 
     def full_tp_views(self, full_tp: FullTP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sub-slice `part` of this TP shard's gate/up rows and down columns (views, taken once)."""
-        key = (full_tp.part, full_tp.parts, self.gate_proj.weight.data_ptr())
-        if self._views is not None and self._views[0] == key:
+        """Sub-slice `part` of this TP shard's gate/up rows and down columns (views, taken once; inside
+        a compiled graph taken there, where they are free)."""
+        if not torch.compiler.is_compiling():
+            key = (full_tp.part, full_tp.parts, self.gate_proj.weight.data_ptr())
+            if self._views is None or self._views[0] != key:
+                self._views = (key, self._make_views(full_tp))
             return self._views[1]
+        return self._make_views(full_tp)
+
+    def _make_views(self, full_tp: FullTP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ffn = self.gate_proj.weight.shape[0] // full_tp.parts
         start = full_tp.part * ffn
-        views = (
+        return (
             self.gate_proj.weight.narrow(0, start, ffn),
             self.up_proj.weight.narrow(0, start, ffn),
             self.down_proj.weight.narrow(1, start, ffn),
         )
-        self._views = (key, views)
-        return views
 
 
 class DecoderLayer(nn.Module):

@@ -155,6 +155,8 @@ class ServeOptions:
             gpu_memory_utilization=self.gpu_memory_utilization,
             activation_bytes=activations,
             compile_decode=not eager or env.get("SHIFTLM_COMPILE_DECODE") == "1",
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
             shm_collectives=env.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0",
             seed=self.seed,

@@ -87,19 +87,18 @@ def greedy_one_at_a_time_equals_hf(runner, model_dir) -> None:
     assert runner.shift_model.compiled.steps == steps + len(PROMPTS) * (NEW_TOKENS - 1)
 
 
-def test_compiled_decode_covers_one_rank_dense_models_on_cpu_and_cuda(tmp_path):
+def test_compiled_decode_covers_dense_models_on_cpu_and_cuda(tmp_path):
     """The CPU runs fp32 models compiled (the GEMV choice is measured in fp32), CUDA any dtype; other
-    devices (the meta device stands in), several ranks and MoE models keep the eager step."""
+    devices (the meta device stands in) keep the eager step."""
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
     from shiftlm.serve.worker.compiled_step import CompiledDecode
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     model = build_model(ModelConfig.from_hf(model_dir), checkpoint=model_dir).eval()
-    assert CompiledDecode.supports(model, 1)
-    assert not CompiledDecode.supports(model, 2)
-    assert not CompiledDecode.supports(model.to(torch.bfloat16), 1)
-    assert not CompiledDecode.supports(model.to("meta"), 1)
+    assert CompiledDecode.supports(model)
+    assert not CompiledDecode.supports(model.to(torch.bfloat16))
+    assert not CompiledDecode.supports(model.to("meta"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -155,3 +154,38 @@ def test_one_graph_for_every_batch_equals_the_eager_step(tmp_path, monkeypatch, 
         assert error <= tolerance, (plan.step, len(plan.chunks), error)
     assert compiled.shift_model.compiled.steps == len(plans) - 1
     assert counters["stats"]["unique_graphs"] == 2  # batch sizes 1-5, contexts 4-13: no recompile
+
+
+def compiled_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
+    """Every rank: an eager and a compiled runner over the same plans (SPMD: every rank runs each
+    plan); rank 0 returns the largest relative logit error, every rank its compiled step count."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
+    eager = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=BLOCK, gemv_rows=2)
+    compiled = ModelRunner.load(
+        model_dir, mesh, num_blocks=32, block_size=BLOCK, compile_decode=True, gemv_rows=2
+    )
+    worst = 0.0
+    for mode in Mode:
+        for plan in steps(mode):
+            want, got = eager.run_step(plan), compiled.run_step(plan)
+            if mesh.rank == 0:
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    same_cache = torch.allclose(compiled.cache.storage, eager.cache.storage, rtol=1e-5, atol=1e-6)
+    return dict(worst=worst, steps=compiled.shift_model.compiled.steps, same_cache=same_cache)
+
+
+@pytest.mark.parametrize("tp, sp, compiled_steps", [(2, 1, 9), (1, 2, 6)])
+def test_compiled_full_tp_decode_on_two_ranks_equals_the_eager_step(ranks, tmp_path, tp, sp, compiled_steps):
+    """Shift Parallelism's full-TP mode over 2 gloo ranks (tp2, and sp2's latency mode): the compiled
+    decode step keeps its sums over the group as traced collectives (comm/traced.py); logits equal
+    the eager step's (1e-5), both ranks' caches too; SP x TP steps stay eager, and so do sp2's steps
+    of one sequence (the plan pads them to sp rows)."""
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    results = ranks.run(tp * sp, compiled_vs_eager_on_ranks, str(model_dir), tp, sp)
+    assert results[0]["worst"] <= 1e-5, results[0]
+    assert [r["steps"] for r in results] == [compiled_steps] * 2  # full-TP decode steps, both ranks
+    assert all(r["same_cache"] for r in results)

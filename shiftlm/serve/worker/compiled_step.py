@@ -26,15 +26,22 @@ import os
 import time
 import types
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from shiftlm.comm.traced import register, traced_all_reduce
+from shiftlm.model.attention import FullTP
 from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
+from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
 
 log = logging.getLogger(__name__)
+# the batch bound of a dynamic-batch graph: one constant for every instance, since a graph served from
+# inductor's cache brings the range it was compiled for
+MAX_BATCH = 1 << 16
 _CACHES: weakref.WeakValueDictionary[int, PagedKVCache] = (
     weakref.WeakValueDictionary()
 )  # storage address -> cache
@@ -98,25 +105,55 @@ class DecodeAttention:
         return out.unsqueeze(0)
 
 
-def decode_step(model: Transformer, ids, positions, slots, block_index, bias, rows, window, storage, head):
-    """The sampled rows' logits [rows, padded vocab] of a decode step: the model's own layers with
-    the `PLAIN` ops and `DecodeAttention`, then its final norm and `head` (what `torch.compile` traces)."""
+@dataclass(frozen=True)
+class TracedFullTP(FullTP):
+    """Full TP whose sums over the shift group are `traced_all_reduce` (an op the graph keeps)."""
+
+    key: str = ""
+
+    @classmethod
+    def of(cls, full_tp: FullTP) -> TracedFullTP:
+        return cls(full_tp.group, full_tp.part, full_tp.parts, register(full_tp.group))
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return traced_all_reduce(x, self.key)
+
+
+def decode_step(
+    model: Transformer, ids, positions, slots, block_index, bias, rows, window, storage, head, full_tp
+):
+    """This rank's block of the sampled rows' logits [rows, its vocab columns] of a decode step: the
+    model's own layers with the `PLAIN` ops and `DecodeAttention` (in full TP over the shift group
+    where `full_tp` is given), then its final norm and `head` (what `torch.compile` traces)."""
     backend = DecodeAttention(storage, slots, block_index, bias, positions, window)
-    hidden = model.hidden_states(ids[None], positions[None], backend, ops=PLAIN)[0]
+    hidden = model.hidden_states(ids[None], positions[None], backend, full_tp, PLAIN)[0]
     return F.linear(model.model.norm(hidden[rows], PLAIN), head)
 
 
 class CompiledDecode:
     """The compiled decode step of one rank's model and cache; `applies(batch)` says when to use it."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache, max_seqs: int, dynamic_batch: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        max_seqs: int,
+        dynamic_batch: bool = False,
+        full_tp: FullTP | None = None,
+        head: torch.Tensor | None = None,
+    ):
         """`max_seqs`: the largest batch it runs (on the CPU `ShiftModel` passes the row counts for which
         MKL's GEMV, the graph's extern `mm`, beats oneDNN's packed GEMM that eager uses: compiled was
         1.20x / 1.06x eager's step at 8 / 32 sequences, where eager runs oneDNN).
         `dynamic_batch`: one graph for every batch of 2 to `max_seqs` sequences (the batch a symbolic
         size) and one for a single sequence, instead of one graph per batch size: what a GPU, which
-        runs every decode batch compiled, uses."""
+        runs every decode batch compiled, uses.
+        `full_tp`: this rank's part of Shift Parallelism's full-TP mode (several ranks: the step's sums
+        are traced collectives, and every rank compiles and runs each step in lockstep); `head`: the
+        LM head rows this rank computes (`ShiftModel.head_view`; default the whole head)."""
         self.model, self.cache, self.max_seqs, self.dynamic_batch = model, cache, max_seqs, dynamic_batch
+        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else TracedFullTP.of(full_tp)
+        self.head = model.head_weight if head is None else head
         self.dtype = model.model.norm.weight.dtype
         _CACHES[cache.storage.data_ptr()] = cache
         # a code object of its own per model: dynamo keeps at most 8 graphs per code object, so models
@@ -126,23 +163,23 @@ class CompiledDecode:
         self.steps = 0  # steps run compiled (tests check the path is taken)
 
     @staticmethod
-    def supports(model: Transformer, shift_size: int) -> bool:
-        """The model and layout this path covers (else the runner keeps the eager step): one rank, a
-        dense model; on the CPU in fp32 (the GEMV choice is measured in fp32), on CUDA any dtype."""
+    def supports(model: Transformer) -> bool:
+        """The models this path covers (else the runner keeps the eager step): a dense model; on the CPU
+        in fp32 (the GEMV choice is measured in fp32), on CUDA any dtype."""
         device = model.head_weight.device.type
         return (
-            shift_size == 1
-            and not model.config.is_moe  # a dense Llama's step: the MoE layers run eager
+            not model.config.is_moe  # a dense Llama's step: the MoE layers run eager
             and model.with_embedding
             and model.with_head
             and (device == "cuda" or (device == "cpu" and model.model.norm.weight.dtype == torch.float32))
         )
 
-    def applies(self, batch: FlatBatch) -> bool:
+    def applies(self, batch: FlatBatch, mode: Mode) -> bool:
         """A pure decode step of at most `max_seqs` sequences (PagedAttention's lean path: row i is
-        sequence i, one query each)."""
+        sequence i, one query each), in full TP where the shift group has several ranks."""
         return (
-            batch.token_ids.shape[0] <= self.max_seqs
+            (mode is Mode.TP or self.full_tp is None)
+            and batch.token_ids.shape[0] <= self.max_seqs
             and PagedAttention.is_decode(batch)
             and batch.num_tokens == batch.slots.numel()
         )
@@ -153,8 +190,22 @@ class CompiledDecode:
         self.steps += 1
         group = batch.chunks[0]
         bias = group.bias(self.dtype)
-        args = (batch.token_ids, batch.positions, batch.slots, group.block_index, bias, batch.sample_rows)
-        return self._fn(self.model, *args, group.window, self.cache.storage, self.model.head_weight)
+        return self.run(
+            batch.token_ids,
+            batch.positions,
+            batch.slots,
+            group.block_index,
+            bias,
+            batch.sample_rows,
+            group.window,
+        )
+
+    def run(self, ids, positions, slots, block_index, bias, rows, window: int) -> torch.Tensor:
+        """The compiled step on these tensors (`decode_step`'s arguments): logits of `rows`."""
+        storage, head = self.cache.storage, self.head
+        return self._fn(
+            self.model, ids, positions, slots, block_index, bias, rows, window, storage, head, self.full_tp
+        )
 
     @torch.no_grad()
     def warm_up(self) -> bool:
@@ -190,9 +241,9 @@ class CompiledDecode:
             torch._dynamo.decorators.mark_unbacked(bias, 3)
             if self.dynamic_batch and seqs > 1:  # every batch of 2+ in this graph (1 is specialized)
                 for tensor in (*args[:3], bias, args[5]):
-                    torch._dynamo.mark_dynamic(tensor, 0, min=2, max=max(self.max_seqs, 3))
+                    torch._dynamo.mark_dynamic(tensor, 0, min=2, max=MAX_BATCH)
             try:
-                self._fn(self.model, *args, self.cache.storage, self.model.head_weight)
+                self.run(*args)
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 log.warning(
                     "the compiled decode step: inductor failed (%s); decoding eagerly",

@@ -115,15 +115,20 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        scratch: bool = False,
     ):
+        """`scratch`: one more block, past the `num_blocks` sequences may own, where the padding rows
+        of a CUDA-graph step write (decode_graphs.py); its id is `scratch_block`."""
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        self.scratch_block = num_blocks if scratch else None
+        physical = num_blocks + scratch
+        shape = (num_layers, 2, physical * block_size, kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         # per layer and K/V, the views every step uses, made once (a decode step runs ~4 ops per layer
         # on them; taking the views per call cost as much as the ops)
         self._slots = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
-        self._blocks = [tuple(t.view(num_blocks, -1) for t in pair) for pair in self._slots]
+        self._blocks = [tuple(t.view(physical, -1) for t in pair) for pair in self._slots]
         # the CPU paged-attention kernel (kernels/cpu.py) when the runner enabled it: decode rows
         # then attend straight from the blocks, without `gather`
         self.kernel = None
@@ -160,6 +165,13 @@ class PagedKVCache:
         torch.index_select(k_blocks, 0, block_index, out=k_rows)
         torch.index_select(v_blocks, 0, block_index, out=v_rows)
         return k, v
+
+    def reserve_gather(self, rows: int) -> None:
+        """Grow the gather buffers to hold `rows` blocks now (CUDA graphs: never again after capture)."""
+        width = self.block_size * self.storage.shape[3] * self.storage.shape[4]
+        if rows * width > self._gathered.shape[1]:
+            self._gathered = self._gathered.new_empty((2, rows * width))
+            self._views = None
 
     def _make_views(self, rows: int, seqs: int) -> tuple[torch.Tensor, ...]:
         kv_heads, head_dim = self.storage.shape[3:]

@@ -32,6 +32,7 @@ from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
 from shiftlm.serve.plan import StepPlan
 from shiftlm.serve.worker import ATTENTION_BACKENDS
+from shiftlm.serve.worker.decode_graphs import DecodeGraphs
 from shiftlm.serve.worker.logits import gather_logits
 from shiftlm.serve.worker.paged_attention import PagedKVCache
 from shiftlm.serve.worker.plan_codec import (
@@ -102,6 +103,8 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
         shm_collectives: bool = True,
         memory: tuple[float, int] = (0.9, 0),
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
     ) -> ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
         (`compiled_step.py`; the server's default, off with `--enforce-eager`).
@@ -113,7 +116,9 @@ class ModelRunner:
         (`PackedWeights.choose_small_rows`). `model_config`: the checkpoint's, when the caller has
         read it already (the server's options have). `num_blocks=None` (GPUs): as many blocks as
         `memory` = (utilization, activation bytes) leaves once the weights are loaded, the same on
-        every rank of the group (the smallest)."""
+        every rank of the group (the smallest). On CUDA with `compile_decode`, decode steps of up to
+        `max_num_seqs` sequences and `max_model_len` tokens replay CUDA graphs (decode_graphs.py),
+        which take one more KV block (a scratch block for padding rows)."""
         backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -121,15 +126,31 @@ class ModelRunner:
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
+        graphs = compile_decode and mesh.device.type == "cuda" and mesh.shift.size == 1
         if num_blocks is None:
-            num_blocks = _blocks_from_memory(config, mesh, block_size, dtype, *memory)
+            num_blocks = _blocks_from_memory(config, mesh, block_size, dtype, *memory) - graphs
         cache = PagedKVCache(
-            config.num_layers, num_blocks, block_size, last - first, config.head_dim, dtype, mesh.device
+            config.num_layers,
+            num_blocks,
+            block_size,
+            last - first,
+            config.head_dim,
+            dtype,
+            mesh.device,
+            graphs,
         )
         cache.kernel = _attention_kernel(backend, mesh.device)
         shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode, gemv_rows=gemv_rows)
         if shift_model.compiled is not None and not shift_model.compiled.warm_up():
             shift_model.compiled = None  # it could not build (warned): every step runs eagerly
+        if shift_model.compiled is not None and graphs:
+            longest = (
+                num_blocks if max_model_len is None else min(num_blocks, -(-max_model_len // block_size))
+            )
+            shift_model.graphs = DecodeGraphs(
+                shift_model.compiled, min(max_num_seqs, num_blocks), longest, True
+            )
+            shift_model.graphs.capture_all()
         return cls(config, shift_model, mesh, shm_collectives)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:

@@ -29,6 +29,7 @@ from shiftlm.model.ops import InferenceOps
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.compiled_step import CompiledDecode
+from shiftlm.serve.worker.decode_graphs import DecodeGraphs
 from shiftlm.serve.worker.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
@@ -77,12 +78,21 @@ class ShiftModel:
         # every decode batch (at most one per block), one graph for all sizes
         cuda = model.head_weight.device.type == "cuda"
         max_seqs = cache.num_blocks if cuda else GEMV_ROWS if self.packed is None else self.packed.gemv_rows
-        compiled = compile_decode and max_seqs > 0 and CompiledDecode.supports(model, mesh.shift.size)
+        if compile_decode and mesh.shift.size > 1:  # the same graphs on every rank: their warm-up steps
+            agreed = torch.tensor([max_seqs], device=mesh.device)  # run collectives (GEMV probes may differ)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=mesh.shift.pg)
+            max_seqs = int(agreed)
+        compiled = compile_decode and max_seqs > 0 and CompiledDecode.supports(model)
         # where inductor cannot build (no C++ compiler, no Triton): one warning line, the eager step
         compiled = compiled and compile_usable(
             "true", model.head_weight.device, "the compiled decode step", "--enforce-eager silences this"
         )
-        self.compiled = CompiledDecode(model, cache, max_seqs, dynamic_batch=cuda) if compiled else None
+        self.compiled = (
+            CompiledDecode(model, cache, max_seqs, cuda, self.full_tp, self.head_view) if compiled else None
+        )
+        # decode steps replayed from CUDA graphs over the compiled step (decode_graphs.py; the runner
+        # captures them after the compiles)
+        self.graphs: DecodeGraphs | None = None
         # mixture of experts: each step's load per expert (`expert_rows`), for /metrics and the step log
         self.moe_layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
         self.expert_rows: torch.Tensor | None = None
@@ -90,7 +100,9 @@ class ShiftModel:
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
-        if self.compiled is not None and self.compiled.applies(batch):  # one rank: the block is every logit
+        if self.graphs is not None and self.graphs.applies(batch):  # one rank: the block is every logit
+            return self.graphs(batch)
+        if self.compiled is not None and self.compiled.applies(batch, mode):
             return self.compiled(batch)
         out = self._forward(batch, mode)
         if self.moe_layers:

@@ -44,7 +44,9 @@ class RunnerOptions:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     activation_bytes: int = 0  # a step's transient memory, kept free of the cache
-    compile_decode: bool = False
+    compile_decode: bool = False  # and, on CUDA, CUDA graphs of decode steps (worker/decode_graphs.py)
+    max_num_seqs: int = 64  # the largest decode batch a CUDA graph is captured for
+    max_model_len: int | None = None  # the longest context a CUDA graph is captured for (None: the cache)
     attention_backend: str = "auto"
     shm_collectives: bool = True  # CPU ranks of one host: collectives through shared memory (comm/shm.py)
     seed: int | None = None
@@ -156,6 +158,8 @@ def load_runner(options: RunnerOptions):
         model_config=options.model_config,
         shm_collectives=options.shm_collectives,
         memory=(options.gpu_memory_utilization, options.activation_bytes),
+        max_num_seqs=options.max_num_seqs,
+        max_model_len=options.max_model_len,
     )
 
 
