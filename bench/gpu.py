@@ -5,6 +5,7 @@
 
 Phases (each a subprocess with its own time limit, so one failure leaves the others' results):
 - env: the device, driver, torch / transformers versions, and a bf16 GEMM's rate (the ceiling).
+- cuda_tests: the suite's `cuda`-marked tests (`pytest -m cuda`), which skip without a GPU.
 - verify: `shiftlm verify --device cuda` in fp32 (<= 1e-5 relative to transformers on the same GPU) and
   in bf16 autocast (within 2x transformers' own bf16 error vs fp32), on the tiny llama-gqa, qwen2 and
   mistral checkpoints and on a 1024-wide Llama at 512 tokens (SDPA's fused kernels apply there).
@@ -39,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = {
     "env": 60,
+    "cuda_tests": 300,
     "verify": 200,
     "train_ab": 170,
     "train": 150,
@@ -172,6 +174,24 @@ def _verify(args: list[str]) -> dict:
     report = json.loads(result.stdout)
     report["args"] = args
     return report
+
+
+def phase_cuda_tests(out: Path) -> dict:
+    """The suite's `cuda`-marked tests (they skip without a GPU: this is where they run), e.g. CUDA-graph
+    decode steps equal to the eager step (tests/serve/test_decode_graphs.py)."""
+    import torch
+
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rA", "tests"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=PHASES["cuda_tests"] - 10, cwd=ROOT)
+    lines = run.stdout.strip().splitlines()
+    return {
+        "device": "cpu" if SMOKE else torch.cuda.get_device_name(0),
+        "command": " ".join(command[1:]),
+        "returncode": run.returncode,
+        "results": [line for line in lines if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))],
+        "summary": lines[-1:] if lines else [],
+        "failures_tail": run.stdout[-6000:] if run.returncode else "",
+    }
 
 
 def phase_verify(out: Path) -> dict:
