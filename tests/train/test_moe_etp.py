@@ -1,5 +1,6 @@
 """Expert tensor parallelism (`etp`, the experts' own TP size, Megatron-Core's MoE parallel folding):
-etp2 x ep2, tp2 x etp1 x ep2 (with and without Megatron SP) and ZeRO-3 with etp give one rank's losses,
+etp2 x ep2, tp2 x etp1 x ep2 (with and without Megatron SP, with Ulysses sp2, with pp2 under ZB-V) and
+ZeRO-3 with etp give one rank's losses,
 load-balancing loss included, over 5 steps and its step-1 gradients (fp32, 1e-5); a checkpoint saved
 at one etp resumes at another; a bad etp is one line before any rank starts."""
 
@@ -21,6 +22,20 @@ LAYOUTS = {  # world size, overrides; the stage's dp*cp*sp*tp ranks are cut as e
     "tp2_sp_x_etp1_x_ep2": (
         2,
         ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.etp=1", "--parallel.ep=2"],
+    ),
+    "tp2_x_sp2_x_etp1_x_ep4": (
+        4,
+        ["--parallel.tp=2", "--parallel.sp=2", "--parallel.etp=1", "--parallel.ep=4"],
+    ),
+    "tp2_x_etp1_x_ep2_x_pp2_zbv": (
+        4,
+        [
+            "--parallel.tp=2",
+            "--parallel.pp=2",
+            "--parallel.etp=1",
+            "--parallel.ep=2",
+            "--train.schedule=zb_v",
+        ],
     ),
     "etp2_zero3": (4, ["--parallel.dp=4", "--parallel.etp=2", "--train.zero=3"]),
 }
@@ -127,3 +142,17 @@ def test_a_bad_etp_is_one_line_before_any_rank_starts(capsys, tmp_path, moe_mode
     assert len(lines) == 1 and "Traceback" not in err, err
     assert fragment in lines[0], lines[0]
     assert not run.exists()  # no rank ran
+
+
+def test_verify_takes_etp():
+    """`shiftlm verify --etp`: tiny Qwen2-MoE at ep2 x tp2 with each expert whole (etp 1) equals
+    transformers (logits and input gradients, 1e-5 relative)."""
+    import subprocess
+    import sys
+
+    argv = ["verify", "--tiny", "qwen2-moe", "--ep", "2", "--tp", "2", "--etp", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "shiftlm.cli", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "etp=1 (dp=1)" in result.stdout and "all layouts match" in result.stdout
