@@ -65,7 +65,7 @@ class _Weight(nn.Module):
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert's three projections (this TP rank's `width` rows/columns), by their HF names."""
+    """One SwiGLU expert's three projections (this rank's `width` rows/columns of it), by their HF names."""
 
     def __init__(self, hidden: int, width: int, names: tuple[str, str, str]):
         super().__init__()
@@ -140,7 +140,8 @@ def grouped_swiglu(
 
 
 class SparseMoE(nn.Module):
-    """The routed experts (this ep rank's, split over TP) and Qwen2-MoE's gated shared expert.
+    """The routed experts (this ep rank's, split over etp: TP by default) and Qwen2-MoE's gated shared
+    expert (split over TP).
 
     forward(x: this rank's tokens [B, S, H], split over TP along the sequence under Megatron sequence
     parallelism) enters the TP region as the dense MLP does, and leaves it with one sum over TP of the

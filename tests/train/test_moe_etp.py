@@ -11,8 +11,10 @@ import shutil
 import pytest
 
 from shiftlm.cli import main
+from shiftlm.mesh import coords_of, expert_coords
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import take_shard
+from shiftlm.train.config import load_config
 from tests.train.conftest import moe_qwen2_config, run_training
 from tests.train.test_moe_training import STEPS, TOLERANCE, losses_and_first_grads
 
@@ -41,24 +43,6 @@ LAYOUTS = {  # world size, overrides; the stage's dp*cp*sp*tp ranks are cut as e
 }
 
 
-def run_with_expert_ranks(overrides: list[str], log_dir: str):
-    """`losses_and_first_grads`, with this rank's (etp rank, etp size) for slicing expert gradients."""
-    from shiftlm.train.trainer import Trainer
-
-    seen: list = []
-    init = Trainer.__init__
-
-    def remember(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        seen.append((self.mesh.etp.rank, self.mesh.etp.size))
-
-    Trainer.__init__ = remember
-    try:
-        return (*losses_and_first_grads(overrides, log_dir), seen[0])
-    finally:
-        Trainer.__init__ = init
-
-
 @pytest.fixture(scope="module")
 def one_rank(ranks, moe_model, tmp_path_factory):
     return ranks.run(1, losses_and_first_grads, [moe_model], str(tmp_path_factory.mktemp("one")))[0]
@@ -67,10 +51,11 @@ def one_rank(ranks, moe_model, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_etp_layout_losses_and_first_gradients_equal_one_rank(ranks, tmp_path, moe_model, one_rank, layout):
     world, overrides = LAYOUTS[layout]
-    runs = ranks.run(world, run_with_expert_ranks, [moe_model, *overrides], str(tmp_path))
+    runs = ranks.run(world, losses_and_first_grads, [moe_model, *overrides], str(tmp_path))
+    parallel = load_config(None, [moe_model, *overrides]).parallel
     (one_losses, one_norms), one_grads, _ = one_rank
     worst = loss_error = 0.0
-    for rank, ((losses, norms), _, _, _) in enumerate(runs):
+    for rank, ((losses, norms), _, _) in enumerate(runs):
         assert list(losses) == list(range(1, STEPS + 1))
         for step, reference in one_losses.items():
             assert losses[step] == pytest.approx(reference, rel=TOLERANCE), f"rank {rank} step {step}"
@@ -79,9 +64,10 @@ def test_etp_layout_losses_and_first_gradients_equal_one_rank(ranks, tmp_path, m
                 f"norm: rank {rank} step {step}"
             )
     config, seen = moe_qwen2_config(), set()
-    for rank, (_, grads, (tp_rank, tp_size), (etp_rank, etp_size)) in enumerate(runs):
+    for rank, (_, grads, (tp_rank, tp_size)) in enumerate(runs):
+        etp_rank = expert_coords(parallel, coords_of(parallel, rank))[2]  # expert shards are cut over etp
         for name, grad in grads.items():
-            split = (etp_rank, etp_size) if ".experts." in name else (tp_rank, tp_size)
+            split = (etp_rank, parallel.expert_tp) if ".experts." in name else (tp_rank, tp_size)
             expected = take_shard(one_grads[name], shard_spec(name, config, *split))
             assert grad.shape == expected.shape, f"rank {rank} {name}"
             error = ((grad - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
