@@ -6,8 +6,8 @@ Rank layout (docs/design.md "Rank layout"), order dp, pp, cp, sp, tp, TP innermo
 
 Groups: `tp` (TP consecutive ranks), `sp` (stride TP), `cp` (context parallelism, ring attention;
 stride SP*TP), `pp` (stride CP*SP*TP), `dp` (stride PP*CP*SP*TP), `dp_sp` (every rank that holds
-the same weights: dp x cp x sp), `ep` / `edp` (expert parallelism folded over dp x cp x sp, and the
-ranks holding the same experts; `expert_group_ranks`), and `shift`: the SP*TP ranks of one (dp, pp, cp) slice. In the shift
+the same weights: dp x cp x sp), `ep` / `edp` / `etp` (the experts' own layout, folded over each stage's
+dp x cp x sp x tp ranks: `expert_group_ranks`), and `shift`: the SP*TP ranks of one (dp, pp, cp) slice. In the shift
 group rank (sp, tp) holds shard index `j = tp*SP + sp` ("head order"): full-TP shard j is sub-slice `sp` of TP shard `tp`. The group's own
 rank order is sorted global rank, which is *not* head order, so `shard_index` is computed here and
 never read from the group.
@@ -78,26 +78,31 @@ def token_rank(config: ParallelConfig, coords: Coords) -> int:
     return (coords.dp * config.cp + coords.cp) * config.sp + coords.sp
 
 
+def stage_rank(config: ParallelConfig, coords: Coords) -> int:
+    """r = f*TP + tp: a rank's place among the DP*CP*SP*TP ranks of its pipeline stage."""
+    return token_rank(config, coords) * config.tp + coords.tp
+
+
+def expert_coords(config: ParallelConfig, coords: Coords) -> tuple[int, int, int]:
+    """(edp, ep, etp) of a rank: its stage rank cut as r = (edp*EP + ep)*ETP + etp (docs/moe.md)."""
+    r, etp, ep = stage_rank(config, coords), config.expert_tp, config.ep
+    return r // (etp * ep), r // etp % ep, r % etp
+
+
 def expert_group_ranks(config: ParallelConfig, name: str) -> list[list[int]]:
-    """Expert parallelism folded over the token ranks (Megatron-Core's MoE parallel folding, with
-    expert TP = TP): for each (pp, tp), token rank f is ep rank f % EP of `ep` group f // EP; `edp`
-    (expert data parallel: the ranks holding the same experts, whose gradients are summed) groups
-    the token ranks with equal f % EP."""
-    token_ranks = config.dp * config.cp * config.sp
-    groups = []
-    for pp, tp in itertools.product(range(config.pp), range(config.tp)):
-        ranks_of = {}
-        for rank in range(config.world_size):
-            c = coords_of(config, rank)
-            if c.pp == pp and c.tp == tp:
-                ranks_of[token_rank(config, c)] = rank
-        if name == "ep":
-            groups += [
-                [ranks_of[f] for f in range(g, g + config.ep)] for g in range(0, token_ranks, config.ep)
-            ]
-        else:
-            groups += [[ranks_of[f] for f in range(e, token_ranks, config.ep)] for e in range(config.ep)]
-    return groups
+    """Megatron-Core's MoE parallel folding: for each pp, the stage's ranks in order r = f*TP + tp
+    are re-cut as r = (edp*EP + ep)*ETP + etp. `etp` groups vary etp (ETP consecutive ranks: the tp
+    group when ETP = TP), `ep` groups vary ep, and `edp` (expert data parallel: the ranks holding the
+    same expert shards, whose gradients are summed) varies edp. With ETP = TP, token rank f is ep
+    rank f % EP of ep group f // EP."""
+    varying = {"edp": 0, "ep": 1, "etp": 2}[name]
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(config.world_size):
+        c = coords_of(config, rank)
+        key = list(expert_coords(config, c))
+        key[varying] = -1
+        groups.setdefault((c.pp, *key), []).append(rank)
+    return list(groups.values())
 
 
 def choose_device(requested: str = "auto", local_world: int | None = None) -> tuple[torch.device, str]:
@@ -208,8 +213,9 @@ class Mesh:
         }
         self.groups: dict[str, CommGroup] = {}
         layout = [(name, ranks) for name, axes in axes_of.items() for ranks in group_ranks(config, axes)]
-        if config.ep > 1:
-            layout += [(name, ranks) for name in ("ep", "edp") for ranks in expert_group_ranks(config, name)]
+        if config.experts_apart:
+            names = ("ep", "edp") if config.expert_tp == config.tp else ("ep", "edp", "etp")
+            layout += [(name, ranks) for name in names for ranks in expert_group_ranks(config, name)]
         for name, ranks in layout:
             # new_group must be called by every rank for every group, in the same order
             pg = (
@@ -219,9 +225,11 @@ class Mesh:
             )
             if rank in ranks:
                 self.groups[name] = CommGroup(name, tuple(sorted(ranks)), pg, rank)
-        if config.ep == 1:  # every expert here; expert gradients are summed like any other's
+        if not config.experts_apart:  # every expert here; expert gradients are summed like any other's
             self.groups["ep"] = CommGroup("ep", (rank,), None, rank)
             self.groups["edp"] = self.groups["dp_sp"]
+        if config.expert_tp == config.tp:  # expert TP = TP: the same group object (moe.SparseMoE tests it)
+            self.groups["etp"] = self.groups["tp"]
 
     tp = property(lambda self: self.groups["tp"])
     sp = property(lambda self: self.groups["sp"])
@@ -232,11 +240,12 @@ class Mesh:
     dp_sp = property(lambda self: self.groups["dp_sp"])
     ep = property(lambda self: self.groups["ep"])
     edp = property(lambda self: self.groups["edp"])
+    etp = property(lambda self: self.groups["etp"])
 
     @property
     def ep_rank(self) -> int:
         """This rank's place in its expert-parallel group (which experts it holds)."""
-        return token_rank(self.config, self.coords) % self.config.ep
+        return expert_coords(self.config, self.coords)[1]
 
     @property
     def shard_index(self) -> int:

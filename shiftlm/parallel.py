@@ -1,4 +1,5 @@
-"""The parallel layout: World = DP x PP x CP x SP x TP (and EP folded over the token ranks), and every
+"""The parallel layout: World = DP x PP x CP x SP x TP (and the experts' EP x ETP folded over each
+stage's ranks), and every
 rule of what a model can be split into (`ParallelConfig.check_model`), checked before any rank starts.
 """
 
@@ -18,6 +19,13 @@ class ParallelConfig:
     the sequence inside the TP group); `sp` is Ulysses sequence parallelism (all-to-all around attention);
     `cp` is context parallelism (ring attention over a load-balanced "zigzag" split of the sequence,
     docs/context_parallel.md). With both, the sequence is split over cp first, then over sp.
+
+    Mixture-of-experts layers are laid out on their own (Megatron-Core's MoE parallel folding,
+    docs/moe.md): the DP*CP*SP*TP ranks of a pipeline stage, in stage order `r = f*TP + tp` (token rank
+    `f = (dp*CP + cp)*SP + sp`), are re-cut as `r = (edp*EP + ep)*ETP + etp`: `etp` (innermost,
+    ETP consecutive ranks) splits every expert's width, `ep` (stride ETP) the experts, and `edp`
+    (stride EP*ETP) holds replicas of the same expert shards. ETP = TP (the default) is expert TP = TP:
+    the etp group is the tp group and ep is folded over dp x cp x sp alone.
     """
 
     dp: int = 1
@@ -29,12 +37,27 @@ class ParallelConfig:
     # expert parallelism, folded over the dp x cp x sp ranks (not a factor of the world size): each
     # expert lives on one of `ep` ranks, tokens travel to it by all-to-all (docs/moe.md)
     ep: int = 1
+    # the experts' own tensor-parallel size (Megatron-Core's expert_tensor_parallel_size); 0: tp
+    etp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "cp", "sp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 0:
+            raise ConfigError(f"etp must be a positive integer (or 0: the same as tp), got {self.etp!r}")
+
+    @property
+    def expert_tp(self) -> int:
+        """ETP: the ranks that split each expert's width (`etp`, or tp when it is 0)."""
+        return self.etp or self.tp
+
+    @property
+    def experts_apart(self) -> bool:
+        """The experts have groups of their own (ep > 1 or ETP != TP): their gradients are summed and
+        sharded over `edp` rather than dp_sp."""
+        return self.ep > 1 or self.expert_tp != self.tp
 
     @property
     def world_size(self) -> int:
@@ -98,12 +121,14 @@ class ParallelConfig:
             )
 
     def check_experts(self, model: ModelConfig, shift: bool = False) -> None:
-        """ep divides the experts and the dp*cp*sp ranks it is folded over; tp (which also splits every
-        expert's FFN, expert TP = TP; serving's full TP: sp*tp) divides the expert and shared-expert widths."""
-        token_ranks = self.dp * self.cp * self.sp
-        if self.ep > 1 and not model.is_moe:
+        """ep divides the experts; ep x etp folds over a stage's dp*cp*sp*tp ranks (docs/moe.md); etp
+        divides an expert's width and tp the shared expert's (serving's full TP: sp*tp divides both)."""
+        etp, stage_ranks = self.expert_tp, self.dp * self.cp * self.sp * self.tp
+        if self.experts_apart and not model.is_moe:
+            what = f"ep = {self.ep}" if self.ep > 1 else f"etp = {self.etp}"
             raise ConfigError(
-                f"ep = {self.ep} needs a mixture-of-experts model: {model.model_type} is dense; use ep = 1"
+                f"{what} needs a mixture-of-experts model: {model.model_type} is dense; drop it"
+                + (" (use ep = 1)" if self.ep > 1 else "")
             )
         if not model.is_moe:
             return
@@ -112,30 +137,66 @@ class ParallelConfig:
                 f"ep = {self.ep} must divide num_experts = {model.num_experts}: use ep in "
                 f"{_divisors(model.num_experts)}"
             )
-        if token_ranks % self.ep:
-            raise ConfigError(
-                f"ep = {self.ep} must divide the data-parallel ranks dp*cp*sp = {token_ranks} it is folded "
-                f"over: raise dp to a multiple of {self.ep} or use ep in {_divisors(token_ranks)}"
-            )
-        for what, width in (
-            ("moe_intermediate_size (one expert's width)", model.moe_intermediate_size),
-            ("shared_expert_intermediate_size", model.shared_expert_intermediate_size),
-        ):
-            if width and width % self.tp:
+        width = model.moe_intermediate_size
+        if etp == self.tp:
+            token_ranks = stage_ranks // self.tp
+            if token_ranks % self.ep:
                 raise ConfigError(
-                    f"tp = {self.tp} (which splits every expert too) must divide {what} = {width}: use tp in "
-                    f"{[d for d in _divisors(width) if d <= width]}"
+                    f"ep = {self.ep} must divide the data-parallel ranks dp*cp*sp = {token_ranks} it is "
+                    f"folded over: raise dp to a multiple of {self.ep} or use ep in {_divisors(token_ranks)}"
                 )
-            if shift and width and width % self.shift_size:
+        else:
+            if shift:
                 raise ConfigError(
-                    f"sp*tp = {self.shift_size} must divide {what} = {width} (full TP splits every expert "
-                    f"over all {self.shift_size} serving ranks): use sp*tp in {_divisors(width)}"
+                    f"etp = {self.etp}: serving splits every expert over its sp*tp ranks; drop etp (or set it to tp)"
+                )
+            if etp > width:
+                raise ConfigError(
+                    f"etp = {etp} is larger than an expert's width moe_intermediate_size = {width}: "
+                    f"use etp in {_divisors(width)}"
+                )
+            if width % etp:
+                raise ConfigError(
+                    f"etp = {etp} must divide moe_intermediate_size (one expert's width) = {width}: use etp in "
+                    f"{_divisors(width)}"
+                )
+            if stage_ranks % (self.ep * etp):
+                raise ConfigError(
+                    f"ep x etp = {self.ep * etp} must divide the dp*cp*sp*tp = {stage_ranks} ranks of a "
+                    f"pipeline stage they are folded over: raise dp or use ep x etp in {_divisors(stage_ranks)}"
+                )
+            if self.ep * etp % self.tp:
+                raise ConfigError(
+                    f"ep x etp = {self.ep * etp} must be a multiple of tp = {self.tp} (an expert's replicas, "
+                    f"edp, must fit in the dense weights' data group): raise ep or etp, or use etp = tp"
+                )
+        for what, size, value, name in (
+            ("moe_intermediate_size (one expert's width)", etp, width, "etp" if etp != self.tp else "tp"),
+            ("shared_expert_intermediate_size", self.tp, model.shared_expert_intermediate_size, "tp"),
+        ):
+            if value and value % size:
+                splits = " (which splits every expert too)" if name == "tp" and etp == self.tp else ""
+                raise ConfigError(
+                    f"{name} = {size}{splits} must divide {what} = {value}: use {name} in "
+                    f"{[d for d in _divisors(value) if d <= value]}"
+                )
+            if shift and value and value % self.shift_size:
+                raise ConfigError(
+                    f"sp*tp = {self.shift_size} must divide {what} = {value} (full TP splits every expert "
+                    f"over all {self.shift_size} serving ranks): use sp*tp in {_divisors(value)}"
                 )
 
     def check_sequence(self, seq_len: int) -> None:
         """The sequence splits into 2*cp zigzag chunks, each chunk pair over sp (and tp with Megatron SP)."""
         sp_chunks = self.sp * (self.tp if self.sequence_parallel else 1)
         split = f"sp{'*tp' if self.sequence_parallel else ''}"
+        folded = self.cp * self.sp * self.tp
+        if self.expert_tp != self.tp and not self.sequence_parallel and seq_len % folded:
+            raise ConfigError(
+                f"etp = {self.etp} != tp = {self.tp}: each tp rank hands the experts 1/tp of its sequence, so "
+                f"the sequence length {seq_len} must be a multiple of cp*sp*tp = {folded}: use e.g. "
+                f"{ceil_to_multiple(seq_len, folded)}, or turn on sequence_parallel"
+            )
         if self.cp > 1:
             chunks = 2 * self.cp * sp_chunks
             if chunks > seq_len:

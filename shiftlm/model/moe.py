@@ -10,12 +10,14 @@ Parameters keep the Hugging Face names (`mlp.experts.5.gate_proj.weight`, Mixtra
 forward stacks this rank's experts for one grouped GEMM per projection (`torch._grouped_mm` where the
 platform runs it, else one GEMM per expert over its contiguous rows).
 
-Parallelism (Megatron-Core's MoE parallel folding, expert TP = TP): every expert's FFN is split over the
-TP group like the dense MLP (gate/up by rows, down by columns; the outputs of the routed and shared
-experts are summed over TP once, by the layer's row-parallel exit), and the experts are split over the
-`ep` group, which is folded over the ranks that see different tokens (dp x cp x sp, `mesh.expert_group_ranks`).
-Each ep rank routes its own tokens, sends each (token, choice) row to the rank holding the chosen expert
-by one uneven all-to-all, computes, and returns the rows by the inverse all-to-all. No token is dropped.
+Parallelism (Megatron-Core's MoE parallel folding, `mesh.expert_group_ranks`): with expert TP = TP (the
+default) every expert's FFN is split over the TP group like the dense MLP (gate/up by rows, down by
+columns; the outputs of the routed and shared experts are summed over TP once, by the layer's
+row-parallel exit), and the experts are split over the `ep` group, folded over the ranks that see
+different tokens (dp x cp x sp). Each ep rank routes its own tokens, sends each (token, choice) row to
+the rank holding the chosen expert by one uneven all-to-all, computes, and returns the rows by the
+inverse all-to-all. No token is dropped. With its own `etp` (!= tp) the routed experts run on the
+stage's ranks re-cut as edp x ep x etp (`SparseMoE.folded`); the shared expert stays on TP.
 
 The router and the shared-expert gate are replicated over TP but each TP rank sees only its share of
 the experts' outputs, so their gradients are partial sums (`sharding.tp_partial_grad`, summed by
@@ -36,6 +38,7 @@ from shiftlm.comm import (
     all_to_all_rows,
     copy_to_group,
     gather_along,
+    gather_replicated,
     reduce_from_group,
     reduce_scatter_along,
 )
@@ -62,7 +65,7 @@ class _Weight(nn.Module):
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert's three projections (this TP rank's `width` rows/columns), by their HF names."""
+    """One SwiGLU expert's three projections (this rank's `width` rows/columns of it), by their HF names."""
 
     def __init__(self, hidden: int, width: int, names: tuple[str, str, str]):
         super().__init__()
@@ -137,23 +140,33 @@ def grouped_swiglu(
 
 
 class SparseMoE(nn.Module):
-    """The routed experts (this ep rank's, split over TP) and Qwen2-MoE's gated shared expert.
+    """The routed experts (this ep rank's, split over etp: TP by default) and Qwen2-MoE's gated shared
+    expert (split over TP).
 
     forward(x: this rank's tokens [B, S, H], split over TP along the sequence under Megatron sequence
     parallelism) enters the TP region as the dense MLP does, and leaves it with one sum over TP of the
     routed and shared experts' partial outputs. `router_stats` keeps the last forward's per-expert
     top-k counts and probability sums for the load-balancing loss (`load_balancing_loss`)."""
 
-    def __init__(self, config: ModelConfig, tp: CommGroup, ep: CommGroup, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: CommGroup,
+        ep: CommGroup,
+        sequence_parallel: bool = False,
+        etp: CommGroup | None = None,
+    ):
+        """`etp`: the group splitting each routed expert's width (None: tp, expert TP = TP)."""
         super().__init__()
         h, experts = config.hidden_size, config.num_experts
         self.config, self.tp, self.ep, self.sequence_parallel = config, tp, ep, sequence_parallel
+        self.etp = tp if etp is None else etp
         self.top_k = config.num_experts_per_tok
         self.local_experts = experts // ep.size
         self.first_expert = ep.rank * self.local_experts
         self.gate = _Weight(experts, h)
         names = EXPERT_NAMES.get(config.model_type, MLP_NAMES)
-        width = config.moe_intermediate_size // tp.size
+        width = config.moe_intermediate_size // self.etp.size
         self.experts = nn.ModuleDict(
             {
                 str(e): Expert(h, width, names)
@@ -191,6 +204,8 @@ class SparseMoE(nn.Module):
                     "full-TP serving shards experts by width (expert TP), not over ep: use ep = 1"
                 )
             return reduce_from_group(self.partial(x, full_tp), full_tp.group)
+        if self.etp is not self.tp:
+            return self.folded(x)
         if self.sequence_parallel:
             out = self.partial(gather_along(x, self.tp, SEQ_DIM))
             return reduce_scatter_along(out, self.tp, SEQ_DIM)
@@ -202,20 +217,60 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = self.route(x)
-        if self.ep.size > 1 and self.dispatch == "all_gather":
-            out = self.gathered_experts(x, weights, index)
-        else:
-            # one row per (token, choice), sorted by expert (stable: a token's choices keep their order)
-            choice = index.flatten()
-            order = torch.argsort(choice, stable=True)
-            token = order // self.top_k
-            rows = torch.bincount(choice, minlength=self.config.num_experts)
-            out = self.experts_forward(x[token], rows, full_tp) * weights.flatten()[order].unsqueeze(-1)
-            out = x.new_zeros(x.shape).index_add(0, token, out)
+        out = self.routed(x, weights, index, full_tp)
         if hasattr(self, "shared_expert"):
-            shared = self.shared_expert(x, full_tp)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+            out = out + self.shared(x, full_tp)
         return out.view(shape)
+
+    def routed(
+        self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, full_tp=None
+    ) -> torch.Tensor:
+        """sum_k weights_k * expert_{index_k}(x) for the rows of x (this rank's share of each expert's width)."""
+        if self.ep.size > 1 and self.dispatch == "all_gather":
+            return self.gathered_experts(x, weights, index)
+        # one row per (token, choice), sorted by expert (stable: a token's choices keep their order)
+        choice = index.flatten()
+        order = torch.argsort(choice, stable=True)
+        token = order // self.top_k
+        rows = torch.bincount(choice, minlength=self.config.num_experts)
+        out = self.experts_forward(x[token], rows, full_tp) * weights.flatten()[order].unsqueeze(-1)
+        return x.new_zeros(x.shape).index_add(0, token, out)
+
+    def shared(self, x: torch.Tensor, full_tp=None) -> torch.Tensor:
+        """Qwen2-MoE's gated shared expert on the rows of x (this TP rank's share of its width)."""
+        gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+        return gate * self.shared_expert(x, full_tp)
+
+    def folded(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer with its own expert TP (etp != tp; Megatron-Core's MoE parallel folding).
+
+        The TP group routes its tokens as with expert TP = TP (so the router statistics, and the aux
+        loss, are unchanged); each TP rank then hands the experts its 1/TP of them (its own sequence
+        slice under Megatron SP), the etp group gathers its members' rows, the ep group dispatches them,
+        each etp rank computes its 1/ETP of every expert's width, and a reduce-scatter over etp sums the
+        partial outputs back to their rows; without SP the TP group all-gathers its shares again. The
+        router's gradient on a rank is that of its own share (narrowed: zeros elsewhere), summed over TP
+        as before. The shared expert is split over TP as the dense MLP."""
+        tp, etp = self.tp, self.etp
+        full = gather_along(x, tp, SEQ_DIM) if self.sequence_parallel else copy_to_group(x, tp)
+        batch, seq, hidden = full.shape
+        weights, index = self.route(full.reshape(-1, hidden))
+        share = seq // tp.size
+
+        def mine(t: torch.Tensor) -> torch.Tensor:  # this TP rank's sequence slice of per-token rows
+            return t.view(batch, seq, -1).narrow(1, tp.rank * share, share).reshape(batch * share, -1)
+
+        rows = gather_along(mine(full), etp, 0)
+        out = self.routed(rows, gather_along(mine(weights), etp, 0), all_gather(mine(index), etp, 0))
+        out = reduce_scatter_along(out, etp, 0).view(batch, share, hidden)
+        if not self.sequence_parallel:
+            out = gather_replicated(out, tp, SEQ_DIM)
+        if not hasattr(self, "shared_expert"):
+            return out
+        shared = self.shared(full)
+        if self.sequence_parallel:
+            return out + reduce_scatter_along(shared, tp, SEQ_DIM)
+        return out + reduce_from_group(shared, tp)
 
     def stacked_weights(self, full_tp: object = None) -> list[torch.Tensor]:
         """This rank's experts' gate, up and down weights stacked: [E_local, F, H], [E_local, F, H], [E_local, H, F]."""

@@ -84,6 +84,7 @@ class DecoderLayer(nn.Module):
         cp: CommGroup | None = None,
         layer_index: int = 0,
         ep: CommGroup | None = None,
+        etp: CommGroup | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,7 +93,7 @@ class DecoderLayer(nn.Module):
         # the feed-forward block under its HF name: `mlp` (dense or Qwen MoE) or Mixtral's `block_sparse_moe`
         self.ffn_name = ffn_name(config, layer_index)
         if config.is_moe_layer(layer_index):
-            ffn: nn.Module = SparseMoE(config, tp, ep or SINGLE, sequence_parallel)
+            ffn: nn.Module = SparseMoE(config, tp, ep or SINGLE, sequence_parallel, etp)
         else:
             ffn = MLP(config, tp, sequence_parallel)
         setattr(self, self.ffn_name, ffn)
@@ -166,7 +167,7 @@ class Transformer(nn.Module):
             )
         self.model.layers = nn.ModuleDict(
             {
-                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp, i, mesh.ep)
+                str(i): DecoderLayer(config, tp, sp, self.sequence_parallel, mesh.cp, i, mesh.ep, mesh.etp)
                 for i in range(first, last)
             }
         )

@@ -51,6 +51,17 @@ def source_name(model: Transformer, name: str) -> str:
     return name
 
 
+def shard_group(mesh, name: str):
+    """The group that splits tensor `name`: `etp` for a routed expert's (its own expert TP), else `tp`."""
+    return mesh.etp if is_expert_param(name) else mesh.tp
+
+
+def local_spec(model: Transformer, source: str) -> ShardSpec:
+    """This rank's slice of checkpoint tensor `source`, over the group that splits it."""
+    group = shard_group(model.mesh, source)
+    return shard_spec(source, model.config, group.rank, group.size)
+
+
 def take_shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """This rank's slice of a full tensor, per its spec (padding rows are zero)."""
     if spec.dim is None:
@@ -80,7 +91,6 @@ def init_weights(model: Transformer, seed: int = 0) -> None:
 
     Each full tensor is drawn on the CPU (CPU and CUDA generators draw different numbers, so the
     weights are also the same on every device); only this rank's slice is copied to its device."""
-    tp = model.mesh.tp
     for name, param in model.named_parameters():
         source = source_name(model, name)
         shape = full_shape(source, model.config)
@@ -93,7 +103,7 @@ def init_weights(model: Transformer, seed: int = 0) -> None:
             full = torch.empty(shape, device="cpu").normal_(
                 0.0, model.config.initializer_range, generator=generator
             )
-        param.copy_(take_shard(full, shard_spec(source, model.config, tp.rank, tp.size)))
+        param.copy_(take_shard(full, local_spec(model, source)))
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -122,7 +132,6 @@ def load_hf_checkpoint(model: Transformer, path: str | Path) -> None:
     onto the model's device (no full-model copy in host memory)."""
     path = Path(path)
     files = _tensor_files(path)
-    tp = model.mesh.tp
     opened: dict[Path, object] = {}
     try:
         for name, param in model.named_parameters():
@@ -142,7 +151,7 @@ def load_hf_checkpoint(model: Transformer, path: str | Path) -> None:
                     f"tensor {source!r} in {file.name} has shape {list(tensor_slice.get_shape())} but "
                     f"config.json implies {expected}: the weights and config.json do not belong together"
                 )
-            spec = shard_spec(source, model.config, tp.rank, tp.size)
+            spec = local_spec(model, source)
             param.copy_(_read_shard(tensor_slice, spec, expected, param.dtype, param.device))
     finally:
         opened.clear()
@@ -169,18 +178,19 @@ def _read_shard(
 
 @torch.no_grad()
 def gather_to_full(model: Transformer, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full HF-shaped tensors from this rank's shards (keyed by parameter name; collective over TP).
+    """Full HF-shaped tensors from this rank's shards (keyed by parameter name; collective over TP,
+    and over `etp` for routed experts).
 
     Works for anything sharded like the parameters: weights, gradients, optimizer moments.
     """
-    tp = model.mesh.tp
     out = {}
     for name, shard in local.items():
         source = source_name(model, name)
-        shards = all_gather(shard.detach().unsqueeze(0), tp, dim=0)
+        group = shard_group(model.mesh, source)
+        shards = all_gather(shard.detach().unsqueeze(0), group, dim=0)
         full = torch.zeros(full_shape(source, model.config), dtype=shard.dtype, device=shard.device)
-        for rank in range(tp.size):
-            place_shard(full, shards[rank], shard_spec(source, model.config, rank, tp.size))
+        for rank in range(group.size):
+            place_shard(full, shards[rank], shard_spec(source, model.config, rank, group.size))
         out[name] = full
     return out
 
@@ -211,7 +221,7 @@ def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     """Write this rank's stages into `directory` in HF format (collective; not atomic by itself).
 
     One safetensors file per pipeline rank (per pipeline and ep rank with expert parallelism), written by
-    its (dp=0, cp=0, sp=0, tp=0) rank and, for experts, by the ep ranks of expert replica 0; global rank 0
+    its (dp=0, cp=0, sp=0, tp=0) rank and, for experts, by the ep ranks of expert replica 0 (etp rank 0); global rank 0
     writes `config.json` and, with several files, the index. A rank may hold several stages
     (interleaved and V schedules).
     """
@@ -225,7 +235,7 @@ def write_hf_files(stages: list[Transformer], directory: Path) -> None:
     files, part = pp * ep, c.pp * ep + mesh.ep_rank
     file = "model.safetensors" if files == 1 else f"model-{part + 1:05d}-of-{files:05d}.safetensors"
     token_writer = c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0
-    expert_writer = c.tp == 0 and mesh.edp.rank == 0
+    expert_writer = mesh.etp.rank == 0 and mesh.edp.rank == 0
     tensors = {n: t for n, t in tensors.items() if (expert_writer if is_expert_param(n) else token_writer)}
     directory.mkdir(parents=True, exist_ok=True)
     if tensors:

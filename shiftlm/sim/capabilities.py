@@ -20,8 +20,9 @@ TRAINER_ZERO_STAGES: tuple[int, ...] = tuple(ZERO_STAGES)
 TRAINER_MEGATRON_SEQUENCE_PARALLEL = False
 
 # Expert parallelism: the planner proposes ep (docs/moe.md: folded over dp x cp x sp, experts split
-# over tp as the dense MLP is); the trainer has no separate expert TP (`etp`), so none is proposed.
-TRAINER_EXPERT_TP = False
+# over tp as the dense MLP is) and, at tp > 1, the experts' own TP `etp` = 1 (each expert whole on a
+# rank, ep x edp folded over the stage's tp x dp x cp x sp ranks; the trainer runs it, `[parallel] etp`).
+TRAINER_EXPERT_TP = True
 
 # `shiftlm serve` runs one engine over sp x tp ranks; it has no --dp (independent replicas behind
 # one API), so `plan serve` proposes one replica only.

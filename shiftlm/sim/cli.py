@@ -59,6 +59,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         zero=args.zero,
         cp=args.cp,
         ep=args.ep,
+        etp=args.etp,
     )
     result = simulate_step(model, layout, hardware, flags.efficiency_for(args, hardware), args.dtype)
     report = {
@@ -74,6 +75,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         f"{model.name} on {args.gpus} x {hardware.name}: dp={dp} pp={args.pp}"
         + (f" cp={args.cp}" if args.cp > 1 else "")
         + (f" ep={args.ep}" if args.ep > 1 else "")
+        + (f" etp={args.etp}" if args.etp and args.etp != args.tp else "")
         + f" sp={args.sp} tp={args.tp} "
         f"micro-batch={args.micro_batch} x {layout.microbatches} schedule={schedule} recompute={args.recompute}"
     )
@@ -102,6 +104,7 @@ def _register_simulate_train(subparsers) -> None:
         ("sp", 1, "Ulysses sequence-parallel degree"),
         ("cp", 1, "context-parallel (ring attention) degree"),
         ("ep", 1, "expert-parallel degree (a mixture of experts; folded over dp x cp x sp, docs/moe.md)"),
+        ("etp", 0, "the experts' own tensor-parallel degree (default 0: tp; docs/moe.md)"),
         ("dp", 0, "data-parallel degree (default 0: what --gpus leaves)"),
         ("micro-batch", 1, "sequences per micro-batch"),
         ("global-batch", 0, "sequences per optimizer step (default 0: dp x micro-batch x pp)"),
@@ -207,7 +210,8 @@ def _plan_train(args: argparse.Namespace) -> int:
         lay = r.layout
         print(
             f"{rank}. dp={lay.dp} pp={lay.pp}{f' cp={lay.cp}' if lay.cp > 1 else ''}"
-            f"{f' ep={lay.ep}' if lay.ep > 1 else ''} sp={lay.sp} tp={lay.tp} "
+            f"{f' ep={lay.ep}' if lay.ep > 1 else ''}"
+            f"{f' etp={lay.expert_tp}' if lay.expert_tp != lay.tp else ''} sp={lay.sp} tp={lay.tp} "
             f"mb={lay.micro_batch} {lay.schedule} "
             f"recompute={lay.recompute} zero={lay.zero}: {r.result.step_time:.2f} s/step, "
             f"MFU {100 * r.result.mfu:.1f}% ({r.why()})"
@@ -235,8 +239,10 @@ def top_pick_reason(ranked: list) -> str:
     peers = layout.dp * layout.cp * layout.sp
     if layout.zero > 1 and peers > 1:  # at dp = 1 too: cp and sp peers hold the same weights
         memory += f"; zero={layout.zero} shards the weights' state over the dp x cp x sp = {peers} ranks that hold them"
-        if layout.ep > 1:  # expert states shard over the ranks holding the same experts (sim/moe.py)
-            memory += f" (the experts' over their {peers // layout.ep} edp ranks)"
+        if layout.experts_apart:  # expert states shard over the ranks holding the same experts (sim/moe.py)
+            memory += (
+                f" (the experts' over their {peers * layout.tp // (layout.ep * layout.expert_tp)} edp ranks)"
+            )
     return (
         f"the fastest predicted step that fits ({best.step_time:.2f} s, {gain:.1f}% faster than 2., which "
         f"spends {delta:.2f} s more in {term}); {memory}"

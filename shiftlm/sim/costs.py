@@ -66,7 +66,7 @@ class Shard(ParallelConfig):
     sequence_parallel: bool = True
     flash_attention: bool = True
     dtype_bytes: int = 2
-    expert_tp: int = 0  # the tp splitting each expert (0: tp; `Layout.expert_tp`)
+    expert_tp: int = 0  # the tp splitting each expert (0: tp; `ParallelConfig.expert_tp`)
 
 
 def _gemm(name: str, m: float, k: float, n: float, width: int) -> Kernel:
@@ -142,7 +142,7 @@ def ffn_ops(model: ModelConfig, tokens: float, shard: Shard) -> list[Kernel]:
     if not model.is_moe:
         return dense
     expert_tp = shard.expert_tp or tp
-    routed = tokens / tp if expert_tp == 1 < tp else tokens  # ep folded over tp: its own 1/tp
+    routed = tokens * expert_tp / tp  # etp != tp: its 1/tp, gathered over etp (sim/moe.py)
     rows = routed * model.num_experts_per_tok
     local = model.num_experts / shard.ep
     fe = model.moe_intermediate_size / expert_tp

@@ -22,8 +22,8 @@ MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-c
 
 @dataclass(frozen=True)
 class Layout(ParallelConfig):
-    """A training run on a cluster: the core's layout (`ParallelConfig`: dp, pp, sp, tp, cp, Megatron
-    sequence parallelism, which the simulator prices by default) plus the batch, the schedule, the
+    """A training run on a cluster: the core's layout (`ParallelConfig`: dp, pp, sp, tp, cp, ep, etp,
+    Megatron sequence parallelism, which the simulator prices by default) plus the batch, the schedule, the
     memory knobs and how the ranks sit on nodes."""
 
     sequence_parallel: bool = True  # Megatron SP: norms/dropout sharded over tp (Korthikanti 2022)
@@ -48,24 +48,10 @@ class Layout(ParallelConfig):
     # HBM bytes per local parameter of the optimizer step (`costs.optimizer_time`): 30 for a fused
     # mixed-precision Adam; Megatron-LM's fp16 optimizer makes more passes (measured.py: 52)
     optimizer_bytes: float = 30.0
-    # the tp degree that splits each expert's FFN: 0 = tp (shiftlm's expert TP = TP); 1 replays
-    # Megatron-Core's `--expert-tensor-parallel-size 1`, ep then folded over the tp ranks too
-    expert_tp: int = 0
 
     def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""
         super().check_model(model, self.chunks if chunks is None else chunks)
-
-    def check_experts(self, model: ModelConfig, shift: bool = False) -> None:
-        """The core's expert checks; with expert_tp 1 over the tp x dp x cp x sp ranks ep folds over."""
-        if self.expert_tp not in (0, 1, self.tp):
-            raise ValueError(f"expert_tp = {self.expert_tp} must be 1 or tp = {self.tp}")
-        if self.expert_tp == 1 < self.tp:
-            ParallelConfig(
-                dp=self.dp * self.tp, pp=self.pp, sp=self.sp, cp=self.cp, ep=self.ep
-            ).check_experts(model, shift)
-            return
-        super().check_experts(model, shift)
 
     @property
     def gpus(self) -> int:

@@ -288,7 +288,7 @@ def mcore_v08_flops(model: ModelConfig, layout: Layout) -> float:
 def _megatron_core_moe(row: dict) -> Case:
     """A row of the Megatron-Core MoE tables on H100 (shiftlm/data/README.md): bf16, rank order
     tp-cp-ep-dp-pp, Megatron SP, TE fused attention, distributed optimizer (ZeRO-1) with overlapped
-    gradient reduce, interleaved 1F1B with `vp` chunks, expert TP 1 (`Layout.expert_tp`), dropless
+    gradient reduce, interleaved 1F1B with `vp` chunks, expert TP 1 (`etp`), dropless
     balanced routing. DeepEP's dispatch is replayed as the all-to-all of the same rows; the fine-grained
     recompute of norms and activations ("norm,act") as selective (pointwise only, not priced)."""
     model = PRESETS[row["model"]]
@@ -299,7 +299,7 @@ def _megatron_core_moe(row: dict) -> Case:
         tp=int(row["tp"]),
         cp=int(row["cp"]),
         ep=int(row["ep"]),
-        expert_tp=int(row["expert_tp"]),
+        etp=int(row["expert_tp"]),
         micro_batch=int(row["micro_batch"]),
         global_batch=int(row["global_batch"]),
         seq_len=int(row["seq"]),

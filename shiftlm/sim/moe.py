@@ -1,13 +1,14 @@
 """Mixture of experts in the simulator: expert GEMMs at their real sizes, the ep group's all-to-alls
 and where they run, expert parameters sharded over ep (and their optimizer state over edp).
 
-Expert parallelism is folded over the ranks that see different tokens (docs/moe.md; Megatron-Core's
-MoE parallel folding, Liu et al. 2025, arXiv 2504.14960): token rank f = (dp*CP + cp)*SP + sp is ep
-rank f % EP of ep group f // EP, and every expert's FFN is split over tp (expert TP = TP). A replay
-of Megatron-Core with expert TP 1 (`Layout.expert_tp = 1`, its `--expert-tensor-parallel-size 1`)
-folds ep over the tp ranks too (innermost), each tp rank dispatching its own 1/tp of the tokens
-(Megatron sequence parallelism). shiftlm's planner proposes expert TP = TP only: the trainer has no
-separate etp.
+The experts' layout is folded over each stage's ranks as the trainer folds it (docs/moe.md;
+Megatron-Core's MoE parallel folding, Liu et al. 2025, arXiv 2504.14960): stage position
+r = f*TP + tp (token rank f = (dp*CP + cp)*SP + sp) is cut as r = (edp*EP + ep)*ETP + etp. With
+ETP = TP (`etp` 0, expert TP = TP) token rank f is ep rank f % EP of ep group f // EP; with ETP < TP
+(Megatron-Core's `--expert-tensor-parallel-size 1` in the replays, or a planned `etp`) ep spans tp
+ranks too, each tp rank dispatching its 1/tp of the tokens gathered over its etp group. The etp
+group's all-gather of the dispatched tokens and reduce-scatter of the outputs are priced where
+etp != tp (`etp_exchange_bytes`).
 
 Per MoE layer and micro-batch, on one rank holding E/ep experts (balanced routing, dropless):
 - dispatch: route `T` tokens to top-k experts, permute T*k rows (bytes: read T*h, write T*k*h),
@@ -47,54 +48,59 @@ def expert_layer_params(model: ModelConfig) -> float:
     return model.num_experts * per_expert * moe_share(model)
 
 
-def expert_tp(layout: Layout) -> int:
-    """The tp degree that splits each expert: the layout's tp unless a replay sets expert_tp."""
-    return layout.expert_tp or layout.tp
-
-
-def folded_axes(layout: Layout) -> tuple[str, ...]:
-    """The axes ep is folded over, innermost first."""
-    over_tp = layout.tp > 1 and expert_tp(layout) == 1
-    return ("tp",) * over_tp + ("sp", "cp", "dp")
+STAGE_AXES = ("tp", "sp", "cp", "dp")  # a stage position r = f*TP + tp, innermost first
 
 
 def token_ranks(layout: Layout) -> int:
-    """Ranks that dispatch different tokens (ep x edp)."""
-    ranks = 1
-    for axis in folded_axes(layout):
-        ranks *= layout.size(axis)
-    return ranks
+    """Ranks that dispatch different tokens (ep x edp): the stage's ranks over the etp groups."""
+    return layout.dp * layout.cp * layout.sp * layout.tp // layout.expert_tp
 
 
-def _placement(layout: Layout, folded: range, gpus_per_node: int) -> tuple[int, int]:
-    """(ranks per node, nodes) of the ranks at folded indices `folded` (tp = pp = 0 otherwise)."""
+def _placement(layout: Layout, positions: range, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of the ranks at stage positions `positions` (pp = 0)."""
     ranks = []
-    for f in folded:
+    for r in positions:
         rank = 0
-        for axis in folded_axes(layout):
-            rank += (f % layout.size(axis)) * layout.stride(axis)
-            f //= layout.size(axis)
+        for axis in STAGE_AXES:
+            rank += (r % layout.size(axis)) * layout.stride(axis)
+            r //= layout.size(axis)
         ranks.append(rank)
     nodes = len({rank // gpus_per_node for rank in ranks})
     return len(ranks) // nodes, nodes
 
 
 def ep_placement(layout: Layout, gpus_per_node: int) -> tuple[int, int]:
-    """(ranks per node, nodes) of one ep group: its all-to-alls run on NVLink inside a node and on
-    the NICs across nodes."""
-    return _placement(layout, range(layout.ep), gpus_per_node)
+    """(ranks per node, nodes) of one ep group (stride ETP): its all-to-alls run on NVLink inside a
+    node and on the NICs across nodes."""
+    etp = layout.expert_tp
+    return _placement(layout, range(0, layout.ep * etp, etp), gpus_per_node)
+
+
+def etp_placement(layout: Layout, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of one etp group (ETP consecutive stage positions)."""
+    return _placement(layout, range(layout.expert_tp), gpus_per_node)
 
 
 def edp_placement(layout: Layout, gpus_per_node: int) -> tuple[int, int]:
     """(ranks per node, nodes) of one expert data-parallel group (the ranks holding the same
-    experts, over which expert gradients are summed): every ep-th token rank."""
-    return _placement(layout, range(0, token_ranks(layout), layout.ep), gpus_per_node)
+    expert shards, over which expert gradients are summed): stride EP x ETP."""
+    step = layout.ep * layout.expert_tp
+    return _placement(layout, range(0, step * (token_ranks(layout) // layout.ep), step), gpus_per_node)
 
 
 def dispatch_tokens(layout: Layout) -> float:
-    """Tokens one rank routes per micro-batch."""
+    """Tokens one rank dispatches per micro-batch: its tp group's, or with etp != tp its 1/tp of
+    them gathered over its etp group."""
     tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
-    return tokens / layout.tp if "tp" in folded_axes(layout) else tokens
+    return tokens * layout.expert_tp / layout.tp
+
+
+def etp_exchange_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> float:
+    """Bytes of the etp group's all-gather of the dispatched tokens (and of the outputs'
+    reduce-scatter) per MoE layer and micro-batch, where etp != tp; 0 with expert TP = TP."""
+    if layout.expert_tp == layout.tp:
+        return 0.0
+    return dispatch_tokens(layout) * model.hidden_size * dtype_bytes
 
 
 def dispatch_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> float:
@@ -105,12 +111,12 @@ def dispatch_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int) -> floa
 def stage_expert_params(model: ModelConfig, layout: Layout) -> float:
     """Routed-expert parameters on the busiest pipeline rank: 1/ep of the experts, each split over
     the expert tp."""
-    return model.num_layers / layout.pp * expert_layer_params(model) / (layout.ep * expert_tp(layout))
+    return model.num_layers / layout.pp * expert_layer_params(model) / (layout.ep * layout.expert_tp)
 
 
 def zero_sharded(stage: float, expert: float, layout: Layout, data_group: int, shard: bool) -> float:
     """Parameters of a rank's state after ZeRO sharding (`shard`): the dense ones over the data group,
-    the experts' over their edp group (data group / ep)."""
+    the experts' over their edp group (the stage's ranks / (ep x etp))."""
     if not shard:
         return stage
     return (stage - expert) / data_group + expert * layout.ep / token_ranks(layout)

@@ -14,9 +14,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from shiftlm.config import ModelConfig
+from shiftlm.errors import ConfigError
 from shiftlm.hardware import DTYPE_BYTES, Hardware
+from shiftlm.parallel import ParallelConfig
 from shiftlm.pipeline.schedules import SCHEDULES
-from shiftlm.sim.capabilities import TRAINER_MEGATRON_SEQUENCE_PARALLEL, planned_zero_stages
+from shiftlm.sim.capabilities import (
+    TRAINER_EXPERT_TP,
+    TRAINER_MEGATRON_SEQUENCE_PARALLEL,
+    planned_zero_stages,
+)
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.train import (
@@ -63,7 +69,7 @@ def enumerate_layouts(
                     for schedule, chunks in _schedules(model, pp, microbatches):
                         for recompute in PLANNED_RECOMPUTE:
                             for zero in planned_zero_stages(dp * cp * sp, pp=pp):  # ZeRO group: dp_sp
-                                for ep in planned_ep(model, dp * cp * sp, tp):
+                                for ep, etp in planned_experts(model, dp, cp, sp, tp, seq_len):
                                     yield Layout(
                                         dp=dp,
                                         pp=pp,
@@ -79,22 +85,31 @@ def enumerate_layouts(
                                         sequence_parallel=TRAINER_MEGATRON_SEQUENCE_PARALLEL,
                                         cp=cp,
                                         ep=ep,
+                                        etp=etp,
                                     )
 
 
-def planned_ep(model: ModelConfig, token_ranks: int, tp: int) -> list[int]:
-    """Expert-parallel degrees to plan: powers of two dividing the experts and the dp x cp x sp ranks
-    ep folds over (`ParallelConfig.check_experts`); 1 for a dense model or one whose experts tp
-    cannot split. No separate expert TP: the trainer has none (`capabilities.TRAINER_EXPERT_TP`)."""
+def planned_experts(
+    model: ModelConfig, dp: int, cp: int, sp: int, tp: int, seq_len: int
+) -> list[tuple[int, int]]:
+    """(ep, etp) pairs to plan: ep in powers of two dividing the experts, with expert TP = TP (etp 0)
+    and, where tp > 1 and the trainer runs it (`capabilities.TRAINER_EXPERT_TP`), with each expert
+    whole on a rank (etp 1, Megatron-Core's usual choice for many small experts): every pair the
+    trainer's own checks accept (`ParallelConfig.check_experts`, `check_sequence`); (1, 0) for a
+    dense model."""
     if not model.is_moe:
-        return [1]
-    if model.moe_intermediate_size % tp or model.shared_expert_intermediate_size % tp:
-        return []
-    return [
-        ep
-        for ep in _powers_of_two(model.num_experts)
-        if model.num_experts % ep == 0 and token_ranks % ep == 0
-    ]
+        return [(1, 0)]
+    planned = []
+    for etp in (0, 1) if TRAINER_EXPERT_TP and tp > 1 else (0,):
+        for ep in _powers_of_two(model.num_experts):
+            parallel = ParallelConfig(dp=dp, cp=cp, sp=sp, tp=tp, ep=ep, etp=etp)
+            try:
+                parallel.check_experts(model)
+                parallel.check_sequence(seq_len)
+            except ConfigError:
+                continue
+            planned.append((ep, etp))
+    return planned
 
 
 # ring attention hides a K/V transfer behind one c x 2c block; below this many tokens per zigzag
@@ -204,7 +219,8 @@ def plan_training(
             layout.micro_batch,
             layout.recompute,
             layout.ep,
-            layout.dp if layout.ep > 1 else 0,  # where an ep group lies depends on dp
+            layout.expert_tp,
+            layout.dp if layout.experts_apart else 0,  # where an ep group lies depends on dp
         )
         if key not in stage_memo:
             stage_memo[key] = stage_costs(
@@ -240,6 +256,7 @@ def train_config_toml(model_name: str, layout: Layout) -> str:
         f"[parallel]\ndp = {layout.dp}\npp = {layout.pp}\nsp = {layout.sp}\ntp = {layout.tp}\n"
         + (f"cp = {layout.cp}\n" if layout.cp > 1 else "")
         + (f"ep = {layout.ep}\n" if layout.ep > 1 else "")
+        + (f"etp = {layout.expert_tp}\n" if layout.expert_tp != layout.tp else "")
         + "\n"
         f"[train]\nmicro_batch = {layout.micro_batch}\nglobal_batch = {layout.global_batch}\n"
         f'seq_len = {layout.seq_len}\nschedule = "{schedule}"\nchunks = {layout.chunks}\n'

@@ -122,6 +122,10 @@ def stage_costs(
             moe.dispatch_bytes(model, layout, width), *moe.ep_placement(layout, hardware.gpus_per_node), links
         )
         comm += 2 * a2a * moe.moe_share(model)
+    exchange = moe.etp_exchange_bytes(model, layout, width)
+    if exchange:  # etp != tp: the etp group gathers the dispatched tokens and reduce-scatters outputs
+        etp_links = moe.etp_placement(layout, hardware.gpus_per_node)
+        comm += 2 * reduce_scatter_time(exchange, *etp_links, links) * moe.moe_share(model)
     ring_backward = 0.0
     if layout.cp > 1:  # ring attention: transfers overlap the attention blocks; only the rest shows
         ops = costs.forward_ops(model, layout.micro_batch, layout.seq_len, layout.seq_len, shard)

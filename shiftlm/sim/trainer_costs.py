@@ -45,7 +45,6 @@ from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 from shiftlm.sim.moe import (
     dispatched_rows,
     expert_layer_params,
-    expert_tp,
     ffn_width,
     stage_expert_params,
     zero_sharded,
@@ -62,7 +61,7 @@ def data_group(layout: Layout) -> int:
 def largest_unit(model: ModelConfig, layout: Layout) -> float:
     """Parameters of the largest ZeRO-3 unit on a rank (a decoder layer, or the embedding / head)."""
     experts = expert_layer_params(model)
-    layer = (model.layer_params - experts) / layout.tp + experts / (layout.ep * expert_tp(layout))
+    layer = (model.layer_params - experts) / layout.tp + experts / (layout.ep * layout.expert_tp)
     return max(layer, model.embedding_params / layout.tp)
 
 

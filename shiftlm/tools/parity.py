@@ -40,6 +40,12 @@ def fixed_batch(
     return ids, targets
 
 
+def data_ranks(tp: int, ep: int, etp: int = 0) -> int:
+    """The data-parallel ranks a parity layout splits the batch over: ep (each ep rank a slice), or
+    with a separate etp the ep x etp / tp that the experts' ranks fold over (docs/moe.md)."""
+    return ep if etp in (0, tp) else max(1, ep * etp // tp)
+
+
 def check_batch(batch: int, dp: int) -> None:
     if batch % dp:
         raise ConfigError(
@@ -68,21 +74,23 @@ def layout_outputs(
     ep: int = 1,
     dp: int | None = None,
     dispatch: str = "all_to_all",
+    etp: int = 0,
 ) -> Outputs:
     """Per-rank: build the layout from `model_dir`, run forward + backward, return whole tensors (on
     the CPU). `device`: where the rank computes (default: the process group's, see `Mesh`);
     `autocast`: the forward in bf16 autocast over fp32 weights, as training runs on GPUs. `ep`: expert
     parallelism over `dp` data-parallel ranks (default dp = ep), each with a slice of the batch; the
     MoE load-balancing loss joins the loss when the config asks (`output_router_logits`); `dispatch`:
-    how tokens reach their experts' ranks (`moe.SparseMoE.dispatch`)."""
+    how tokens reach their experts' ranks (`moe.SparseMoE.dispatch`); `etp`: the experts' own TP size
+    (0: tp), then over `data_ranks` data-parallel ranks by default."""
     from shiftlm.model import build_model
     from shiftlm.model.grads import sync_tp_replicated_grads
     from shiftlm.model.ring_attention import sequence_indices, unzigzag
     from shiftlm.model.weights import gather_full
 
     config = ModelConfig.from_hf(model_dir)
-    dp = ep if dp is None else dp
-    parallel = ParallelConfig(dp=dp, tp=tp, sp=sp, cp=cp, sequence_parallel=sequence_parallel, ep=ep)
+    dp = data_ranks(tp, ep, etp) if dp is None else dp
+    parallel = ParallelConfig(dp=dp, tp=tp, sp=sp, cp=cp, sequence_parallel=sequence_parallel, ep=ep, etp=etp)
     parallel.check_sequence(seq_len)
     check_batch(batch, dp)
     mesh = Mesh(parallel, device=device)

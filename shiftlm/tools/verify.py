@@ -5,12 +5,14 @@
     shiftlm verify --cp 1,2 --sp 1,2                 # context parallelism (ring attention) with Ulysses
     shiftlm verify --device cuda --dtype bfloat16    # on a GPU, in training's bf16 autocast
     shiftlm verify --tiny mixtral --ep 1,2,4 --tp 1,2    # mixture of experts, expert parallel
+    shiftlm verify --tiny qwen2-moe --ep 2 --tp 2 --etp 1  # experts whole, attention over tp 2
 
 For each layout it starts tp*sp*cp local ranks (gloo on the CPU; NCCL with one GPU per rank under
 --device cuda, a one-rank layout in this process), runs a fixed batch forward and backward, and compares
 the logits and the loss gradient of the input embeddings with `transformers` on the same checkpoint and
 device. With --ep E, E data-parallel ranks each hold a slice of the batch and 1/E of the experts
-(tokens reach their experts by all-to-all); the batch is then at least E sequences. In fp32 the relative error must be within --tolerance. In bf16 (autocast over fp32 weights, as
+(tokens reach their experts by all-to-all); the batch is then at least E sequences. With --etp T' (the
+experts' own TP size, not tp), ep x etp / tp data-parallel ranks hold the batch. In fp32 the relative error must be within --tolerance. In bf16 (autocast over fp32 weights, as
 training runs on GPUs) both shiftlm and `transformers` are compared with `transformers` in fp32, and
 shiftlm's error must be within --bf16-slack times transformers' own bf16 error. Exit code 1 if any
 layout fails.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -63,6 +64,11 @@ def register(subparsers) -> None:
         help="expert-parallel degrees (mixture-of-experts models), each over that many data-parallel ranks",
     )
     parser.add_argument(
+        "--etp",
+        type=_int_list,
+        help="the experts' own tensor-parallel degrees (default: tp), each over ep x etp / tp data-parallel ranks",
+    )
+    parser.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron sequence-parallel norm regions"
     )
     parser.add_argument(
@@ -91,17 +97,24 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _layouts(args) -> list[tuple[int, int, int, int]]:
-    """(tp, sp, cp, ep) tuples: the product of the given degrees, or the default TP x SP set."""
-    if args.tp is None and args.sp is None and args.cp is None and args.ep is None:
-        return [(tp, sp, 1, 1) for tp, sp in DEFAULT_LAYOUTS]
+def _layouts(args) -> list[tuple[int, int, int, int, int]]:
+    """(tp, sp, cp, ep, etp) tuples: the product of the given degrees, or the default TP x SP set."""
+    if args.tp is None and args.sp is None and args.cp is None and args.ep is None and args.etp is None:
+        return [(tp, sp, 1, 1, 0) for tp, sp in DEFAULT_LAYOUTS]
     return [
-        (tp, sp, cp, ep)
+        (tp, sp, cp, ep, etp)
         for ep in (args.ep or [1])
+        for etp in (args.etp or [0])
         for cp in (args.cp or [1])
         for tp in (args.tp or [1])
         for sp in (args.sp or [1])
     ]
+
+
+def _ranks(tp: int, sp: int, cp: int, ep: int, etp: int) -> int:
+    from shiftlm.tools.parity import data_ranks
+
+    return tp * sp * cp * data_ranks(tp, ep, etp)
 
 
 def run(args) -> int:
@@ -113,7 +126,13 @@ def run(args) -> int:
     from shiftlm.mesh import check_dtype, choose_device, device_name, visible_gpus
     from shiftlm.model.weights import check_checkpoint_files
     from shiftlm.parallel import ParallelConfig
-    from shiftlm.tools.parity import check_batch, layout_outputs, reference_outputs, relative_error
+    from shiftlm.tools.parity import (
+        check_batch,
+        data_ranks,
+        layout_outputs,
+        reference_outputs,
+        relative_error,
+    )
     from shiftlm.tools.tiny import make_tiny_checkpoint
 
     transformers.logging.set_verbosity_error()
@@ -124,21 +143,24 @@ def run(args) -> int:
     layouts = _layouts(args)
     if args.tp is None and args.sp is None and args.cp is None and args.device != "cpu" and visible_gpus():
         # the default set, cut to the layouts this node's GPUs can run (one rank per GPU)
-        layouts = [layout for layout in layouts if math.prod(layout) <= visible_gpus()]
-    batch = args.batch or max(2, *(ep for *_, ep in layouts))
+        layouts = [layout for layout in layouts if _ranks(*layout) <= visible_gpus()]
+    batch = args.batch or max(2, *(data_ranks(tp, ep, etp) for tp, _, _, ep, etp in layouts))
     # user errors (ConfigError and its subclasses) reach `shiftlm.cli.main`: one line and their exit code
     config = ModelConfig.from_hf(model_dir)
     check_checkpoint_files(model_dir)
-    most_ranks = max(math.prod(layout) for layout in layouts)
+    most_ranks = max(_ranks(*layout) for layout in layouts)
     device, backend = choose_device(args.device, local_world=most_ranks if args.device != "cpu" else None)
     bf16 = args.dtype == "bfloat16"
     if bf16:
         check_dtype(device, torch.bfloat16)
-    for tp, sp, cp, ep in layouts:  # every layout checked before any rank starts
-        parallel = ParallelConfig(dp=ep, tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel, ep=ep)
+    for tp, sp, cp, ep, etp in layouts:  # every layout checked before any rank starts
+        dp = data_ranks(tp, ep, etp)
+        parallel = ParallelConfig(
+            dp=dp, tp=tp, sp=sp, cp=cp, sequence_parallel=args.sequence_parallel, ep=ep, etp=etp
+        )
         parallel.check_model(config)
         parallel.check_sequence(args.seq_len)
-        check_batch(batch, ep)
+        check_batch(batch, dp)
 
     log = sys.stderr if args.json else sys.stdout
     where = device_name(device)
@@ -151,15 +173,17 @@ def run(args) -> int:
         reference_outputs(model_dir, batch, args.seq_len, device=str(device), autocast=True) if bf16 else None
     )
     rows = []
-    for tp, sp, cp, ep in layouts:
+    for tp, sp, cp, ep, etp in layouts:
         start = time.perf_counter()
-        ranks = tp * sp * cp * ep
+        ranks = _ranks(tp, sp, cp, ep, etp)
         name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
+        name += f" etp={etp} (dp={data_ranks(tp, ep, etp)})" if etp not in (0, tp) else ""
         kwargs = dict(
             tp=tp,
             sp=sp,
             cp=cp,
             ep=ep,
+            etp=etp,
             sequence_parallel=args.sequence_parallel,
             batch=batch,
             seq_len=args.seq_len,
@@ -181,6 +205,7 @@ def run(args) -> int:
             "sp": sp,
             "cp": cp,
             "ep": ep,
+            "etp": etp or tp,
             "ranks": ranks,
             "logits_max_abs": logits_abs,
             "logits_max_rel": logits_rel,

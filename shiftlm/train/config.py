@@ -246,7 +246,7 @@ def validate(config: TrainConfig) -> None:
     for section in (config.parallel, config.train, config.checkpoint, config.validation):
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            minimum = 0 if f.name in ("zero", "every", "seed", "freq", "loss_chunk") else 1
+            minimum = 0 if f.name in ("zero", "every", "seed", "freq", "loss_chunk", "etp") else 1
             if f.type == "int" and value < minimum:
                 raise ConfigError(f"{f.name} = {value} must be >= {minimum}")
     train, optim = config.train, config.optim

@@ -100,6 +100,22 @@ def stand_in_model(real: ModelConfig, degrees: dict[str, int], stages: int) -> M
     )
 
 
+def stand_in_experts(parallel, degrees: dict[str, int]) -> dict[str, int]:
+    """ep and etp of the stand-in. ep is folded over dp x cp x sp (with etp = tp): it keeps what of it
+    still divides the scaled token ranks; a separate etp keeps its largest divisor that, with ep,
+    still folds over the stand-in's stage ranks (`ParallelConfig.check_experts`)."""
+    tp, tokens = degrees["tp"], degrees["dp"] * degrees["cp"] * degrees["sp"]
+    if parallel.expert_tp != parallel.tp:
+        stage = tokens * tp
+        for etp in sorted(
+            (d for d in range(1, parallel.expert_tp + 1) if parallel.expert_tp % d == 0), reverse=True
+        ):
+            ep = math.gcd(parallel.ep, stage // etp) if stage % etp == 0 else 0
+            if ep and etp != tp and ep * etp % tp == 0:
+                return {"ep": ep, "etp": etp}
+    return {"ep": math.gcd(parallel.ep, tokens), "etp": 0}
+
+
 def stand_in_micro_batches(config: TrainConfig, pp: int) -> int:
     """Micro-batches per replica: the real count up to 2 per stand-in pipeline stage (at least 4):
     the schedule's warm-up, steady state and cool-down all occur; more only repeats the steady state."""
@@ -116,8 +132,7 @@ def stand_in_config(
     from shiftlm.train.pipeline import resolved_chunks
 
     small = copy.deepcopy(config)
-    # ep is folded over dp x cp x sp: it keeps what of it still divides the scaled token ranks
-    degrees = {**degrees, "ep": math.gcd(config.parallel.ep, degrees["dp"] * degrees["cp"] * degrees["sp"])}
+    degrees = {**degrees, **stand_in_experts(config.parallel, degrees)}
     small.parallel = dataclasses.replace(small.parallel, **degrees)
     split = 2 * degrees["cp"] * degrees["sp"] if degrees["cp"] > 1 else degrees["sp"]
     small.train.seq_len = split * -(-32 // split)
@@ -145,7 +160,7 @@ def _real_model(config: TrainConfig) -> ModelConfig:
 
 def single_rank(config: TrainConfig) -> TrainConfig:
     reference = copy.deepcopy(config)
-    reference.parallel = dataclasses.replace(reference.parallel, **dict.fromkeys((*AXES, "ep"), 1))
+    reference.parallel = dataclasses.replace(reference.parallel, **dict.fromkeys((*AXES, "ep"), 1), etp=0)
     reference.train.zero = 0
     reference.train.schedule, reference.train.chunks = "1f1b", 1
     reference.log.dir = str(Path(config.log.dir).with_name("reference"))
@@ -181,10 +196,11 @@ def dry_run(config: TrainConfig, max_ranks: int = 8, launch: Launch = launch_loc
     phases: dict[str, dict] = {}
     model = model_shape(config)  # every layout check against the real model
     axes = (*AXES, "ep") if p.ep > 1 else AXES
+    axes = (*axes, "etp") if p.expert_tp != p.tp else axes
     phases["config"] = {
         "model": config.model.name,
         "params": model.num_params,
-        "layout": {axis: getattr(p, axis) for axis in axes},  # ep (folded over dp x cp x sp) where used
+        "layout": {axis: getattr(p, axis) for axis in axes},  # ep and etp (folded, docs/moe.md) where used
         "world_size": p.world_size,
         "zero": config.train.zero,
         "schedule": config.train.schedule if p.pp > 1 else "none",

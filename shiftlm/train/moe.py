@@ -102,11 +102,12 @@ class RouterStatsStage(nn.Module):
 # -- expert parameters' own data group (`edp`) ------------------------------------------------------
 
 
-def unit_labels_with_experts(names: list[str], labels: list[str] | None, ep: int) -> list[str] | None:
+def unit_labels_with_experts(names: list[str], labels: list[str] | None, apart: bool) -> list[str] | None:
     """The flat buffers' sharding units: `labels` (None: one unit; per layer at ZeRO-2/3), with each
-    run of routed-expert parameters a unit of its own when ep > 1, so it can be reduced and sharded
-    over `edp` (the ranks holding the same experts) while the rest go over `dp_sp`."""
-    if ep == 1:
+    run of routed-expert parameters a unit of its own when the experts have groups of their own
+    (`apart`: ep > 1 or etp != tp), so it can be reduced and sharded over `edp` (the ranks holding the
+    same expert shards) while the rest go over `dp_sp`."""
+    if not apart:
         return labels
     base = labels if labels is not None else [""] * len(names)
     return [f"{label}/experts" if is_expert_param(name) else label for label, name in zip(base, names)]

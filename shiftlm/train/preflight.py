@@ -123,6 +123,7 @@ def estimate(config: TrainConfig, model: ModelConfig, nproc: int, on_gpu: bool =
         zero=min(t.zero, 3),
         cp=p.cp,
         ep=p.ep,
+        etp=p.etp,
         sequence_parallel=p.sequence_parallel,
         flash_attention=True,  # PyTorch SDPA's fused causal path keeps no s x s scores
     )

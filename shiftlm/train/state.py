@@ -13,9 +13,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shiftlm.model.sharding import is_expert_param, shard_spec
+from shiftlm.model.sharding import is_expert_param
 from shiftlm.model.transformer import Transformer
-from shiftlm.model.weights import CheckpointError, gather_to_full, open_safetensors, source_name, take_shard
+from shiftlm.model.weights import (
+    CheckpointError,
+    gather_to_full,
+    local_spec,
+    open_safetensors,
+    source_name,
+    take_shard,
+)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -41,7 +48,7 @@ def save_moments(
     stages: list[Transformer], moments: dict[str, dict[str, torch.Tensor]], directory: Path
 ) -> None:
     """Write this rank's stages' full moments; one writer per pp rank (dp = sp = tp = 0), and with
-    ep > 1 one per (pp, ep) rank for the routed experts. Collective over TP."""
+    ep > 1 (or etp != tp) one per (pp, ep) rank for the routed experts. Collective over TP (and etp)."""
     full = {}
     for stage in stages:
         names = {name for name, _ in stage.named_parameters()}
@@ -53,9 +60,11 @@ def save_moments(
     c = mesh.coords
     writes = {f"optimizer-{c.pp:05d}.safetensors": c.dp == 0 and c.cp == 0 and c.sp == 0 and c.tp == 0}
     parts = {name: {k: v for k, v in full.items() if not is_expert_param(k)} for name in writes}
-    if mesh.config.ep > 1:  # each ep rank of the first expert replica writes its experts' (as the weights)
+    if (
+        mesh.config.experts_apart
+    ):  # each ep rank of the first expert replica writes its experts' (as the weights)
         name = f"optimizer-{c.pp:05d}-ep{mesh.ep_rank:03d}.safetensors"
-        writes[name] = c.tp == 0 and mesh.edp.rank == 0
+        writes[name] = mesh.etp.rank == 0 and mesh.edp.rank == 0
         parts[name] = {k: v for k, v in full.items() if is_expert_param(k)}
     else:
         parts = {name: full for name in writes}
@@ -74,7 +83,6 @@ def load_moments(stages: list[Transformer], directory: Path) -> dict[str, dict[s
     for file in files:
         with open_safetensors(file) as handle:
             where.update({key: file for key in handle.keys()})
-    tp = stages[0].mesh.tp
     out: dict[str, dict[str, torch.Tensor]] = {moment: {} for moment in MOMENTS}
     named = [(model, name, param) for model in stages for name, param in model.named_parameters()]
     for moment in MOMENTS:
@@ -86,7 +94,5 @@ def load_moments(stages: list[Transformer], directory: Path) -> dict[str, dict[s
                 raise CheckpointError(f"checkpoint {directory} has no optimizer state for {name!r}")
             with open_safetensors(where[key], param.device) as handle:
                 full = handle.get_tensor(key)
-            out[moment][name] = take_shard(full, shard_spec(source, model.config, tp.rank, tp.size)).to(
-                param.dtype
-            )
+            out[moment][name] = take_shard(full, local_spec(model, source)).to(param.dtype)
     return out

@@ -28,7 +28,7 @@ from shiftlm.hardware import device_peak_flops
 from shiftlm.mesh import Mesh, choose_device, device_name
 from shiftlm.model.grads import sync_tp_replicated_grads
 from shiftlm.model.sharding import is_expert_param, shard_spec
-from shiftlm.model.weights import source_name
+from shiftlm.model.weights import shard_group, source_name
 from shiftlm.monitor import Watchdog, connect_store, faults
 from shiftlm.monitor.live import straggler_watch
 from shiftlm.pipeline.tied import sync_tied_embedding_grads, tied_embedding_copies
@@ -104,12 +104,13 @@ class Trainer(RunCheckpoints):
         self.sharded_grads = config.train.zero >= 2 and data_group.size > 1
         names = [name for name, _ in named]
         units = unit_labels(names) if config.train.zero >= 2 else None
-        # ep > 1: routed experts are units of their own, summed and sharded over `edp` (train/moe.py)
-        units = unit_labels_with_experts(names, units, parallel.ep)
+        # ep > 1 or etp != tp: routed experts are units of their own, summed and sharded over `edp`
+        # (train/moe.py); edp divides dp_sp (`ParallelConfig.check_experts`), so one padding serves both
+        units = unit_labels_with_experts(names, units, parallel.experts_apart)
         self.flat = FlatParameters(
             named, pad_to=data_group.size, units=units, full_grads=not self.sharded_grads
         )
-        groups = unit_groups(self.flat, self.mesh) if parallel.ep > 1 else None
+        groups = unit_groups(self.flat, self.mesh) if parallel.experts_apart else None
         overlap = config.train.overlap_grad_sync
         if not self.sharded_grads:
             bucket_bytes = int(config.train.bucket_mb * 2**20)
@@ -178,21 +179,28 @@ class Trainer(RunCheckpoints):
     def _norm_mask(self, owned: list) -> tuple[torch.Tensor, tuple | None]:
         """Count each element of the whole model once: replica 0 only (BitPipe), the embedding and not
         a tied head's copy of it, TP-replicated tensors (norms, shared KV heads) on their first holder.
-        With ep > 1 the routed experts get a mask of their own (summed over ep: `global_grad_norm`)."""
-        tp = self.mesh.tp
+        With ep > 1 (or etp != tp) the routed experts get a mask of their own (`global_grad_norm`):
+        summed over ep (and etp when it is not tp, then counted on tp rank 0 only, since the tp sum
+        that follows would count it TP times)."""
         counted = set()
+        mesh = self.mesh
         for (_, replica), stage, name, _ in owned:
             source = source_name(stage, name)
-            mine = shard_spec(source, stage.config, tp.rank, tp.size)
-            holders = [r for r in range(tp.size) if shard_spec(source, stage.config, r, tp.size) == mine]
-            if replica == 0 and source == name and tp.rank == holders[0]:
+            group = shard_group(mesh, source)
+            mine = shard_spec(source, stage.config, group.rank, group.size)
+            holders = [
+                r for r in range(group.size) if shard_spec(source, stage.config, r, group.size) == mine
+            ]
+            if replica == 0 and source == name and group.rank == holders[0]:
                 counted.add(flat_name(name, replica))
         ranges = self.optimizer.ranges if self.sharded_grads else None  # shard-sized when sharded
-        if self.mesh.config.ep == 1:
+        if not mesh.config.experts_apart:
             return self.flat.mask(lambda name, shape: name in counted, ranges), None
         dense = self.flat.mask(lambda name, shape: name in counted and not is_expert_param(name), ranges)
         experts = self.flat.mask(lambda name, shape: name in counted and is_expert_param(name), ranges)
-        return dense, (experts, self.mesh.ep)
+        if mesh.etp is mesh.tp:
+            return dense, (experts, [mesh.ep], 1.0)
+        return dense, (experts, [mesh.ep, mesh.etp], float(mesh.tp.rank == 0))
 
     def _stage_grads_ready(self, key: StageKey) -> None:
         """The pipeline executor's callback: this stage's gradients are final, start its buckets."""

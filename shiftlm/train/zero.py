@@ -176,7 +176,7 @@ def global_grad_norm(
     norm_mask: torch.Tensor,
     groups: list[CommGroup],
     optimizer: ShardedAdamW | None = None,
-    experts: tuple[torch.Tensor, CommGroup] | None = None,
+    experts: tuple[torch.Tensor, list[CommGroup], float] | None = None,
 ) -> float:
     """The L2 norm of the whole model's gradient (all stages, all TP shards), counted once per element.
 
@@ -186,9 +186,10 @@ def global_grad_norm(
     except at ZeRO stage >= 2 (`optimizer` given), where each holds the sum of its own ranges only:
     then those ranges are counted and the data group is summed over too. With sharded gradients
     (`optimizer.grad_shard`) `norm_mask` is shard-sized (`flat.mask(keep, optimizer.ranges)`).
-    `experts` (ep > 1): (the mask of the routed experts' elements, laid out as `norm_mask`, which
-    then leaves them out; the `ep` group): an expert lives on one ep rank, so its squares are summed
-    over ep where the data group is not summed (sharded, the data group covers each element once).
+    `experts` (ep > 1 or etp != tp): (the mask of the routed experts' elements, laid out as
+    `norm_mask`, which then leaves them out; the groups their squares are summed over where the data
+    group is not summed: `ep`, and `etp` when it is not tp; this rank's weight of that sum, 0 on all
+    but tp rank 0 then). Sharded, the data group x tp covers each expert element once.
     """
     if optimizer is not None and optimizer.grad_shard is not None:
         grads = optimizer.grad_shard
@@ -207,9 +208,11 @@ def global_grad_norm(
     else:
         squares = torch.dot(flat.grads * norm_mask, flat.grads).reshape(1)
         if experts is not None:
-            squares = squares + all_reduce(
-                torch.dot(flat.grads * experts[0], flat.grads).reshape(1), experts[1]
-            )
+            mask, expert_groups, weight = experts
+            expert_squares = torch.dot(flat.grads * mask, flat.grads).reshape(1)
+            for group in expert_groups:
+                expert_squares = all_reduce(expert_squares, group)
+            squares = squares + (expert_squares if weight == 1.0 else expert_squares * weight)
     for group in groups:
         if group.size > 1:
             squares = all_reduce(squares, group, in_place=True)
