@@ -3,8 +3,12 @@
 For each measured table: refit (`fit.fit_tables`, `--refit`'s two stages) on the fit rows of every
 *other* table, starting from the first-principles defaults, and replay every row of the table left
 out. A table's own cluster or framework constants leave with it (`fit.fittable`): with no fit row
-left on that cluster or framework they stay at the shared value. The refits start from
-`FIRST_PRINCIPLES`, not from the full fit, which has seen the table left out.
+left on that cluster or framework they stay at the shared value. So does any shared constant that
+only the table left out determines (`determination` on the full fit, issue 33: "refit with that
+table removed entirely (every row, and any constant only it determines)"): no other table says
+anything about it, so the refit leaves it at its first-principles value instead of wherever the
+other tables' noise puts it. The refits start from `FIRST_PRINCIPLES`, not from the full fit, which
+has seen the table left out.
 
 Refits that see the same tables are one refit: a table without fit rows (never fitted) leaves the
 full fit as it is, and a framework's table leaves the shared stage as it is (it never sees one).
@@ -40,6 +44,7 @@ class HeldOut:
     table: str
     fit: TablesFit  # the refit without the table
     mape_pct: float  # over every row of the table left out
+    unfitted: tuple[str, ...] = ()  # constants only this table determines: at first principles without it
 
 
 def _has_fit_rows(table: str, rows: Sequence[Case]) -> bool:
@@ -68,6 +73,13 @@ def _framework_job(job: tuple) -> FitResult | None:
     return fit_frameworks(cases, shared, software)
 
 
+def determined_by(moved: Mapping[str, Mapping[str, float]]) -> dict[str, frozenset[str]]:
+    """`determination`'s points as the set of tables that determine each constant."""
+    return {
+        name: frozenset(t for t, p in points.items() if p >= DETERMINES_PCT) for name, points in moved.items()
+    }
+
+
 def leave_one_table_out(
     cases: Mapping[str, Sequence[Case]],
     parameters: Sequence[str],
@@ -75,33 +87,48 @@ def leave_one_table_out(
     start: Efficiency,
     jobs: int | None = None,
 ) -> tuple[TablesFit, dict[str, HeldOut]]:
-    """The full refit and, for every table, the refit without it and its error on all its rows."""
+    """The full refit and, for every table, the refit without it and its error on all its rows.
+    A constant that only the table left out determines (on the full refit) is not refitted: it
+    stays at `start`'s value."""
     shared_all = _shared_tables(cases)
-    # stage 1 per distinct set of shared tables the refit sees (None: the full fit)
-    keys = {table: shared_all - {table} for table in cases}
-    distinct = sorted({shared_all, *keys.values()}, key=lambda k: -sum(len(cases[t]) for t in k))
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(distinct)))
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(cases)))
     with ProcessPoolExecutor(workers) as pool:
+        first_all = fit_shared(cases, parameters, start)
+        full = combine(
+            first_all, fit_frameworks(cases, first_all.efficiency if first_all else start, software), start
+        )
+        names = [*parameters, *(n for n in full.scoped if n not in parameters)]
+        by = determined_by(determination(cases, full.efficiency, full.scoped, names, jobs, pool))
+        unfitted = {table: tuple(n for n in names if by.get(n) == {table}) for table in cases}
+        # stage 1 per distinct (shared tables it sees, constants it fits)
+        keys = {
+            table: (shared_all - {table}, tuple(p for p in parameters if p not in unfitted[table]))
+            for table in cases
+        }
+        full_key = (shared_all, tuple(parameters))
+        distinct = sorted(set(keys.values()) - {full_key}, key=lambda k: -sum(len(cases[t]) for t in k[0]))
         stage1 = dict(
             zip(
                 distinct,
-                pool.map(_shared_job, [({t: cases[t] for t in key}, parameters, start) for key in distinct]),
+                pool.map(
+                    _shared_job, [({t: cases[t] for t in key}, params, start) for key, params in distinct]
+                ),
             )
         )
-        held = [None, *cases]  # None: nothing held out (the full fit)
+        stage1[full_key] = first_all
         stage2_jobs = []
-        for table in held:
-            first = stage1[shared_all if table is None else keys[table]]
+        for table in cases:
+            first = stage1[keys[table]]
             shared = first.efficiency if first else start
-            stage2_jobs.append((_without(cases, {table}), shared, software))
+            own = tuple(p for p in software if p not in unfitted[table])
+            stage2_jobs.append((_without(cases, {table}), shared, own))
         stage2 = list(pool.map(_framework_job, stage2_jobs))
 
-    full = combine(stage1[shared_all], stage2[0], start)
     results = {}
-    for table, second in zip(cases, stage2[1:]):
+    for table, second in zip(cases, stage2):
         refit = combine(stage1[keys[table]], second, start)
         rows = replay(table, cases[table], refit.efficiency, refit.scoped)
-        results[table] = HeldOut(table, refit, mape(rows))
+        results[table] = HeldOut(table, refit, mape(rows), unfitted[table])
     return full, results
 
 
@@ -132,6 +159,7 @@ def determination(
     scoped: dict[str, float],
     parameters: Sequence[str],
     jobs: int | None = None,
+    pool: ProcessPoolExecutor | None = None,
 ) -> dict[str, dict[str, float]]:
     """For each fitted constant, how far each fit table's fit-split MAPE moves (points, the larger
     of the two directions) when the constant moves +-20% from its fitted value, the others fixed.
@@ -150,9 +178,11 @@ def determination(
             if scope is not None and not any(scope in (c.hardware.name, c.software) for c in rows):
                 continue
             work.append((name, table, rows, efficiency, scoped))
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(work)))
-    with ProcessPoolExecutor(workers) as pool:
+    if pool is not None:
         moved = list(pool.map(_probe_job, work))
+    else:
+        with ProcessPoolExecutor(max(1, min(jobs or os.cpu_count() or 1, len(work)))) as own:
+            moved = list(own.map(_probe_job, work))
     result: dict[str, dict[str, float]] = {name: {} for name in parameters}
     for name, table, points in moved:
         result[name][table] = points

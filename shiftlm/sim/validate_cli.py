@@ -131,6 +131,8 @@ def _loto_report(report: dict, held_out: dict, cases: dict, fitted, clusters: di
             "mape_pct": h.mape_pct,
             "per_row_held_out_mape_pct": report["tables"][table]["fitted"]["mape_held_out_pct"],
             "fitted_without_it": constants(h.fit.efficiency, h.fit.scoped),
+            # constants only this table determines: not refitted without it (first-principles values)
+            "left_at_first_principles": list(h.unfitted),
         }
         for table, h in held_out.items()
     }
@@ -278,8 +280,10 @@ def _print(report: dict, show_rows: bool) -> None:
             "\nleave-one-table-out: refit without the table, MAPE over all its rows (per-row hold-out beside)"
         )
         for table, entry in loto["tables"].items():
+            prior = ", ".join(entry["left_at_first_principles"])
             print(
                 f"   {table:28s} {entry['mape_pct']:6.2f}%   per-row held-out {entry['per_row_held_out_mape_pct']:6.2f}%"
+                + (f"   (not refitted without it: {prior})" if prior else "")
             )
         print(f"   mean {loto['mean_mape_pct']:.2f}%, max {loto['max_mape_pct']:.2f}%")
         print(

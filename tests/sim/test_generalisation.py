@@ -52,6 +52,22 @@ def test_each_table_is_scored_by_a_refit_that_never_saw_it():
     assert again["vtrain_multi_node"].mape_pct == pytest.approx(100 * (1 - 1 / 1.3), abs=1.0)
 
 
+def test_a_shared_constant_only_the_table_left_out_determines_stays_at_its_prior():
+    # the single-node table's small-hidden rows are host-bound, the multi-node table's are not: only
+    # the former determines the host's time per op, so the refit without it must not invent a value
+    truth = replace(FIRST_PRINCIPLES, gemm=0.6, host_op=30e-6)
+    cases = {
+        table: [replace(c, measured=r.predicted) for c, r in zip(rows, replay(table, rows, truth))]
+        for table, rows in _synthetic(0.6).items()
+    }
+    full, held_out = leave_one_table_out(cases, ("gemm", "host_op"), (), FIRST_PRINCIPLES, jobs=1)
+    assert full.efficiency.host_op == pytest.approx(30e-6, rel=0.03)
+    assert held_out["vtrain_single_node"].unfitted == ("host_op",)
+    assert held_out["vtrain_single_node"].fit.efficiency.host_op == FIRST_PRINCIPLES.host_op
+    assert held_out["vtrain_single_node"].fit.efficiency.gemm == pytest.approx(0.6, abs=0.005)
+    assert held_out["vtrain_multi_node"].unfitted == ()
+
+
 def test_a_framework_constant_leaves_with_the_last_table_that_runs_that_framework():
     cases = load_cases(default_data_dir(), ["megatron_2021_table1", "llmfoundry_a100", "torchtitan_h100"])
     names = ("gemm", "attention_kernel@llm-foundry")
