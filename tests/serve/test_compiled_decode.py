@@ -178,14 +178,13 @@ def compiled_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
     return dict(worst=worst, steps=compiled.shift_model.compiled.steps, same_cache=same_cache)
 
 
-@pytest.mark.parametrize("tp, sp, compiled_steps", [(2, 1, 9), (1, 2, 6)])
-def test_compiled_full_tp_decode_on_two_ranks_equals_the_eager_step(ranks, tmp_path, tp, sp, compiled_steps):
+@pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)])
+def test_compiled_full_tp_decode_on_two_ranks_equals_the_eager_step(ranks, tmp_path, tp, sp):
     """Shift Parallelism's full-TP mode over 2 gloo ranks (tp2, and sp2's latency mode): the compiled
     decode step keeps its sums over the group as traced collectives (comm/traced.py); logits equal
-    the eager step's (1e-5), both ranks' caches too; SP x TP steps stay eager, and so do sp2's steps
-    of one sequence (the plan pads them to sp rows)."""
+    the eager step's (1e-5), both ranks' caches too; SP x TP steps stay eager."""
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     results = ranks.run(tp * sp, compiled_vs_eager_on_ranks, str(model_dir), tp, sp)
     assert results[0]["worst"] <= 1e-5, results[0]
-    assert [r["steps"] for r in results] == [compiled_steps] * 2  # full-TP decode steps, both ranks
+    assert [r["steps"] for r in results] == [9, 9]  # every full-TP decode step, on both ranks
     assert all(r["same_cache"] for r in results)

@@ -86,7 +86,8 @@ def decode_plan(
     sliding_window: int | None = None,
     inv_freq: torch.Tensor | None = None,
 ) -> tuple[int, Mode, FlatBatch]:
-    """Apply the plan's block deltas to `tables`; build the step's flat batch and attention groups.
+    """Apply the plan's block deltas to `tables`; build the step's flat batch and attention groups
+    (SP x TP steps padded to a multiple of `pad_to_multiple`, the sp size).
     `inv_freq` (the model's RoPE) is needed only by hogwild stream groups (query rotation)."""
     step, mode, num_chunks, num_tokens, num_blocks, _ = message[:HEADER].tolist()
     end_chunks = HEADER + num_chunks * CHUNK_FIELDS
@@ -126,7 +127,9 @@ def decode_plan(
             ends, lens = (starts + lengths)[which], prompt_lens[which]
             args = (row_streams, positions, rows[which], ends, lens, tables, block_size, inv_freq)
             groups.append(stream_group(chunk, layout, *args))
-    padding = -num_tokens % pad_to_multiple
+    # Ulysses splits the tokens evenly over sp: SP x TP steps pad to a multiple of it; full-TP steps,
+    # where every rank takes every token, need no padding row
+    padding = -num_tokens % pad_to_multiple if MODES[mode] is Mode.SP_TP else 0
     if padding:
         token_ids = _pad(token_ids, padding, 0)
         positions = _pad(positions, padding, 0)
