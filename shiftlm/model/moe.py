@@ -273,8 +273,37 @@ class SparseMoE(nn.Module):
         return out + reduce_from_group(shared, tp)
 
     def stacked_weights(self, full_tp: object = None) -> list[torch.Tensor]:
-        """This rank's experts' gate, up and down weights stacked: [E_local, F, H], [E_local, F, H], [E_local, H, F]."""
-        return [torch.stack(w) for w in zip(*(expert.weights(full_tp) for expert in self.experts.values()))]
+        """This rank's experts' gate, up and down weights stacked: [E_local, F, H], [E_local, F, H],
+        [E_local, H, F] (with `full_tp`, sub-slice `part` of each width). After `stack_experts` views of
+        the one stacked copy; otherwise stacked anew (a copy of every expert weight, per forward: what
+        training needs, since its parameters are the separate HF tensors)."""
+        stacked = getattr(self, "_stacked", None)
+        if stacked is None:
+            return [
+                torch.stack(w) for w in zip(*(expert.weights(full_tp) for expert in self.experts.values()))
+            ]
+        if full_tp is None:
+            return list(stacked)
+        gate, up, down = stacked
+        width = gate.shape[1] // full_tp.parts
+        start = full_tp.part * width
+        return [gate.narrow(1, start, width), up.narrow(1, start, width), down.narrow(2, start, width)]
+
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """Serving, once after loading: each projection's expert weights moved into one stacked tensor,
+        the experts' parameters becoming its views, so a forward's grouped GEMMs read the weights in
+        place instead of stacking a copy of every expert each step (the same memory: each old tensor
+        is freed as its projection is stacked). The weights must not be replaced afterwards."""
+        experts = list(self.experts.values())
+        stacked = []
+        for name in experts[0].names:
+            params = [getattr(expert, name).weight for expert in experts]
+            whole = torch.stack([p.detach() for p in params])
+            for index, param in enumerate(params):
+                param.data = whole[index]
+            stacked.append(whole)
+        self._stacked = tuple(stacked)
 
     def gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """All-gather dispatch (Megatron's AllGather token dispatcher): every ep rank gathers all ep ranks'

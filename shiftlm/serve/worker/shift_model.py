@@ -95,6 +95,8 @@ class ShiftModel:
         self.graphs: DecodeGraphs | None = None
         # mixture of experts: each step's load per expert (`expert_rows`), for /metrics and the step log
         self.moe_layers = [module for module in model.modules() if isinstance(module, SparseMoE)]
+        for layer in self.moe_layers:  # grouped GEMMs over one stacked copy, not a stack per step
+            layer.stack_experts()
         self.expert_rows: torch.Tensor | None = None
 
     @torch.no_grad()
