@@ -105,3 +105,17 @@ def test_padded_decode_steps_equal_the_eager_step_on_the_cpu(tmp_path, monkeypat
 def test_captured_cuda_graphs_equal_the_eager_step(tmp_path, monkeypatch):
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
     check_padded_steps_equal_eager(tmp_path, torch.device("cuda"), capture=True)
+
+
+def test_no_graph_gathers_more_blocks_than_the_cache_holds(tmp_path, monkeypatch):
+    """Shapes whose padded context would gather more blocks than the cache has get no graph (their
+    steps run compiled without one), which bounds the reserved gather buffers by one layer's cache."""
+    from shiftlm.serve.worker.decode_graphs import DecodeGraphs
+
+    monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    runner = graphed_runner(model_dir, torch.device("cpu"), torch.float32, capture=False)
+    graphs = DecodeGraphs(runner.shift_model.compiled, max_seqs=64, max_blocks=16, capture=False)
+    assert (1, 16) in graphs.shapes and (4, 16) in graphs.shapes and (8, 8) in graphs.shapes
+    assert all(size * blocks <= BLOCKS for size, blocks in graphs.shapes)
+    assert (8, 16) not in graphs.shapes and (64, 1) in graphs.shapes

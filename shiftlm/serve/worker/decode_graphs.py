@@ -12,7 +12,9 @@ persistent buffers:
 - a padding row writes its K/V to a scratch block that no sequence owns (`PagedKVCache(scratch=True)`)
   and attends to it alone; a real row's table past its own blocks names the scratch block, masked out;
 - the attention op's gather buffers are reserved at their largest before the first capture, so that
-  no graph's memory moves under another one.
+  no graph's memory moves under another one; a shape whose padded context would gather more blocks
+  than the cache holds gets no graph (such a step runs compiled, without one), which bounds those
+  buffers by one layer's share of the cache.
 
 `capture=False` runs the same padded step without graphs: the CPU tests check it against the eager
 step (tests/serve/test_decode_graphs.py); the `cuda`-marked test captures on a GPU.
@@ -56,6 +58,8 @@ class DecodeGraphs:
             raise ValueError("decode graphs pad with a scratch block: build the cache with scratch=True")
         self.compiled, self.cache, self.capture = compiled, cache, capture
         self.sizes, self.buckets = capture_sizes(max_seqs), context_buckets(max_blocks)
+        # the shapes that get a graph: at most the cache's blocks gathered per layer
+        self.shapes = [(s, b) for s in self.sizes for b in self.buckets if s * b <= cache.num_blocks]
         device, block = cache.storage.device, cache.block_size
         self.scratch_slot = cache.scratch_block * block
         most = self.sizes[-1]
@@ -68,17 +72,19 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # every graph writes its logits here (one buffer for all: the graphs' own outputs are freed)
         self._logits: torch.Tensor | None = None
+        self._shape_set = set(self.shapes)
         self.steps = 0  # steps run through this path (tests check it is taken)
 
     def applies(self, batch: FlatBatch) -> bool:
-        """A pure decode step of at most the largest size, within the largest context bucket."""
+        """A pure decode step whose padded shape has a graph (on the CPU: would have one)."""
         seqs = batch.token_ids.shape[0]
-        return (
-            seqs <= self.sizes[-1]
-            and PagedAttention.is_decode(batch)
-            and batch.num_tokens == seqs
-            and batch.chunks[0].block_index.numel() // seqs <= self.buckets[-1]
-        )
+        if not (PagedAttention.is_decode(batch) and batch.num_tokens == seqs and seqs <= self.sizes[-1]):
+            return False
+        context = batch.chunks[0].block_index.numel() // seqs
+        return context <= self.buckets[-1] and self._shape(seqs, context) in self._shape_set
+
+    def _shape(self, seqs: int, context: int) -> tuple[int, int]:
+        return next(s for s in self.sizes if s >= seqs), next(b for b in self.buckets if b >= context)
 
     def _buffers(self, size: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables [size * blocks], additive mask [size, 1, 1, blocks * block_size]) of one shape:
@@ -105,8 +111,7 @@ class DecodeGraphs:
         self.steps += 1
         seqs, group = batch.token_ids.shape[0], batch.chunks[0]
         context = group.block_index.numel() // seqs
-        size = next(s for s in self.sizes if s >= seqs)
-        blocks = next(b for b in self.buckets if b >= context)
+        size, blocks = self._shape(seqs, context)
         tables, bias = self._buffers(size, blocks)
         self.ids[:seqs].copy_(batch.token_ids)
         self.positions[:seqs].copy_(batch.positions)
@@ -137,21 +142,21 @@ class DecodeGraphs:
         if not self.capture:
             return
         start = time.perf_counter()
-        most = self.sizes[-1] * self.buckets[-1]
+        most = max(size * blocks for size, blocks in self.shapes)
         self.cache.reserve_gather(most)  # the gather buffers at their largest: no graph's memory moves
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: later graphs reuse its pool
-            for blocks in reversed(self.buckets):
-                warm = self._run(size, blocks)  # compiled kernels built, caches touched, outside capture
-                if self._logits is None:
-                    self._logits = warm.new_empty(self.sizes[-1], warm.shape[1])
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._logits[:size].copy_(self._run(size, blocks))
-                self._graphs[size, blocks] = graph
+        for size, blocks in sorted(self.shapes, reverse=True):  # largest first: the rest reuse its pool
+            warm = self._run(size, blocks)  # compiled kernels built, caches touched, outside capture
+            if self._logits is None:
+                self._logits = warm.new_empty(self.sizes[-1], warm.shape[1])
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[:size].copy_(self._run(size, blocks))
+            self._graphs[size, blocks] = graph
         self.cache.storage.zero_()
         log.info(
-            "captured %d CUDA graphs (batch sizes %s, context buckets of %s blocks) in %.1f s",
+            "captured %d CUDA graphs (batch sizes %s x context buckets of %s blocks, at most the cache's "
+            "blocks gathered) in %.1f s",
             len(self._graphs),
             self.sizes,
             self.buckets,

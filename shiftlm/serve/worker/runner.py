@@ -144,9 +144,8 @@ class ModelRunner:
         if shift_model.compiled is not None and not shift_model.compiled.warm_up():
             shift_model.compiled = None  # it could not build (warned): every step runs eagerly
         if shift_model.compiled is not None and graphs:
-            longest = (
-                num_blocks if max_model_len is None else min(num_blocks, -(-max_model_len // block_size))
-            )
+            tokens = max_model_len or config.max_position_embeddings  # the longest context a step can have
+            longest = min(num_blocks, -(-tokens // block_size))
             shift_model.graphs = DecodeGraphs(
                 shift_model.compiled, min(max_num_seqs, num_blocks), longest, True
             )
