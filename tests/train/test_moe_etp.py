@@ -16,6 +16,7 @@ from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import take_shard
 from shiftlm.train.config import load_config
 from tests.train.conftest import moe_qwen2_config, run_training
+from tests.train.test_moe_checkpoint import BASE as SAVE  # checkpoints every 3 of 5 steps
 from tests.train.test_moe_training import STEPS, TOLERANCE, losses_and_first_grads
 
 LAYOUTS = {  # world size, overrides; the stage's dp*cp*sp*tp ranks are cut as edp x ep x etp
@@ -76,17 +77,6 @@ def test_etp_layout_losses_and_first_gradients_equal_one_rank(ranks, tmp_path, m
             seen.add(name)
     assert seen == set(one_grads)  # every parameter, each expert shard on some rank
     print(f"{layout}: max relative loss error {loss_error:.1e}, gradient error {worst:.1e}")
-
-
-SAVE = [
-    "--train.seq_len=32",
-    "--train.global_batch=4",
-    "--train.micro_batch=1",
-    f"--train.steps={STEPS}",
-    "--optim.warmup_steps=2",
-    "--checkpoint.every=3",
-    "--log.progress=off",
-]
 
 
 def test_a_checkpoint_saved_at_etp2_resumes_at_etp1_and_tp2(ranks, moe_model, tmp_path):

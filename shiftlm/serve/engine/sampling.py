@@ -205,7 +205,9 @@ def _exponentials(generators: list[torch.Generator | None], probs: torch.Tensor)
     if seeded:
         host = torch.stack(
             [
-                torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generators[j])
+                torch.empty(probs.shape[1], dtype=probs.dtype, device=generators[j].device).exponential_(
+                    generator=generators[j]
+                )
                 for j in seeded
             ]
         )
