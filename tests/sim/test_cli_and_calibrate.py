@@ -100,28 +100,29 @@ def test_send_recv_timing_reports_wall_and_process_cpu(ranks):
 
 
 def test_inference_gemm_probe_runs_the_serving_engines_own_linear(monkeypatch):
-    """The "inference" role is timed through the function the serving step calls (looked up on
-    serve.shift_model when the probe is built), without autograd and inside a PackedWeights context
-    (the weights it multiplies are the packed copies), and computes the same product as F.linear."""
+    """The "inference" role is timed through the function the serving step's `InferenceOps` calls
+    (looked up on model.inference_linear when the probe is built), without autograd and with a
+    PackedWeights (the weights it multiplies are the packed copies), and computes the same product as
+    F.linear."""
     import torch
 
-    import shiftlm.serve.worker.shift_model as shift_model
+    import shiftlm.model.inference_linear as inference
     from shiftlm.sim.calibrate import gemm_pass
     from shiftlm.sim.costs import INFERENCE_ROLE
 
-    engine_linear, calls = shift_model.inference_linear, []
+    engine_linear, calls = inference.inference_linear, []
 
-    def spy(x, weight, bias=None):
-        calls.append(torch.is_grad_enabled())
-        return engine_linear(x, weight, bias)
+    def spy(x, weight, bias=None, packed=None):
+        calls.append((torch.is_grad_enabled(), packed is not None))
+        return engine_linear(x, weight, bias, packed)
 
-    monkeypatch.setattr(shift_model, "inference_linear", spy)
+    monkeypatch.setattr(inference, "inference_linear", spy)
     weights = [torch.randn(64, 32, requires_grad=True) for _ in range(4)]
     biases = [torch.randn(64) for _ in range(4)]
     torch.manual_seed(0)
     outputs = gemm_pass(INFERENCE_ROLE, 16, weights, biases)()
     torch.manual_seed(0)
     x = torch.randn(16, 32)
-    assert calls == [False] * 4
+    assert calls == [(False, True)] * 4
     for out, w, b in zip(outputs, weights, biases):
         assert torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
