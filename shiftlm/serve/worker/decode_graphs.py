@@ -59,7 +59,7 @@ class DecodeGraphs:
         self.compiled, self.cache, self.capture = compiled, cache, capture
         self.sizes, self.buckets = capture_sizes(max_seqs), context_buckets(max_blocks)
         # the shapes that get a graph: at most the cache's blocks gathered per layer
-        self.shapes = [(s, b) for s in self.sizes for b in self.buckets if s * b <= cache.num_blocks]
+        self.shapes = frozenset((s, b) for s in self.sizes for b in self.buckets if s * b <= cache.num_blocks)
         device, block = cache.storage.device, cache.block_size
         self.scratch_slot = cache.scratch_block * block
         most = self.sizes[-1]
@@ -72,7 +72,6 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # every graph writes its logits here (one buffer for all: the graphs' own outputs are freed)
         self._logits: torch.Tensor | None = None
-        self._shape_set = set(self.shapes)
         self.steps = 0  # steps run through this path (tests check it is taken)
 
     def applies(self, batch: FlatBatch) -> bool:
@@ -81,7 +80,7 @@ class DecodeGraphs:
         if not (PagedAttention.is_decode(batch) and batch.num_tokens == seqs and seqs <= self.sizes[-1]):
             return False
         context = batch.chunks[0].block_index.numel() // seqs
-        return context <= self.buckets[-1] and self._shape(seqs, context) in self._shape_set
+        return context <= self.buckets[-1] and self._shape(seqs, context) in self.shapes
 
     def _shape(self, seqs: int, context: int) -> tuple[int, int]:
         return next(s for s in self.sizes if s >= seqs), next(b for b in self.buckets if b >= context)

@@ -32,6 +32,7 @@ from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
 from shiftlm.serve.plan import StepPlan
 from shiftlm.serve.worker import ATTENTION_BACKENDS
+from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
 from shiftlm.serve.worker.logits import gather_logits
 from shiftlm.serve.worker.paged_attention import PagedKVCache
@@ -126,7 +127,9 @@ class ModelRunner:
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
+        # CUDA graphs (and their scratch block) only where the compiled step they replay will exist
         graphs = compile_decode and mesh.device.type == "cuda" and mesh.shift.size == 1
+        graphs = graphs and CompiledDecode.supports(model)
         if num_blocks is None:
             num_blocks = _blocks_from_memory(config, mesh, block_size, dtype, *memory) - graphs
         cache = PagedKVCache(
