@@ -22,6 +22,10 @@ class Mode(str, enum.Enum):
 
 MODE_NAMES = ("tp", "sp_tp", "shift")
 
+# A chunk's token that the previous step is still drawing (asynchronous scheduling, engine/core.py):
+# the runner takes it from that step's sampled tokens on the device, in the plan's order of PENDINGs.
+PENDING = -1
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -74,6 +78,8 @@ class StepPlan:
 class Runner(Protocol):
     """What the engine needs of the model: one step's logits."""
 
-    def execute(self, plan: StepPlan) -> Any:
+    def execute(self, plan: StepPlan, pending: Any = None) -> Any:
         """Logits [plan.num_samples, vocab] for the chunks with `sample=True`, in plan order (a torch
-        tensor on the serving ranks; the simulator's runner returns its own stand-in)."""
+        tensor on the serving ranks; the simulator's runner returns its own stand-in). `pending`: the
+        plan's `PENDING` tokens, in order, as a tensor on the runner's device (only passed to a runner
+        whose `runs_ahead` is true)."""

@@ -62,6 +62,7 @@ def build_engine(runner, setup: ServeSetup, step_log=None):
         setup.model_config.vocab_size,
         step_log=step_log,
         sliding_window=setup.model_config.sliding_window,
+        async_scheduling=setup.flags.async_scheduling,
     )
     if setup.model_config.is_moe:  # each step's rows per expert: /metrics and the step log
         runner.on_expert_rows = engine.metrics.record_expert_rows

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from shiftlm.model.stream_mask import ISOLATED
-from shiftlm.serve.plan import StepPlan
+from shiftlm.serve.plan import PENDING, StepPlan
 
 VOCAB = 32
 EOS = 31
@@ -45,7 +47,18 @@ class SlotRunner:
     def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    runs_ahead = True  # takes a plan's PENDING tokens from the previous step's draws (async scheduling)
+
+    def execute(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor:
+        if pending is not None:  # fill them in, in the plan's order, as the model runner does
+            fill = iter(pending.tolist())
+            chunks = [
+                replace(c, token_ids=tuple(next(fill) if t == PENDING else t for t in c.token_ids))
+                for c in plan.chunks
+            ]
+            assert next(fill, None) is None, "more pending tokens than the plan has PENDING entries"
+            plan = replace(plan, chunks=tuple(chunks))
+        assert all(t != PENDING for c in plan.chunks for t in c.token_ids), "a PENDING token not filled in"
         self.plans.append(plan)
         for chunk in plan.chunks:
             table = self.tables.setdefault(chunk.row, [])

@@ -9,7 +9,7 @@ def _seq(tokens: list[int]) -> Sequence:
 def _compute_all(manager: BlockManager, seq: Sequence) -> None:
     assert manager.allocate(seq, seq.num_tokens)
     seq.num_computed = seq.num_tokens
-    manager.commit_computed_blocks(seq)
+    manager.commit_computed_blocks(seq, seq.num_computed)
 
 
 def test_a_freed_full_block_is_found_again_by_its_prefix():

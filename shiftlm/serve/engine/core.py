@@ -17,7 +17,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 import torch
@@ -25,11 +25,11 @@ import torch
 from shiftlm.serve.engine.errors import InvalidRequest, PromptTooLong, StepError
 from shiftlm.serve.engine.metrics import ServingMetrics
 from shiftlm.serve.engine.requests import Request, RequestContext, RequestOutput, SingleRequest, StreamRequest
-from shiftlm.serve.engine.sampling import SEED_MODULUS, SampleRow, sample_rows
+from shiftlm.serve.engine.sampling import SEED_MODULUS, Draw, SampleRow, TokenLogprob, draw_rows, sample_rows
 from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.streams import check_streams, layout_code, max_step_cost
-from shiftlm.serve.plan import Runner, StepPlan
+from shiftlm.serve.plan import PENDING, Runner, StepPlan
 
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
 
@@ -50,8 +50,35 @@ class EngineStats:
     failed_steps: int = 0  # steps that raised (counted by `AsyncEngine`, which catches them)
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step whose model ran and whose tokens are drawn, on the device, but not yet read."""
+
+    plan: StepPlan
+    logits: torch.Tensor
+    rows: list[SampleRow] = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)  # the request of each row
+    drawing: list[tuple[Request, int]] = field(default_factory=list)  # (request, how many rows it draws)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> traceback
+    pending_row: dict[int, int] = field(default_factory=dict)  # seq id -> its draw's row (runs ahead)
+    draw: Draw | None = None
+    picks: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # `draw` failed: row by row
+
+    def pending_tokens(self, plan: StepPlan) -> torch.Tensor | None:
+        """This step's draws that `plan` (the next step) carries as `PENDING`, in the plan's order."""
+        index = [
+            self.pending_row[chunk.seq_id] for chunk in plan.chunks for t in chunk.token_ids if t == PENDING
+        ]
+        if not index:
+            return None
+        if self.draw is None:  # drawn row by row on the host
+            return torch.tensor([self.picks[i][0] for i in index], dtype=torch.long)
+        where = torch.tensor(index, dtype=torch.long).to(self.draw.tokens.device, non_blocking=True)
+        return self.draw.tokens[where]
+
+
 class Engine:
-    """Synchronous engine; `AsyncEngine` runs it in a thread behind the HTTP server."""
+    """The engine (synchronous calls); `AsyncEngine` runs it in a thread behind the HTTP server."""
 
     def __init__(
         self,
@@ -63,8 +90,17 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         step_log: TextIO | None = None,
         sliding_window: int | None = None,
+        async_scheduling: bool = False,
     ):
+        """`async_scheduling` (`--async-scheduling`): schedule step N+1 while step N runs (`step`);
+        the runner must run ahead (`runs_ahead`: one rank)."""
+        if async_scheduling and not getattr(runner, "runs_ahead", False):
+            raise ValueError(
+                f"{type(runner).__name__} cannot run a step ahead of its tokens (async_scheduling)"
+            )
         self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._running: _Launched | None = None  # the step launched ahead (async_scheduling)
         self.scheduler = Scheduler(config)
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window  # the model's (stream groups need none)
@@ -184,64 +220,109 @@ class Engine:
             request.abort()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._running is not None or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Raises `StepError` (naming the step's requests, the cause chained) when
-        anything but one request's own rows raises; a request whose rows fail is failed alone."""
-        plan = None
+        """One engine step: the outputs of one model step. Raises `StepError` (naming the step's
+        requests, the cause chained) when anything but one request's own rows raises; a request whose
+        rows fail is failed alone.
+
+        With `async_scheduling`, step N+1 is scheduled and launched before step N's tokens are read
+        (vLLM's asynchronous scheduling): the next plan carries N's draws as `PENDING` tokens that
+        the runner reads on the device, so on a GPU the host's work (reading N's tokens, detokenizing,
+        stop checks, scheduling) overlaps the device running N+1. A sequence that stops at N (EOS, a
+        stop string, an abort) has computed one token for nothing at N+1, which is dropped. The engine
+        runs a step without an overlap (it waits for N first) when N drew a token whose next draw
+        reads the tokens so far (penalties, min_tokens) or a stream group's, or when only preempting
+        could make room."""
+        plans: list[StepPlan] = []
         try:
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return []
-            started = time.perf_counter()
-            try:
-                logits = self.runner.execute(plan)
-            except Exception as err:
-                message = f"the model runner failed ({type(err).__name__}: {err})"
-                raise StepError(message, self._request_ids(plan), in_runner=True) from err
-            self._record_step(plan, started, time.perf_counter() - started)
-            return self._sample_step(plan, logits)
+            current, self._running = self._running, None
+            if current is None:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    return []
+                plans.append(plan)
+                current = self._launch(plan)
+            plans.append(current.plan)
+            if self.async_scheduling and self._can_run_ahead(current):
+                plan = self.scheduler.schedule(ahead=True)
+                if plan is not None:
+                    plans.append(plan)
+                    self._running = self._launch(plan, current)
+            return self._finish(current)
         except StepError:
             raise
         except Exception as err:
             ids = (
-                self._request_ids(plan)
-                if plan is not None
+                sorted({i for plan in plans for i in self._request_ids(plan)})
+                if plans
                 else [s.request_id for s in self.scheduler.running]
             )
             raise StepError(f"{type(err).__name__}: {err}", sorted(set(ids)), in_runner=False) from err
 
-    def _request_ids(self, plan: StepPlan) -> list[str]:
-        seqs = [self.scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
-        return sorted({seq.request_id for seq in seqs if seq is not None})
+    def _can_run_ahead(self, current: _Launched) -> bool:
+        """Step N+1 may be scheduled before N's tokens are read: every request N draws for is one plain
+        sequence whose next draw does not read its own tokens."""
+        return all(
+            isinstance(request, SingleRequest) and not request.seq.params.reads_own_tokens
+            for request, _ in current.drawing
+        )
 
-    def _sample_step(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
-        sample_at = self._collect_prompt_logprobs(plan, logits)
-        sampled = self.scheduler.complete_step(plan)
-        failed: dict[str, str] = {}
-        rows: list[SampleRow] = []
-        owners: list[str] = []  # the request of each row
-        drawing: list[tuple[Request, int]] = []  # (request, how many rows it draws)
-        for row, seq in zip(sample_at, sampled):
-            request = self._requests.get(seq.request_id)
+    def _launch(self, plan: StepPlan, previous: _Launched | None = None) -> _Launched:
+        """Run `plan` and draw its tokens, reading nothing back. `previous`: the step still running,
+        whose draws are this plan's `PENDING` tokens."""
+        started = time.perf_counter()
+        try:
+            pending = previous.pending_tokens(plan) if previous is not None else None
+            if pending is None:
+                logits = self.runner.execute(plan)
+            else:
+                logits = self.runner.execute(plan, pending=pending)
+        except Exception as err:
+            message = f"the model runner failed ({type(err).__name__}: {err})"
+            ids = sorted({*self._request_ids(plan), *(self._request_ids(previous.plan) if previous else ())})
+            raise StepError(message, ids, in_runner=True) from err
+        self._record_step(plan, started, time.perf_counter() - started)
+        launched = _Launched(plan, logits)
+        row = 0
+        for chunk in plan.chunks:
+            row += chunk.num_logits_rows
+            if not chunk.sample:
+                continue
+            seq = self.scheduler.sequence(chunk.seq_id)
+            request = self._requests.get(seq.request_id) if seq is not None else None
             if request is None:
                 continue
             try:
-                mine = request.rows(row)
+                mine = request.rows(row - 1)
             except Exception:  # noqa: BLE001 - this request fails alone
-                failed[request.request_id] = traceback.format_exc()
+                launched.failed[request.request_id] = traceback.format_exc()
                 continue
-            rows += mine
-            owners += [request.request_id] * len(mine)
-            drawing.append((request, len(mine)))
-        drawn = iter(self._sample(logits, rows, owners, failed))
+            if self.async_scheduling and isinstance(request, SingleRequest):
+                seq.num_pending += 1  # counted in its tokens until `_finish` appends it
+                launched.pending_row[seq.seq_id] = len(launched.rows)
+            launched.rows += mine
+            launched.owners += [request.request_id] * len(mine)
+            launched.drawing.append((request, len(mine)))
+        launched.draw = self._draw(logits, launched)
+        return launched
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step's tokens and hand each request its own."""
+        plan, failed = launched.plan, launched.failed
+        self._collect_prompt_logprobs(plan, launched.logits)
+        self.scheduler.complete_step(plan)
+        result = launched.draw.result() if launched.draw is not None else None
+        drawn = iter(zip(result.tokens, result.logprobs) if result is not None else launched.picks)
         outputs: list[RequestOutput] = []
         now = self.clock()
-        for request, count in drawing:
+        for request, count in launched.drawing:
             picks = [next(drawn) for _ in range(count)]
-            if request.request_id in failed:
-                continue
+            if request.seq.seq_id in launched.pending_row:
+                request.seq.num_pending -= 1
+            if request.request_id in failed or self._requests.get(request.request_id) is not request:
+                continue  # failed, or finished or aborted since this step was launched
             try:
                 outputs += request.advance(picks, now)
             except Exception:  # noqa: BLE001
@@ -255,13 +336,18 @@ class Engine:
                 self._fail_request(request_id, trace)
         return outputs
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow], owners: list[str], failed: dict) -> list:
-        """(token, logprob) per row: one sampler call; if it raises, row by row, so that only the
-        requests whose rows raise fail (recorded in `failed`; their entries are placeholders)."""
+    def _request_ids(self, plan: StepPlan) -> list[str]:
+        seqs = [self.scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
+        return sorted({seq.request_id for seq in seqs if seq is not None})
+
+    def _draw(self, logits: torch.Tensor, launched: _Launched):
+        """The step's draws in one sampler call (`Draw`, still on the device); if it raises, row by row
+        on the host, so that only the requests whose rows raise fail (recorded in `failed`; their
+        entries are placeholders): then None, and `launched.picks` holds them."""
+        rows, owners, failed = launched.rows, launched.owners, launched.failed
         eos = self._ctx.eos_token_ids
         try:
-            result = sample_rows(logits, rows, eos)
-            return list(zip(result.tokens, result.logprobs))
+            return draw_rows(logits, rows, eos)
         except Exception:  # noqa: BLE001 - find the row(s) that raise
             pass
         picks = []
@@ -272,7 +358,8 @@ class Engine:
             except Exception:  # noqa: BLE001
                 failed.setdefault(owner, traceback.format_exc())
                 picks.append((0, None))
-        return picks
+        launched.picks = picks
+        return None
 
     def _fail_request(self, request_id: str, trace: str) -> None:
         """Abort one request whose sampling or detokenization raised; `take_failed` hands it over."""
@@ -287,9 +374,9 @@ class Engine:
         failed, self._failed = self._failed, []
         return failed
 
-    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> list[int]:
-        """Record prompt logprobs of `all_logits` chunks; return the logits row of each sampled chunk."""
-        sample_at, row = [], 0
+    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """Record the prompt logprobs of `all_logits` chunks."""
+        row = 0
         for chunk in plan.chunks:
             rows = chunk.num_logits_rows
             if chunk.all_logits:
@@ -297,10 +384,7 @@ class Engine:
                 request = self._requests.get(seq.request_id) if seq is not None else None
                 if request is not None:
                     request.record_prompt_logprobs(chunk, logits[row : row + rows])
-            if chunk.sample:
-                sample_at.append(row + rows - 1)
             row += rows
-        return sample_at
 
     def _record_step(self, plan: StepPlan, started: float, seconds: float) -> None:
         self.metrics.record_step(plan.mode.value, plan.num_tokens, seconds)

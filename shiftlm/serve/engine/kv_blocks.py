@@ -141,12 +141,14 @@ class BlockManager:
         seq.block_ids.extend(self.allocator.allocate() for _ in range(needed))
         return True
 
-    def commit_computed_blocks(self, seq: Sequence) -> None:
-        """Offer every newly full and computed block of `seq` to the prefix cache."""
+    def commit_computed_blocks(self, seq: Sequence, computed: int) -> None:
+        """Offer every newly full block of `seq` within its first `computed` tokens (K/V written,
+        every token known) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
         tokens = seq.token_ids
-        while (seq.num_hashed_blocks + 1) * self.block_size <= min(seq.num_computed, seq.num_cacheable):
+        limit = min(computed, seq.num_cacheable, len(tokens))
+        while (seq.num_hashed_blocks + 1) * self.block_size <= limit:
             i = seq.num_hashed_blocks
             parent = seq.block_hashes[i - 1] if i else root_hash(seq.params.cache_salt)
             block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]

@@ -17,7 +17,7 @@ vLLM's default report them.
 
 Everything the host needs to decide (which rows are greedy, filter, are penalized) comes from the
 requests' parameters, never from the device; the step's results (tokens, chosen logprobs, top-k)
-cross to the host in one copy at the end (`_to_host`).
+cross to the host in one copy at the end (`Draw`), started as soon as they are drawn.
 
 Whatever a request sends, sampling cannot raise: temperatures below `GREEDY_BELOW` are greedy (dividing
 by 1e-40 turns logits into inf and the softmax into NaN), seeds are reduced mod 2**63 (what
@@ -127,11 +127,39 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -
     return x
 
 
-def _to_host(
-    logprobs: torch.Tensor | None, tokens: torch.Tensor, ks: list[int | None]
-) -> tuple[list[int], list[TokenLogprob | None]]:
-    """The step's tokens and, where asked (`ks[i]` not None), their logprob and the row's top-k, read
-    back in one device-to-host copy (float64 holds every token id exactly)."""
+@dataclass
+class Draw:
+    """A step's draws, still on the device: `tokens` [rows] (the next step can read them there, without
+    the host) and the table of what the host needs, whose copy to the host starts at once, so that
+    `result` waits for this step's draws alone and not for whatever the device runs after them."""
+
+    tokens: torch.Tensor
+    ks: list[int | None]  # logprobs asked per row (None: none)
+    with_logprobs: bool  # the table has the logprob columns
+    top: int  # top-k columns in the table
+    table: torch.Tensor  # [rows, 1 + (1 + 2 * top)]: token, chosen logprob, top values, top ids
+    copied: torch.cuda.Event | None = None  # a device table: its asynchronous copy's event
+
+    def result(self) -> SampleResult:
+        """The tokens and logprobs on the host: the step's one read."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        ids, out = [], []
+        for row, k in zip(self.table.tolist(), self.ks):  # the one read
+            ids.append(int(row[0]))
+            if k is None or not self.with_logprobs:
+                out.append(None)
+                continue
+            values, top_ids = row[2 : 2 + self.top], row[2 + self.top :]
+            out.append(
+                TokenLogprob(int(row[0]), row[1], tuple((int(t), v) for t, v in zip(top_ids[:k], values[:k])))
+            )
+        return SampleResult(ids, out)
+
+
+def _draw(logprobs: torch.Tensor | None, tokens: torch.Tensor, ks: list[int | None]) -> Draw:
+    """The step's tokens and, where asked (`ks[i]` not None), their logprob and the row's top-k, as one
+    float64 table (it holds every token id exactly) on its way to the host."""
     wanted = [k for k in ks if k is not None]
     columns = [tokens.to(torch.float64).unsqueeze(1)]
     top, with_logprobs = 0, bool(wanted) and logprobs is not None
@@ -140,25 +168,27 @@ def _to_host(
         top_values, top_ids = torch.topk(logprobs, top, dim=-1)
         chosen_lp = logprobs.gather(1, tokens.unsqueeze(1))
         columns += [chosen_lp.to(torch.float64), top_values.to(torch.float64), top_ids.to(torch.float64)]
-    table = torch.cat(columns, dim=1).tolist()  # the one read
-    ids = [int(row[0]) for row in table]
-    out: list[TokenLogprob | None] = []
-    for row, k in zip(table, ks):
-        if k is None or not with_logprobs:
-            out.append(None)
-            continue
-        values, top_ids = row[2 : 2 + top], row[2 + top :]
-        out.append(
-            TokenLogprob(int(row[0]), row[1], tuple((int(t), v) for t, v in zip(top_ids[:k], values[:k])))
-        )
-    return ids, out
+    table = torch.cat(columns, dim=1)
+    copied = None
+    if table.is_cuda:  # into pinned memory, ordered after the draws and before any later step's work
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        table = host
+    return Draw(tokens, ks, with_logprobs, top, table, copied)
 
 
 def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = frozenset()) -> SampleResult:
     """Draw one token for each of `rows` from `logits` [R, V] (rows may share a logits row); one
     device-to-host copy in all."""
+    return draw_rows(logits, rows, eos_ids).result()
+
+
+def draw_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = frozenset()) -> Draw:
+    """`sample_rows` without the read: the draws stay on the device until `Draw.result`."""
     if not rows:
-        return SampleResult([], [])
+        return _draw(None, torch.empty(0, dtype=torch.long, device=logits.device), [])
     device = logits.device
     index = [row.logits_row for row in rows]
     raw = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=device)]
@@ -193,8 +223,7 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] =
     ks = [row.params.logprobs for row in rows]
     # no row asked for logprobs: no softmax over the vocabulary
     logprobs = torch.log_softmax(raw, dim=-1) if any(k is not None for k in ks) else None
-    ids, entries = _to_host(logprobs, tokens, ks)
-    return SampleResult(ids, entries)
+    return _draw(logprobs, tokens, ks)
 
 
 def _exponentials(generators: list[torch.Generator | None], probs: torch.Tensor) -> torch.Tensor:
@@ -231,8 +260,8 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> li
     """Logprob of each `next_ids[i]` under logits row i (the token the prompt actually has next)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.as_tensor(list(next_ids), dtype=torch.long, device=logprobs.device)
-    _, result = _to_host(logprobs, chosen, [k] * len(next_ids))
-    return [entry for entry in result if entry is not None]
+    result = _draw(logprobs, chosen, [k] * len(next_ids)).result()
+    return [entry for entry in result.logprobs if entry is not None]
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from shiftlm.serve.engine.kv_blocks import BlockManager
 from shiftlm.serve.engine.sequence import FinishReason, Sequence, SequenceStatus
-from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.plan import PENDING, Mode, ScheduledChunk, StepPlan
 
 
 @dataclass(frozen=True)
@@ -114,18 +114,26 @@ class Scheduler:
             self.waiting.remove(seq)
         self._by_id.pop(seq.seq_id, None)
 
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, ahead: bool = False) -> StepPlan | None:
+        """The next step's plan. `ahead`: the previous step is still running (asynchronous scheduling,
+        engine/core.py): its sampled tokens are `PENDING` in this plan, a sequence whose pending token
+        is its last by length is left out, and nothing is preempted (a running sequence the cache
+        cannot grow waits, and so does the queue); the engine schedules without `ahead` once that step
+        is done."""
         budget = self.config.max_tokens_per_step
         chunks: list[ScheduledChunk] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = seq.chunk_len(budget)
+            num_new = 0 if seq.last_pending_token(self.config.max_model_len) else seq.chunk_len(budget)
             if num_new == 0:  # a stream group whose timestep does not fit the budget left
                 index += 1
                 continue
             while not self.blocks.allocate(seq, seq.num_computed + num_new):
+                if ahead:  # never free blocks the running step may still write
+                    preempted = True
+                    break
                 self._preempt(self.running[-1])
                 preempted = True
                 if self.running[index : index + 1] != [seq]:
@@ -134,6 +142,9 @@ class Scheduler:
                 chunks.append(self._chunk(seq, num_new))
                 budget -= num_new
                 index += 1
+                continue
+            if ahead:
+                break
         # Admitting new work while evicting running work would thrash; wait for the next step.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -163,25 +174,31 @@ class Scheduler:
         return self._plan(tuple(chunks))
 
     def complete_step(self, plan: StepPlan) -> list[Sequence]:
-        """Record that the plan's K/V are now cached; return the sequences whose logits were sampled."""
+        """Record that the plan's K/V are now cached (their blocks may go to the prefix cache); return
+        the sequences whose logits were sampled, leaving out those finished since it was scheduled."""
         sampled = []
         for chunk in plan.chunks:
-            seq = self._by_id[chunk.seq_id]
-            seq.num_computed = chunk.start + len(chunk.token_ids)
-            self.blocks.commit_computed_blocks(seq)
+            seq = self._by_id.get(chunk.seq_id)
+            if seq is None or seq.num_computed < chunk.start + len(chunk.token_ids):
+                continue  # finished or preempted (recomputed from scratch) since
+            self.blocks.commit_computed_blocks(seq, chunk.start + len(chunk.token_ids))
             if chunk.sample:
                 sampled.append(seq)
         return sampled
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+        """The chunk of `seq`'s next `num_new` tokens; they count as computed from here on (a later plan
+        starts after them), their blocks are committed by `complete_step`."""
         start, sent = seq.num_computed, seq.num_blocks_sent
         seq.num_blocks_sent = len(seq.block_ids)
+        seq.num_computed = start + num_new
         tags = seq.chunk_tags(start, start + num_new)
         all_logits = seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids)
         argmax_only = seq.params.argmax_only and not all_logits and not tags and seq.num_sampled_rows == 1
+        known = tuple(seq.token_ids[start : start + num_new])
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start : start + num_new]),
+            token_ids=known + (PENDING,) * (num_new - len(known)),
             start=start,
             new_blocks=tuple(seq.block_ids[sent:]),
             sample=start + num_new == seq.num_tokens,

@@ -95,6 +95,17 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def reads_own_tokens(self) -> bool:
+        """Drawing the next token reads the tokens drawn so far (penalties, min_tokens): asynchronous
+        scheduling then waits for the previous token instead of drawing ahead of it."""
+        return (
+            self.min_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
     def argmax_only(self) -> bool:
         """The next token is the raw logits' argmax and nothing else of them is returned or used (no
         logprobs, bias, penalties or min_tokens): a 2-rank step sends (max, argmax) per rank, not logits."""
@@ -145,11 +156,14 @@ class Sequence:
     num_preemptions: int = 0
     row: int = -1  # the scheduler's batch row while running (the runner's block-table row), else -1
     num_blocks_sent: int = 0  # leading entries of block_ids the runner already has in its table
+    # tokens drawn by a step still running (asynchronous scheduling): counted in `num_tokens`, not yet
+    # in `output_ids`; the next chunk carries them as `plan.PENDING`
+    num_pending: int = 0
     _all_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
-        """prompt + output as one list, extended in place as outputs are appended: O(new tokens) per
+        """prompt + output (the tokens known on the host; `num_pending` more are in flight) as one list, extended in place as outputs are appended: O(new tokens) per
         call, never a copy of the context (read-only for callers)."""
         missing = len(self.prompt_ids) + len(self.output_ids) - len(self._all_ids)
         if missing > 0:
@@ -161,7 +175,14 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    def last_pending_token(self, max_model_len: int) -> bool:
+        """The token in flight is its last by length (max_tokens or the context): nothing to schedule."""
+        return self.num_pending > 0 and (
+            len(self.output_ids) + self.num_pending >= self.params.max_tokens
+            or self.num_tokens >= max_model_len
+        )
 
     @property
     def num_uncomputed(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
-from shiftlm.serve.plan import StepPlan
+from shiftlm.serve.plan import PENDING, StepPlan
 from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
@@ -155,11 +156,20 @@ class ModelRunner:
             shift_model.graphs.capture_all()
         return cls(config, shift_model, mesh, shm_collectives)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]."""
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether `execute` takes a plan's `PENDING` tokens from the device (one rank: the previous
+        step's draws are on this rank's device; other ranks would need them sent)."""
+        return self.mesh.shift.size == 1
+
+    def execute(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]. `pending`: the
+        plan's `PENDING` tokens in order (`runs_ahead`), where the previous step drew them."""
+        if pending is not None and not self.runs_ahead:
+            raise ValueError("a plan with pending tokens runs on one rank only (ModelRunner.runs_ahead)")
         message = encode_plan(plan)
         self._send(message)
-        logits = self._run(message)[:, : self.model_config.vocab_size]
+        logits = self._run(message, pending)[:, : self.model_config.vocab_size]
         rows = self.shift_model.expert_rows
         if self.on_expert_rows is not None and rows is not None:
             self.on_expert_rows(rows.tolist())
@@ -209,7 +219,7 @@ class ModelRunner:
         the sampled logits [samples, padded_vocab] on rank 0, None elsewhere."""
         return self._run(encode_plan(plan))
 
-    def _run(self, message: torch.Tensor) -> torch.Tensor | None:
+    def _run(self, message: torch.Tensor, pending: torch.Tensor | None = None) -> torch.Tensor | None:
         # decoded on the host: its sizes (`.tolist()`, `int()`, `nonzero`) never wait for the device,
         # which may still be running the previous step; then one pass of copies to the device
         _, mode, batch = decode_plan(
@@ -220,7 +230,14 @@ class ModelRunner:
             sliding_window=self.model_config.sliding_window,
             inv_freq=self._inv_freq,
         )
-        mine = self.shift_model.forward(batch.to(self.mesh.device), mode)
+        device = self.mesh.device
+        where = (batch.token_ids == PENDING).nonzero().flatten() if pending is not None else None
+        batch = batch.to(device)
+        if where is not None:  # the previous step's draws, still on the device: no read
+            index = (where.to(device, non_blocking=True),)
+            ids = batch.token_ids.index_put(index, pending.to(device, non_blocking=True))
+            batch = replace(batch, token_ids=ids)
+        mine = self.shift_model.forward(batch, mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column
             return mine
         vocab = self.model_config.vocab_size

@@ -1,0 +1,269 @@
+"""Asynchronous scheduling (issue 34 item 4): step N+1 is scheduled and launched before step N's tokens
+are read, its `PENDING` tokens taken from N's draws on the device. Whatever runs ahead, every request's
+output equals the synchronous engine's, token for token (greedy, seeded sampling, logprobs, stop
+strings, EOS, aborts, preemption, prefix caching), and nothing leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shiftlm.errors import ConfigError
+from shiftlm.serve.engine import sampling
+from shiftlm.serve.engine.core import Engine
+from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.plan import PENDING
+from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner, reference_greedy
+
+
+class RecordingRunner(SlotRunner):
+    """Counts the steps launched ahead of the previous step's tokens."""
+
+    def __init__(self, *args, events: list | None = None):
+        super().__init__(*args)
+        self.ahead = 0
+        self.events = events
+
+    def execute(self, plan, pending=None):
+        self.ahead += pending is not None
+        if self.events is not None:
+            self.events.append(("execute", plan.step))
+        return super().execute(plan, pending)
+
+
+def _engine(
+    async_scheduling, num_blocks=64, block_size=4, budget=32, max_model_len=64, events=None, **config
+):
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_tokens_per_step=budget,
+        max_model_len=max_model_len,
+        policy=ShiftPolicy(8),
+        **config,
+    )
+    runner = RecordingRunner(num_blocks, block_size, events=events)
+    return Engine(
+        runner,
+        config,
+        LetterTokenizer(),
+        eos_token_ids={EOS},
+        vocab_size=VOCAB,
+        async_scheduling=async_scheduling,
+    )
+
+
+def _run(engine: Engine, max_steps: int = 3000, between=None) -> dict:
+    results: dict = {}
+    for step in range(max_steps):
+        if not engine.has_work():
+            return results
+        if between is not None:
+            between(step, engine)
+        for out in engine.step():
+            results.setdefault((out.request_id, out.index), []).append(out)
+    raise AssertionError("the engine did not finish within the step bound")
+
+
+def _summary(results: dict) -> dict:
+    """What a client sees of each sample: tokens, text, finish reason, logprobs."""
+    return {
+        key: (
+            [t for out in outs for t in out.token_ids],
+            "".join(out.text for out in outs),
+            outs[-1].finish_reason,
+            [out.logprobs for out in outs],
+        )
+        for key, outs in results.items()
+    }
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=20), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 12),
+    num_blocks=st.integers(8, 24),
+    budget=st.integers(1, 24),
+    prefix_caching=st.booleans(),
+)
+def test_running_ahead_gives_every_request_its_exact_greedy_output_under_any_cache_pressure(
+    prompts, max_tokens, num_blocks, budget, prefix_caching
+):
+    engine = _engine(True, num_blocks, 4, budget, 32, enable_prefix_caching=prefix_caching)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    results = _run(engine)
+    for i, prompt in enumerate(prompts):
+        expected = reference_greedy(prompt, min(max_tokens, 32 - len(prompt)))
+        assert [t for out in results[(f"r{i}", 0)] for t in out.token_ids] == expected
+    assert engine.scheduler.blocks.allocator.num_free == num_blocks  # nothing leaked
+    assert all(seq.num_pending == 0 for seq in engine.scheduler.running)
+    if max_tokens > 2 and budget >= 20:  # room for every prompt's decode: steps ran ahead
+        assert engine.runner.ahead > 0
+
+
+def _mixed_requests(engine: Engine) -> None:
+    """Every kind of request: greedy, seeded sampling with top-k/p, logprobs, a stop string, EOS, n > 1
+    (a stream group), penalties and min_tokens (both make the engine wait for the tokens)."""
+    prompts = [
+        [1, 2, 3],
+        [4, 5, 6, 7, 8, 9, 10, 11, 12],
+        [13],
+        [14, 15, 16, 17],
+        [3, 3, 3, 3, 3, 3],
+        [20, 21],
+    ]
+    kinds = [
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=8, top_p=0.9, seed=7, logprobs=3),
+        SamplingParams(max_tokens=12, temperature=0, stop=("c",), ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.5, seed=3),  # EOS may end it
+        SamplingParams(max_tokens=7, temperature=0.8, seed=11, n=3, logprobs=1),
+        SamplingParams(max_tokens=8, temperature=0.7, seed=5, frequency_penalty=1.0, min_tokens=3),
+        SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=2, ignore_eos=True),
+    ]
+    for i, params in enumerate(kinds):
+        engine.add_request(f"r{i}", prompts[i % len(prompts)], params)
+
+
+@pytest.mark.parametrize(
+    "budget,num_blocks", [(64, 64), (5, 64), (64, 9)], ids=["roomy", "chunked", "preempting"]
+)
+def test_every_kind_of_request_gets_what_the_synchronous_engine_gives(budget, num_blocks):
+    outputs = []
+    for async_scheduling in (False, True):
+        engine = _engine(async_scheduling, num_blocks=num_blocks, budget=budget, max_model_len=32)
+        _mixed_requests(engine)
+        outputs.append(_summary(_run(engine)))
+        assert engine.scheduler.blocks.allocator.num_free == num_blocks
+        assert (engine.scheduler.stats.preemptions > 0) == (num_blocks == 9)
+        if async_scheduling and budget == 64 and num_blocks == 64:
+            assert engine.runner.ahead > 0  # until the penalty and stream requests are done
+    assert outputs[1] == outputs[0]
+
+
+def test_a_request_aborted_while_its_next_step_runs_frees_everything_and_the_others_go_on():
+    engines = {}
+    for async_scheduling in (False, True):
+        engine = engines[async_scheduling] = _engine(async_scheduling)
+        engine.add_request("keep", [1, 2, 3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        engine.add_request("drop", [4, 5], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+
+        def abort_at_step_3(step, engine):
+            if step == 3:
+                engine.abort("drop")
+
+        results = _run(engine, between=abort_at_step_3)
+        assert len(results[("drop", 0)]) == 3 and results[("drop", 0)][-1].finish_reason is None
+        assert [t for out in results[("keep", 0)] for t in out.token_ids] == reference_greedy([1, 2, 3], 10)
+        assert engine.scheduler.blocks.allocator.num_free == 64
+    assert engines[True].runner.ahead > 0
+
+
+def test_the_next_step_is_launched_before_the_previous_tokens_are_read(monkeypatch):
+    """The overlap itself: execute(N+1) comes before step N's one read (`Draw.result`)."""
+    events: list = []
+    result = sampling.Draw.result
+
+    def recorded(draw):
+        events.append(("read",))
+        return result(draw)
+
+    monkeypatch.setattr(sampling.Draw, "result", recorded)
+    engine = _engine(True, events=events)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    _run(engine)
+    kinds = [event[0] for event in events]
+    # prefill, then decodes 1..4 each launched before the previous step's read; the last read alone
+    assert kinds == [
+        "execute",
+        "execute",
+        "read",
+        "execute",
+        "read",
+        "execute",
+        "read",
+        "execute",
+        "read",
+        "read",
+    ]
+
+
+def test_a_sequence_is_never_scheduled_past_its_last_token():
+    """A pending token that is the last one max_tokens allows: no step runs ahead for it."""
+    engine = _engine(True)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    _run(engine)
+    steps = engine.runner.plans
+    assert len(steps) == 3  # the prompt, then two decodes: the third token is never fed back
+    assert [len(plan.chunks[0].token_ids) for plan in steps] == [3, 1, 1]
+
+
+def test_a_plan_ahead_carries_its_unknown_tokens_as_pending():
+    engine = _engine(True)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()  # the prompt runs, the first decode is launched ahead of its token
+    ahead = engine._running.plan
+    assert ahead.chunks[0].token_ids == (PENDING,) and ahead.chunks[0].start == 3
+
+
+def test_async_scheduling_on_several_ranks_is_refused_in_one_line():
+    from shiftlm.serve.options import ServeOptions
+
+    with pytest.raises(ConfigError, match="--async-scheduling runs on one rank"):
+        replace(ServeOptions(model="m", tp=2), async_scheduling=True)._check_flags()
+
+
+def test_an_engine_over_a_runner_that_cannot_run_ahead_refuses_async_scheduling():
+    class Plain:
+        def execute(self, plan):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="cannot run a step ahead"):
+        Engine(
+            Plain(),
+            SchedulerConfig(num_blocks=8, max_model_len=64),
+            LetterTokenizer(),
+            {EOS},
+            VOCAB,
+            async_scheduling=True,
+        )
+
+
+def test_the_model_runner_running_ahead_gives_the_synchronous_outputs(tmp_path):
+    """The real model on one rank: its runner fills the pending tokens from the previous draws."""
+    from shiftlm import LLM
+    from shiftlm.serve.engine.tokenizer import write_char_tokenizer
+    from shiftlm.tools.tiny import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
+    write_char_tokenizer(model_dir, vocab_size=256)
+    prompts = ["hello there", "ab", "The capital of France is", "x"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=7, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=11),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+    ]
+    results = {}
+    for async_scheduling in (False, True):
+        with LLM(str(model_dir), num_blocks=32, block_size=4, async_scheduling=async_scheduling) as llm:
+            runner, ahead = llm._runner, []
+            execute = runner.execute
+
+            def counted(plan, pending=None, execute=execute, ahead=ahead):
+                ahead.append(pending is not None)
+                return execute(plan, pending) if pending is not None else execute(plan)
+
+            runner.execute = counted
+            outputs = llm.generate(prompts, params)
+            assert sum(ahead) > (5 if async_scheduling else -1) and (async_scheduling or not any(ahead))
+            results[async_scheduling] = [
+                (s.token_ids, s.text, s.finish_reason, s.logprobs) for out in outputs for s in out.outputs
+            ]
+    assert results[True] == results[False]
