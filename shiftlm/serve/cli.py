@@ -111,7 +111,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "--async-scheduling",
         action="store_true",
         help="schedule each step while the previous one runs, its tokens read on the device (vLLM's "
-        "flag); one rank (--tp 1 --sp 1); off by default until measured on a GPU (docs/serving.md)",
+        "flag); off by default until measured on a GPU (docs/serving.md)",
     )
     parser.add_argument(
         "--attention-backend",

@@ -48,7 +48,7 @@ class ServeOptions:
     max_tokens_per_step: int = 256
     max_pending: int = 512
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
-    async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py); one rank
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
     attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
     port: int = 8000
@@ -246,11 +246,6 @@ class ServeOptions:
             )
         if self.mode not in MODE_NAMES:
             raise ConfigError(f"--mode {self.mode!r} is not one of {', '.join(MODE_NAMES)}")
-        if self.async_scheduling and self.tp * self.sp > 1:
-            raise ConfigError(
-                f"--async-scheduling runs on one rank for now (the next step's tokens stay on rank 0's "
-                f"device), not --tp {self.tp} --sp {self.sp}: drop --async-scheduling or serve on one rank"
-            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"--attention-backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"

@@ -64,6 +64,13 @@ class _Launched:
     draw: Draw | None = None
     picks: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # `draw` failed: row by row
 
+    def token(self, seq_id: int) -> torch.Tensor:
+        """The token this step drew for one sequence, [1], where it was drawn."""
+        i = self.pending_row[seq_id]
+        if self.draw is None:
+            return torch.tensor([self.picks[i][0]], dtype=torch.long)
+        return self.draw.tokens[i : i + 1]
+
     def pending_tokens(self, plan: StepPlan) -> torch.Tensor | None:
         """This step's draws that `plan` (the next step) carries as `PENDING`, in the plan's order."""
         index = [
@@ -263,11 +270,8 @@ class Engine:
 
     def _can_run_ahead(self, current: _Launched) -> bool:
         """Step N+1 may be scheduled before N's tokens are read: every request N draws for is one plain
-        sequence whose next draw does not read its own tokens."""
-        return all(
-            isinstance(request, SingleRequest) and not request.seq.params.reads_own_tokens
-            for request, _ in current.drawing
-        )
+        sequence (a stream group's next timestep depends on which of its streams stopped)."""
+        return all(isinstance(request, SingleRequest) for request, _ in current.drawing)
 
     def _launch(self, plan: StepPlan, previous: _Launched | None = None) -> _Launched:
         """Run `plan` and draw its tokens, reading nothing back. `previous`: the step still running,
@@ -299,6 +303,8 @@ class Engine:
             except Exception:  # noqa: BLE001 - this request fails alone
                 launched.failed[request.request_id] = traceback.format_exc()
                 continue
+            if previous is not None and seq.params.reads_own_tokens and seq.seq_id in previous.pending_row:
+                mine = [replace(r, pending=previous.token(seq.seq_id)) for r in mine]  # penalties read it
             if self.async_scheduling and isinstance(request, SingleRequest):
                 seq.num_pending += 1  # counted in its tokens until `_finish` appends it
                 launched.pending_row[seq.seq_id] = len(launched.rows)

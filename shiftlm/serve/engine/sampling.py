@@ -45,6 +45,13 @@ class SampleRow:
     generator: torch.Generator | None
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    # the token the step still running drew for this sequence ([1], on the device; asynchronous
+    # scheduling): the last of its outputs, not yet in `output_ids`
+    pending: torch.Tensor | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids) + (self.pending is not None)
 
 
 @dataclass(frozen=True)
@@ -92,13 +99,19 @@ def filter_logits(
     return out.squeeze(0) if squeeze else out
 
 
-def _history(sequences: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """Counts [rows, vocab] of each row's tokens (one scatter_add over a padded id tensor)."""
+def _history(sequences: list[Sequence[int]], rows: list[SampleRow], vocab: int, device) -> torch.Tensor:
+    """Counts [rows, vocab] of each row's tokens (one scatter_add over a padded id tensor), its pending
+    token included (added on the device: the host does not know it yet)."""
     width = max((len(s) for s in sequences), default=0)
     padded = [list(tokens) + [vocab] * (width - len(tokens)) for tokens in sequences]
     ids = torch.tensor(padded, dtype=torch.long, device=device).view(len(sequences), width)
     counts = torch.zeros(len(sequences), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    waiting = [i for i, row in enumerate(rows) if row.pending is not None]
+    if waiting:
+        tokens = torch.cat([rows[i].pending.to(device) for i in waiting])
+        where = (torch.tensor(waiting, device=device), tokens)
+        counts.index_put_(where, torch.ones(len(waiting), device=device), accumulate=True)
     return counts[:, :vocab]
 
 
@@ -112,17 +125,17 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -
         index = (torch.tensor(where, device=x.device), torch.tensor(ids, device=x.device))
         x.index_put_(index, torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=True)
     for i, row in enumerate(rows):
-        if len(row.output_ids) < row.params.min_tokens and eos_ids:
+        if row.num_outputs < row.params.min_tokens and eos_ids:
             x[i, torch.tensor(sorted(eos_ids), device=x.device)] = float("-inf")
     repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype, device=x.device)
     if any(row.params.repetition_penalty != 1.0 for row in rows):  # decided from the params: no sync
-        seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], vocab, x.device) > 0
+        seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], rows, vocab, x.device) > 0
         penalty = repetition.unsqueeze(1).expand_as(x)
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
     frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=x.dtype, device=x.device)
     presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=x.dtype, device=x.device)
     if any(row.params.frequency_penalty != 0 or row.params.presence_penalty != 0 for row in rows):
-        counts = _history([r.output_ids for r in rows], vocab, x.device)
+        counts = _history([r.output_ids for r in rows], rows, vocab, x.device)
         x = x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(x.dtype)
     return x
 
@@ -249,7 +262,7 @@ def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
     params = row.params
     return bool(
         params.logit_bias
-        or (eos_ids and len(row.output_ids) < params.min_tokens)
+        or (eos_ids and row.num_outputs < params.min_tokens)
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0
         or params.presence_penalty != 0

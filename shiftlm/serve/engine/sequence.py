@@ -96,8 +96,8 @@ class SamplingParams:
 
     @property
     def reads_own_tokens(self) -> bool:
-        """Drawing the next token reads the tokens drawn so far (penalties, min_tokens): asynchronous
-        scheduling then waits for the previous token instead of drawing ahead of it."""
+        """Drawing the next token reads the tokens drawn so far (penalties, min_tokens): a draw ahead
+        of the previous token's read takes that token from the device (`SampleRow.pending`)."""
         return (
             self.min_tokens > 0
             or self.repetition_penalty != 1.0

@@ -156,17 +156,11 @@ class ModelRunner:
             shift_model.graphs.capture_all()
         return cls(config, shift_model, mesh, shm_collectives)
 
-    @property
-    def runs_ahead(self) -> bool:
-        """Whether `execute` takes a plan's `PENDING` tokens from the device (one rank: the previous
-        step's draws are on this rank's device; other ranks would need them sent)."""
-        return self.mesh.shift.size == 1
+    runs_ahead = True  # `execute` takes a plan's PENDING tokens from the device (async scheduling)
 
     def execute(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor:
         """Rank 0: run `plan` on all ranks; logits [plan.num_samples, vocab_size]. `pending`: the
-        plan's `PENDING` tokens in order (`runs_ahead`), where the previous step drew them."""
-        if pending is not None and not self.runs_ahead:
-            raise ValueError("a plan with pending tokens runs on one rank only (ModelRunner.runs_ahead)")
+        plan's `PENDING` tokens in order, where the previous step drew them (rank 0's device)."""
         message = encode_plan(plan)
         self._send(message)
         logits = self._run(message, pending)[:, : self.model_config.vocab_size]
@@ -231,17 +225,32 @@ class ModelRunner:
             inv_freq=self._inv_freq,
         )
         device = self.mesh.device
-        where = (batch.token_ids == PENDING).nonzero().flatten() if pending is not None else None
+        where = (batch.token_ids == PENDING).nonzero().flatten()  # on the host: no read
         batch = batch.to(device)
-        if where is not None:  # the previous step's draws, still on the device: no read
+        if where.numel():  # the previous step's draws, still on the device
+            pending = self._share_pending(pending, where.numel())
             index = (where.to(device, non_blocking=True),)
-            ids = batch.token_ids.index_put(index, pending.to(device, non_blocking=True))
-            batch = replace(batch, token_ids=ids)
+            batch = replace(batch, token_ids=batch.token_ids.index_put(index, pending))
         mine = self.shift_model.forward(batch, mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column
             return mine
         vocab = self.model_config.vocab_size
         return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp, vocab)
+
+    def _share_pending(self, pending: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Rank 0's pending tokens (the draws it has not read) on every rank's device: one broadcast
+        of `count` ints, device to device (NCCL on GPUs), so no rank waits for the host."""
+        device = self.mesh.device
+        if pending is not None:
+            pending = pending.to(device, non_blocking=True)
+        if self.mesh.shift.size == 1:
+            return pending
+        tokens = pending if pending is not None else torch.empty(count, dtype=torch.long, device=device)
+        if device.type == "cpu":
+            self._broadcast(tokens, self.mesh.shift.ranks[0])
+        else:
+            dist.broadcast(tokens, src=self.mesh.shift.ranks[0], group=self.mesh.shift.pg)
+        return tokens
 
 
 def _blocks_from_memory(
