@@ -5,6 +5,8 @@ strings, EOS, aborts, preemption, prefix caching), and nothing leaks."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -269,3 +271,55 @@ def test_the_model_runner_running_ahead_gives_the_synchronous_outputs(model_dir,
             ]
             assert sum(ahead) > 5 if async_scheduling else not any(ahead)
     assert results[True] == results[False]
+
+
+def test_a_server_running_ahead_under_load_finishes_everything_and_gives_back_every_block(model_dir):
+    """`shiftlm serve --async-scheduling` at sp 2 on a cache of 16 blocks (a plan ahead makes a sequence
+    wait where a synchronous one would preempt): 60 concurrent greedy streams, a third of them dropped
+    by their clients midway; the rest run to max_tokens and equal their text alone."""
+    import asyncio
+
+    import httpx
+
+    from shiftlm.serve.local_server import local_server
+
+    args = f"--model {model_dir} --sp 2 --shift-threshold 8 --num-blocks 16 --block-size 8 --async-scheduling --served-model-name tiny"
+
+    def body(i: int, stream: bool) -> dict:
+        return {
+            "model": "tiny",
+            "prompt": f"{i} {i}",
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+
+    async def one(client: httpx.AsyncClient, i: int) -> str | None:
+        text, finish = "", None
+        async with client.stream("POST", "/v1/completions", json=body(i, True)) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"]
+                    if i % 3 == 0 and len(text) >= 4:
+                        return None  # the client goes away: its request is aborted mid-flight
+        return text if finish == "length" else None
+
+    async def main(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(60)))
+
+    with local_server(args.split(), log_path=str(model_dir.parent / "async-server.log")) as live:
+        texts = asyncio.run(main(live.url))
+        alone = {
+            i: httpx.post(f"{live.url}/v1/completions", json=body(i, False), timeout=120) for i in (1, 29, 59)
+        }
+        metrics = httpx.get(f"{live.url}/metrics", timeout=30).text
+    assert all(texts[i] is not None for i in range(60) if i % 3)  # each ran to max_tokens
+    assert {i: texts[i] for i in alone} == {i: r.json()["choices"][0]["text"] for i, r in alone.items()}
+    values = {line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines() if line[:1] != "#"}
+    assert values["shiftlm_kv_cache_usage_ratio"] == 0.0  # every block came back
+    assert values["shiftlm_num_requests_running"] == 0.0
