@@ -101,6 +101,7 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         compile_decode: bool = False,
         attention_backend: str = "auto",
+        compile_mixed: bool | None = None,
         gemv_rows: int | None = None,
         model_config: ModelConfig | None = None,
         shm_collectives: bool = True,
@@ -120,7 +121,8 @@ class ModelRunner:
         `memory` = (utilization, activation bytes) leaves once the weights are loaded, the same on
         every rank of the group (the smallest). On CUDA with `compile_decode`, decode steps of up to
         `max_num_seqs` sequences and `max_model_len` tokens replay CUDA graphs (decode_graphs.py),
-        which take one more KV block (a scratch block for padding rows)."""
+        which take one more KV block (a scratch block for padding rows). `compile_mixed`: the other
+        steps compiled too (`CompiledMixed`; None: with `compile_decode` on CUDA)."""
         backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -144,9 +146,20 @@ class ModelRunner:
             graphs,
         )
         cache.kernel = _attention_kernel(backend, mesh.device)
-        shift_model = ShiftModel(model, mesh, cache, compile_decode=compile_decode, gemv_rows=gemv_rows)
+        shift_model = ShiftModel(
+            model,
+            mesh,
+            cache,
+            compile_decode=compile_decode,
+            gemv_rows=gemv_rows,
+            compile_mixed=compile_mixed,
+        )
         if shift_model.compiled is not None and not shift_model.compiled.warm_up():
             shift_model.compiled = None  # it could not build (warned): every step runs eagerly
+        if shift_model.compiled_mixed is not None and not shift_model.compiled_mixed.warm_up(
+            _prefill_over_block_0(cache, config).to(mesh.device)
+        ):
+            shift_model.compiled_mixed = None
         if shift_model.compiled is not None and graphs:
             tokens = max_model_len or config.max_position_embeddings  # the longest context a step can have
             longest = min(num_blocks, -(-tokens // block_size))
@@ -251,6 +264,18 @@ class ModelRunner:
         else:
             dist.broadcast(tokens, src=self.mesh.shift.ranks[0], group=self.mesh.shift.pg)
         return tokens
+
+
+def _prefill_over_block_0(cache: PagedKVCache, config: ModelConfig):
+    """A made-up step for warm-ups: a 2-token prompt written to block 0 (and 1), its last row sampled."""
+    from shiftlm.serve.plan import Mode, ScheduledChunk
+
+    blocks = (0,) if cache.block_size >= 2 else (0, 1)
+    chunk = ScheduledChunk(0, (0, 0), 0, blocks, True)
+    tables = BlockTables(max_blocks_per_seq=len(blocks), device="cpu")
+    return decode_plan(
+        encode_plan(StepPlan(0, Mode.TP, (chunk,))), tables, cache.block_size, 1, config.sliding_window
+    )[2]
 
 
 def _blocks_from_memory(

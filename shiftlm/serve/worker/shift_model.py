@@ -28,7 +28,7 @@ from shiftlm.model.moe import SparseMoE
 from shiftlm.model.ops import InferenceOps
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
-from shiftlm.serve.worker.compiled_step import CompiledDecode
+from shiftlm.serve.worker.compiled_step import CompiledDecode, CompiledMixed
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
 from shiftlm.serve.worker.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
@@ -47,7 +47,11 @@ class ShiftModel:
         pack_weights: bool = True,
         compile_decode: bool = False,
         gemv_rows: int | None = None,
+        compile_mixed: bool | None = None,
     ):
+        """`compile_mixed`: steps that are not pure decodes as one compiled graph (`CompiledMixed`;
+        None: with `compile_decode` on CUDA, where eager would launch every small op; on the CPU the
+        eager step's oneDNN GEMMs and kernels are the faster ones, tests turn it on)."""
         config = model.config
         self.model, self.mesh, self.cache, self.config = model, mesh, cache, config
         sp = mesh.config.sp
@@ -90,6 +94,16 @@ class ShiftModel:
         self.compiled = (
             CompiledDecode(model, cache, max_seqs, cuda, self.full_tp, self.head_view) if compiled else None
         )
+        if compile_mixed is None:
+            compile_mixed = compile_decode and cuda
+        mixed = compile_mixed and CompiledDecode.supports(model)
+        mixed = mixed and (
+            compiled
+            or compile_usable(
+                "true", model.head_weight.device, "the compiled mixed step", "--enforce-eager silences this"
+            )
+        )
+        self.compiled_mixed = CompiledMixed(model, cache, self.full_tp, self.head_view) if mixed else None
         # decode steps replayed from CUDA graphs over the compiled step (decode_graphs.py; the runner
         # captures them after the compiles)
         self.graphs: DecodeGraphs | None = None
@@ -106,6 +120,8 @@ class ShiftModel:
             return self.graphs(batch)
         if self.compiled is not None and self.compiled.applies(batch, mode):
             return self.compiled(batch)
+        if self.compiled_mixed is not None and self.compiled_mixed.applies(batch, mode):
+            return self.compiled_mixed(batch)
         out = self._forward(batch, mode)
         if self.moe_layers:
             self.expert_rows = self._expert_rows(mode)
