@@ -5,6 +5,8 @@ until the device catches up and rule out CUDA graphs. Recorded with a dispatch m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,6 +157,7 @@ def test_sampling_a_step_reads_the_device_once(monkeypatch):
         SampleRow(i, p, make_generator(p, 0), prompt_ids=(1, 2, 3), output_ids=(4, 4))
         for i, p in enumerate(params)
     ]
+    rows[3] = replace(rows[3], pending=torch.tensor([7]))  # a token the step running ahead drew
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append("tolist"), tolist(t))[1])
@@ -168,3 +171,49 @@ def test_sampling_a_step_reads_the_device_once(monkeypatch):
     assert result.logprobs[1] is not None and len(result.logprobs[1].top) == 3
     assert result.logprobs[4] is not None and result.logprobs[4].top == ()
     assert result.logprobs[0] is None
+
+
+def test_sampling_copies_to_the_device_without_waiting_for_it(monkeypatch):
+    """A host-to-device copy that is not `non_blocking` waits for the whole stream (the model's step
+    included): the sampler builds every small tensor on the host and copies it asynchronously
+    (`sampling._on`), so with asynchronous scheduling the host is free while the next step runs.
+    Checked without a GPU by what the calls ask: no `torch.tensor(..., device=)`, no blocking `.to`."""
+    from shiftlm.serve.engine import sampling
+    from shiftlm.serve.engine.sampling import SampleRow, draw_rows, make_generator
+    from shiftlm.serve.engine.sequence import SamplingParams
+
+    blocking = []
+    for name in ("tensor", "as_tensor"):
+        made = getattr(torch, name)
+
+        def spy(*args, made=made, name=name, **kwargs):
+            if kwargs.get("device") is not None:
+                blocking.append(f"torch.{name}(device=...)")
+            return made(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    to = torch.Tensor.to
+
+    def spy_to(tensor, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)) and not kwargs.get("non_blocking", False):
+            blocking.append(".to(device) blocking")
+        return to(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    params = [
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=2),
+        SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0.5, logit_bias=((3, 2.0),), min_tokens=5, frequency_penalty=0.3),
+    ]
+    rows = [
+        SampleRow(i, p, make_generator(p, 0), (1, 2), (3,), torch.tensor([4])) for i, p in enumerate(params)
+    ]
+    draw = draw_rows(torch.randn(3, 40), rows, eos_ids={0})
+    assert blocking == [], blocking
+    assert len(draw.result().tokens) == 3
+    monkeypatch.setattr(
+        sampling, "_on", lambda device, values, dtype: torch.tensor(values, dtype=dtype, device=device)
+    )
+    draw_rows(torch.randn(3, 40), rows, eos_ids={0})  # the planted synchronous copies are seen
+    assert blocking and all(b == "torch.tensor(device=...)" for b in blocking)

@@ -78,6 +78,15 @@ def make_generator(params: SamplingParams, sample_index: int) -> torch.Generator
     return generator
 
 
+def _on(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
+    """Host values (a list, a number, or a tensor) as a tensor on `device`, without waiting for the
+    device: made on the host, then copied asynchronously. `torch.tensor(values, device=cuda)` copies
+    synchronously, i.e. waits for everything queued on the stream before it, the model's step
+    included, which would leave nothing for asynchronous scheduling to overlap."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return tensor.to(device=device, dtype=dtype, non_blocking=True)
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: int | torch.Tensor, top_p: float | torch.Tensor
 ) -> torch.Tensor:
@@ -86,8 +95,8 @@ def filter_logits(
     squeeze = logits.dim() == 1
     x = logits.unsqueeze(0) if squeeze else logits
     rows, vocab = x.shape
-    k = torch.as_tensor(top_k, dtype=torch.long, device=x.device).expand(rows)
-    p = torch.as_tensor(top_p, dtype=x.dtype, device=x.device).expand(rows)
+    k = _on(x.device, top_k, torch.long).expand(rows)
+    p = _on(x.device, top_p, x.dtype).expand(rows)
     k = torch.where((k <= 0) | (k > vocab), vocab, k)  # (a boolean-mask store would read the mask back)
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
     drop = torch.arange(vocab, device=x.device).unsqueeze(0) >= k.unsqueeze(1)  # ranks past k
@@ -104,13 +113,13 @@ def _history(sequences: list[Sequence[int]], rows: list[SampleRow], vocab: int, 
     token included (added on the device: the host does not know it yet)."""
     width = max((len(s) for s in sequences), default=0)
     padded = [list(tokens) + [vocab] * (width - len(tokens)) for tokens in sequences]
-    ids = torch.tensor(padded, dtype=torch.long, device=device).view(len(sequences), width)
+    ids = _on(device, padded, torch.long).view(len(sequences), width)
     counts = torch.zeros(len(sequences), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     waiting = [i for i, row in enumerate(rows) if row.pending is not None]
     if waiting:
-        tokens = torch.cat([rows[i].pending.to(device) for i in waiting])
-        where = (torch.tensor(waiting, device=device), tokens)
+        tokens = torch.cat([rows[i].pending.to(device, non_blocking=True) for i in waiting])
+        where = (_on(device, waiting, torch.long), tokens)
         counts.index_put_(where, torch.ones(len(waiting), device=device), accumulate=True)
     return counts[:, :vocab]
 
@@ -122,18 +131,18 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -
     biased = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias]
     if biased:
         where, ids, values = zip(*biased)
-        index = (torch.tensor(where, device=x.device), torch.tensor(ids, device=x.device))
-        x.index_put_(index, torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=True)
+        index = (_on(x.device, where, torch.long), _on(x.device, ids, torch.long))
+        x.index_put_(index, _on(x.device, values, x.dtype), accumulate=True)
     for i, row in enumerate(rows):
         if row.num_outputs < row.params.min_tokens and eos_ids:
-            x[i, torch.tensor(sorted(eos_ids), device=x.device)] = float("-inf")
-    repetition = torch.tensor([row.params.repetition_penalty for row in rows], dtype=x.dtype, device=x.device)
+            x[i, _on(x.device, sorted(eos_ids), torch.long)] = float("-inf")
+    repetition = _on(x.device, [row.params.repetition_penalty for row in rows], x.dtype)
     if any(row.params.repetition_penalty != 1.0 for row in rows):  # decided from the params: no sync
         seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], rows, vocab, x.device) > 0
         penalty = repetition.unsqueeze(1).expand_as(x)
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-    frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=x.dtype, device=x.device)
-    presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=x.dtype, device=x.device)
+    frequency = _on(x.device, [row.params.frequency_penalty for row in rows], x.dtype)
+    presence = _on(x.device, [row.params.presence_penalty for row in rows], x.dtype)
     if any(row.params.frequency_penalty != 0 or row.params.presence_penalty != 0 for row in rows):
         counts = _history([r.output_ids for r in rows], rows, vocab, x.device)
         x = x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(x.dtype)
@@ -204,28 +213,24 @@ def draw_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = f
         return _draw(None, torch.empty(0, dtype=torch.long, device=logits.device), [])
     device = logits.device
     index = [row.logits_row for row in rows]
-    raw = logits if index == list(range(logits.shape[0])) else logits[torch.tensor(index, device=device)]
+    raw = logits if index == list(range(logits.shape[0])) else logits[_on(device, index, torch.long)]
     raw = raw.float()
     # the common case (no penalty, bias or min_tokens on any row) neither copies nor scans the logits
     x = apply_penalties(raw.clone(), rows, eos_ids) if any(_penalized(r, eos_ids) for r in rows) else raw
     tokens = torch.argmax(x, dim=-1)
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]  # known on the host: no sync
     if drawn:
-        take = torch.tensor(drawn, device=device)
-        temperature = torch.tensor(
-            [max(rows[i].params.temperature, GREEDY_BELOW) for i in drawn], device=device
+        take = _on(device, drawn, torch.long)
+        temperature = _on(
+            device, [max(rows[i].params.temperature, GREEDY_BELOW) for i in drawn], torch.float32
         )
         scaled = x[take] / temperature.unsqueeze(1)
         # top_k past the vocabulary keeps every token (as vLLM clamps it); never overflows int64
         narrow = [j for j, i in enumerate(drawn) if rows[i].params.top_k > 0 or rows[i].params.top_p < 1.0]
         if narrow:  # sorting the vocab is the costly part: only rows that filter pay it
-            top_k = torch.tensor(
-                [min(rows[drawn[j]].params.top_k, x.shape[1]) for j in narrow], device=device
-            )
-            top_p = torch.tensor(
-                [rows[drawn[j]].params.top_p for j in narrow], dtype=scaled.dtype, device=device
-            )
-            which = torch.tensor(narrow, device=device)
+            top_k = _on(device, [min(rows[drawn[j]].params.top_k, x.shape[1]) for j in narrow], torch.long)
+            top_p = _on(device, [rows[drawn[j]].params.top_p for j in narrow], scaled.dtype)
+            which = _on(device, narrow, torch.long)
             scaled[which] = filter_logits(scaled[which], top_k, top_p)
         probs = torch.softmax(scaled, dim=-1).nan_to_num(0.0)
         race = probs / _exponentials([rows[i].generator for i in drawn], probs)
@@ -253,7 +258,7 @@ def _exponentials(generators: list[torch.Generator | None], probs: torch.Tensor)
                 for j in seeded
             ]
         )
-        noise[torch.tensor(seeded, device=probs.device)] = host.to(probs.device, non_blocking=True)
+        noise[_on(probs.device, seeded, torch.long)] = host.to(probs.device, non_blocking=True)
     return noise
 
 
@@ -272,7 +277,7 @@ def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
 def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> list[TokenLogprob]:
     """Logprob of each `next_ids[i]` under logits row i (the token the prompt actually has next)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.as_tensor(list(next_ids), dtype=torch.long, device=logprobs.device)
+    chosen = _on(logprobs.device, list(next_ids), torch.long)
     result = _draw(logprobs, chosen, [k] * len(next_ids)).result()
     return [entry for entry in result.logprobs if entry is not None]
 
