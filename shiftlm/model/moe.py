@@ -115,6 +115,14 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return dtype_ok and aligned and all(w.dtype == x.dtype for w in weights)
 
 
+def expert_counts(choice: torch.Tensor, experts: int) -> torch.Tensor:
+    """Rows per expert [experts] of the expert ids `choice` (all < experts). A scatter-add into a fixed
+    size, not `bincount`, whose output size depends on the data: on a GPU it reads the maximum back
+    to the host, a sync in every MoE layer of every step."""
+    counts = torch.zeros(experts, dtype=torch.long, device=choice.device)
+    return counts.scatter_add_(0, choice, torch.ones_like(choice))
+
+
 def grouped_swiglu(
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -192,7 +200,7 @@ class SparseMoE(nn.Module):
         weights, index = torch.topk(probs, self.top_k, dim=-1)
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        counts = torch.bincount(index.flatten(), minlength=self.config.num_experts).to(probs.dtype)
+        counts = expert_counts(index.flatten(), self.config.num_experts).to(probs.dtype)
         self.router_stats = (counts, probs.sum(dim=0), x.shape[0])
         return weights.to(x.dtype), index
 
@@ -235,7 +243,7 @@ class SparseMoE(nn.Module):
         choice = index.flatten()
         order = torch.argsort(choice, stable=True)
         token = order // self.top_k
-        rows = torch.bincount(choice, minlength=self.config.num_experts)
+        rows = expert_counts(choice, self.config.num_experts)
         out = self.experts_forward(x[token], rows, full_tp) * weights.flatten()[order].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add(0, token, out)
 
@@ -320,7 +328,7 @@ class SparseMoE(nn.Module):
         choice = expert.masked_fill(~mine, local).flatten()  # other ranks' experts sort last
         keep = torch.argsort(choice, stable=True)[: int(mine.sum())]
         token = keep // self.top_k
-        rows = torch.bincount(choice[keep], minlength=local)
+        rows = expert_counts(choice[keep], local)
         y = grouped_swiglu(tokens[token], rows, *self.stacked_weights(), grouped=self.grouped)
         y = y * gathered_weights.flatten()[keep].unsqueeze(-1)
         return reduce_scatter_along(tokens.new_zeros(tokens.shape).index_add(0, token, y), ep, 0)

@@ -56,14 +56,24 @@ def _decode_plans():
     return StepPlan(0, Mode.TP, (prefill, other)), StepPlan(1, Mode.TP, decode)
 
 
-@pytest.mark.parametrize("backend", ["auto", "sdpa", "planted"])
-def test_a_decode_step_reads_nothing_back_inside_the_layers(tmp_path, monkeypatch, backend):
-    """`planted`: a layer that calls `.item()` is caught (the check can fail)."""
+@pytest.mark.parametrize(
+    "backend, family",
+    [
+        ("auto", "llama-gqa"),
+        ("sdpa", "llama-gqa"),
+        ("planted", "llama-gqa"),
+        ("auto", "mixtral"),
+        ("auto", "qwen2-moe"),
+    ],
+)
+def test_a_decode_step_reads_nothing_back_inside_the_layers(tmp_path, monkeypatch, backend, family):
+    """`planted`: a layer that calls `.item()` is caught (the check can fail). Mixtures of experts too:
+    routing, the rows per expert (a fixed-size scatter-add, not `bincount`) and the grouped GEMMs."""
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
-    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    model_dir = make_tiny_checkpoint(tmp_path / "m", family)
     attention = "auto" if backend == "planted" else backend
     runner = ModelRunner.load(
         model_dir, Mesh(ParallelConfig()), num_blocks=16, block_size=4, attention_backend=attention
