@@ -73,17 +73,19 @@ def test_a_row_whose_sampling_raises_fails_its_request_alone(monkeypatch):
     they get alone, and only the poisoned request gets StepFailed."""
     from shiftlm.serve.engine import core as engine_module
 
-    real = engine_module.sample_rows
+    def poison(real):
+        def poisoned(logits, rows, eos_ids=frozenset()):
+            if any(row.params.seed == 666 for row in rows):
+                raise OverflowError("planted: this row cannot be sampled")
+            return real(logits, rows, eos_ids)
 
-    def poisoned(logits, rows, eos_ids=frozenset()):
-        if any(row.params.seed == 666 for row in rows):
-            raise OverflowError("planted: this row cannot be sampled")
-        return real(logits, rows, eos_ids)
+        return poisoned
 
     fatal: list = []
     engine = _async_engine(multi_rank=False, fatal=fatal)
     alone = asyncio.run(_collect(engine, [1, 2, 3]))
-    monkeypatch.setattr(engine_module, "sample_rows", poisoned)
+    for name in ("draw_rows", "sample_rows"):  # the step's one draw, then its row-by-row retry
+        monkeypatch.setattr(engine_module, name, poison(getattr(engine_module, name)))
 
     async def main():
         bad = SamplingParams(max_tokens=5, temperature=1.0, seed=666)
