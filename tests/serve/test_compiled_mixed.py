@@ -108,3 +108,23 @@ def test_compiled_full_tp_mixed_steps_on_two_ranks_equal_the_eager_step(ranks, t
     assert results[0]["worst"] <= 1e-5, results[0]
     assert [r["steps"] for r in results] == [5, 5]  # the full-TP steps, on both ranks
     assert all(r["same_cache"] for r in results)
+
+
+def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning(tmp_path, monkeypatch, caplog):
+    """An untried platform where tracing fails (not only inductor): the server still starts and serves."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker import compiled_step
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    def untraceable(*args):
+        raise torch._dynamo.exc.Unsupported("planted: an op dynamo cannot trace here")
+
+    monkeypatch.setattr(compiled_step, "mixed_step", untraceable)
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    with caplog.at_level("WARNING"):
+        runner = ModelRunner.load(model_dir, Mesh(ParallelConfig()), 32, BLOCK, compile_mixed=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert runner.shift_model.compiled_mixed is None
+    assert len(warnings) == 1 and "mixed step could not be built (Unsupported" in warnings[0]
+    assert runner.execute(mixed_steps(Mode.TP)[0]).shape[0] == 2

@@ -211,7 +211,8 @@ class CompiledDecode:
     def warm_up(self) -> bool:
         """Compile now, one graph per batch size it applies to (any context length), on a dummy step
         that writes slots of block 0, then zero the cache; one log line each. False (after one warning
-        line) where inductor fails to build: the caller then runs the eager step."""
+        line) where it cannot be built (inductor fails, or tracing on a platform not tried): the caller
+        then runs the eager step, so an untried GPU still serves."""
         device, window = self.cache.storage.device, self.model.config.sliding_window or 0
         announce = int(os.environ.get("RANK", "0")) == 0  # one rank says it, before the wait
         if announce:
@@ -244,10 +245,11 @@ class CompiledDecode:
                     torch._dynamo.mark_dynamic(tensor, 0, min=2, max=MAX_BATCH)
             try:
                 self.run(*args)
-            except torch._dynamo.exc.BackendCompilerFailed as err:
+            except Exception as err:  # noqa: BLE001 - inductor, or tracing on an untried platform
                 log.warning(
-                    "the compiled decode step: inductor failed (%s); decoding eagerly",
-                    str(err).splitlines()[0],
+                    "the compiled decode step could not be built (%s: %s); decoding eagerly",
+                    type(err).__name__,
+                    (str(err).splitlines() or [""])[0],
                 )
                 self.cache.storage.zero_()
                 return False
@@ -349,9 +351,11 @@ class CompiledMixed:
         torch._dynamo.decorators.mark_unbacked(batch.sample_rows, 0)
         try:
             self(batch)
-        except torch._dynamo.exc.BackendCompilerFailed as err:
+        except Exception as err:  # noqa: BLE001 - inductor, or tracing on an untried platform
             log.warning(
-                "the compiled mixed step: inductor failed (%s); running it eagerly", str(err).splitlines()[0]
+                "the compiled mixed step could not be built (%s: %s); running it eagerly",
+                type(err).__name__,
+                (str(err).splitlines() or [""])[0],
             )
             return False
         finally:
