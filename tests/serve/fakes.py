@@ -43,6 +43,8 @@ class SlotRunner:
         self.plans: list[StepPlan] = []
         self.tables: dict[int, list[int]] = {}  # batch row -> block table, kept from the plans' deltas
         self.streams: list[int] = [-1] * (num_blocks * block_size)  # stream-group tag of each slot
+        self.ahead = 0  # steps run ahead of the previous step's tokens (async scheduling)
+        self.events: list | None = None  # ("execute", step) per call, where a test records the order
 
     def slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
@@ -50,6 +52,9 @@ class SlotRunner:
     runs_ahead = True  # takes a plan's PENDING tokens from the previous step's draws (async scheduling)
 
     def execute(self, plan: StepPlan, pending: torch.Tensor | None = None) -> torch.Tensor:
+        self.ahead += pending is not None
+        if self.events is not None:
+            self.events.append(("execute", plan.step))
         if pending is not None:  # fill them in, in the plan's order, as the model runner does
             fill = iter(pending.tolist())
             chunks = [

@@ -8,52 +8,20 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from shiftlm.serve.engine import sampling
 from shiftlm.serve.engine.core import Engine
-from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.scheduler import SchedulerConfig
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.plan import PENDING
-from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner, reference_greedy
+from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, reference_greedy
+from tests.serve.test_engine import _engine as engine_with
 
 
-class RecordingRunner(SlotRunner):
-    """Counts the steps launched ahead of the previous step's tokens."""
-
-    def __init__(self, *args, events: list | None = None):
-        super().__init__(*args)
-        self.ahead = 0
-        self.events = events
-
-    def execute(self, plan, pending=None):
-        self.ahead += pending is not None
-        if self.events is not None:
-            self.events.append(("execute", plan.step))
-        return super().execute(plan, pending)
-
-
-def _engine(
-    async_scheduling, num_blocks=64, block_size=4, budget=32, max_model_len=64, events=None, **config
-):
-    config = SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_tokens_per_step=budget,
-        max_model_len=max_model_len,
-        policy=ShiftPolicy(8),
-        **config,
-    )
-    runner = RecordingRunner(num_blocks, block_size, events=events)
-    return Engine(
-        runner,
-        config,
-        LetterTokenizer(),
-        eos_token_ids={EOS},
-        vocab_size=VOCAB,
-        async_scheduling=async_scheduling,
-    )
+def _engine(async_scheduling, events=None, **options) -> Engine:
+    engine = engine_with(async_scheduling=async_scheduling, **options)
+    engine.runner.events = events
+    return engine
 
 
 def _run(engine: Engine, max_steps: int = 3000, between=None) -> dict:
@@ -79,31 +47,6 @@ def _summary(results: dict) -> dict:
         )
         for key, outs in results.items()
     }
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    prompts=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=20), min_size=1, max_size=8),
-    max_tokens=st.integers(1, 12),
-    num_blocks=st.integers(8, 24),
-    budget=st.integers(1, 24),
-    prefix_caching=st.booleans(),
-)
-def test_running_ahead_gives_every_request_its_exact_greedy_output_under_any_cache_pressure(
-    prompts, max_tokens, num_blocks, budget, prefix_caching
-):
-    engine = _engine(True, num_blocks, 4, budget, 32, enable_prefix_caching=prefix_caching)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    results = _run(engine)
-    for i, prompt in enumerate(prompts):
-        expected = reference_greedy(prompt, min(max_tokens, 32 - len(prompt)))
-        assert [t for out in results[(f"r{i}", 0)] for t in out.token_ids] == expected
-    assert engine.scheduler.blocks.allocator.num_free == num_blocks  # nothing leaked
-    assert all(seq.num_pending == 0 for seq in engine.scheduler.running)
-    if max_tokens > 2 and budget >= 20:  # room for every prompt's decode: steps ran ahead
-        assert engine.runner.ahead > 0
 
 
 def _mixed_requests(engine: Engine) -> None:

@@ -9,7 +9,9 @@ from shiftlm.serve.engine.sequence import SamplingParams
 from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner, reference_greedy
 
 
-def _engine(num_blocks=64, block_size=4, budget=32, max_model_len=64, **config) -> Engine:
+def _engine(
+    num_blocks=64, block_size=4, budget=32, max_model_len=64, async_scheduling=False, **config
+) -> Engine:
     config = SchedulerConfig(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -19,7 +21,12 @@ def _engine(num_blocks=64, block_size=4, budget=32, max_model_len=64, **config) 
         **config,
     )
     return Engine(
-        SlotRunner(num_blocks, block_size), config, LetterTokenizer(), eos_token_ids={EOS}, vocab_size=VOCAB
+        SlotRunner(num_blocks, block_size),
+        config,
+        LetterTokenizer(),
+        eos_token_ids={EOS},
+        vocab_size=VOCAB,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -37,18 +44,20 @@ def _tokens(outputs) -> list[int]:
     return [t for out in outputs for t in out.token_ids]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     prompts=st.lists(st.lists(st.integers(0, 30), min_size=1, max_size=20), min_size=1, max_size=8),
     max_tokens=st.integers(1, 12),
     num_blocks=st.integers(8, 24),
     budget=st.integers(1, 24),
     prefix_caching=st.booleans(),
+    async_scheduling=st.booleans(),
 )
 def test_every_request_gets_its_exact_greedy_output_under_any_cache_pressure(
-    prompts, max_tokens, num_blocks, budget, prefix_caching
+    prompts, max_tokens, num_blocks, budget, prefix_caching, async_scheduling
 ):
-    engine = _engine(num_blocks, 4, budget, 32, enable_prefix_caching=prefix_caching)
+    """With `async_scheduling` steps run ahead of their tokens (tests/serve/test_async_scheduling.py)."""
+    engine = _engine(num_blocks, 4, budget, 32, async_scheduling, enable_prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
@@ -57,6 +66,9 @@ def test_every_request_gets_its_exact_greedy_output_under_any_cache_pressure(
         expected = reference_greedy(prompt, min(max_tokens, 32 - len(prompt)))
         assert _tokens(results[(f"r{i}", 0)]) == expected
     assert engine.scheduler.blocks.allocator.num_free == num_blocks  # nothing leaked
+    assert all(seq.num_pending == 0 for seq in engine.scheduler.running)
+    if async_scheduling and max_tokens > 2 and budget >= 20:  # room for every decode: steps ran ahead
+        assert engine.runner.ahead > 0
 
 
 def test_a_small_cache_forces_preemption_and_still_every_output_is_exact():
