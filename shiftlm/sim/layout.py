@@ -48,6 +48,11 @@ class Layout(ParallelConfig):
     # HBM bytes per local parameter of the optimizer step (`costs.optimizer_time`): 30 for a fused
     # mixed-precision Adam; Megatron-LM's fp16 optimizer makes more passes (measured.py: 52)
     optimizer_bytes: float = 30.0
+    # HBM bytes per token per layer of the forward's pointwise ops that run unfused beyond the fused
+    # kernels `costs.forward_ops` lists (an eager framework's casts, decomposed norms, RoPE and
+    # repeat_kv copies: `costs.eager_llama_pointwise_bytes`); twice that in the backward and once
+    # more where the recompute replays the pointwise ops ("full", "op"). 0: fused kernels only
+    pointwise_bytes: float = 0.0
 
     def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""

@@ -63,16 +63,19 @@ def grad_accumulation_stage_costs(stage, model: ModelConfig, layout: Layout, har
 
 def activation_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
     """A framework's activation copies beyond the kernels `costs.forward_ops` lists (layout changes,
-    casts): `efficiency.activation_bytes` HBM bytes per token per hidden unit per layer in each
-    forward, twice that in each backward, and the forward's again under full recompute."""
-    if efficiency.activation_bytes <= 0:
+    casts): `efficiency.activation_bytes` HBM bytes per token per hidden unit per layer (a fitted
+    framework parameter) plus `layout.pointwise_bytes` per token per layer (an eager framework's
+    unfused pointwise ops, counted from its source) in each forward, twice that in each backward,
+    and the forward's again where the recompute replays the pointwise ops (full, or per-op SAC)."""
+    per_token = efficiency.activation_bytes * model.hidden_size + layout.pointwise_bytes
+    if per_token <= 0:
         return stage
     stages = len(stage.forward)
     tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
     layers = model.num_layers / stages
-    forward = efficiency.activation_bytes * tokens * model.hidden_size * layers
+    forward = per_token * tokens * layers
     forward /= hardware.hbm_bandwidth * efficiency.memory
-    backward = (2 + (layout.recompute == "full")) * forward
+    backward = (2 + (layout.recompute in ("full", "op"))) * forward
     return replace(
         stage,
         forward=[f + forward for f in stage.forward],
