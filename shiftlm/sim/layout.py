@@ -53,6 +53,9 @@ class Layout(ParallelConfig):
     # repeat_kv copies: `costs.eager_llama_pointwise_bytes`); twice that in the backward and once
     # more where the recompute replays the pointwise ops ("full", "op"). 0: fused kernels only
     pointwise_bytes: float = 0.0
+    # how the ep group's tokens travel: "alltoall" (NCCL all-to-all of every top-k row) or "deepep"
+    # (DeepEP's normal kernels: once per remote node over RDMA, then NVLink; `moe.deepep_dispatch_bytes`)
+    ep_dispatcher: str = "alltoall"
 
     def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""

@@ -121,9 +121,23 @@ def stage_costs(
     sp_links = group_placement(layout, "sp", hardware.gpus_per_node)
     comm = costs.layer_comm_time(model, tokens, shard, tp_links, sp_links, links)
     if layout.ep > 1:  # dispatch and combine all-to-alls of each MoE layer (sim/moe.py)
-        a2a = all_to_all_time(
-            moe.dispatch_bytes(model, layout, width), *moe.ep_placement(layout, hardware.gpus_per_node), links
-        )
+        ep_per_node, ep_nodes = moe.ep_placement(layout, hardware.gpus_per_node)
+        if layout.ep_dispatcher == "deepep" and ep_nodes > 1:
+            # DeepEP's RDMA leg reaches about the NIC's line rate (its published normal-kernel
+            # bottleneck bandwidth on 50 GB/s CX7 NICs: 43-58 GB/s, docs/legacy.md): the
+            # first-principles InfiniBand share, not the one fitted to Selene's 2021 ring all-reduces
+            a2a = moe.deepep_time(
+                model,
+                layout,
+                width,
+                ep_per_node,
+                ep_nodes,
+                links.intra_bandwidth,
+                hardware.inter_node_bandwidth * FIRST_PRINCIPLES.inter_comm,
+                links.inter_latency,
+            )
+        else:
+            a2a = all_to_all_time(moe.dispatch_bytes(model, layout, width), ep_per_node, ep_nodes, links)
         comm += 2 * a2a * moe.moe_share(model)
     exchange = moe.etp_exchange_bytes(model, layout, width)
     if exchange:  # etp != tp: the etp group gathers the dispatched tokens and reduce-scatters outputs
