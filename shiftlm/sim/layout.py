@@ -53,6 +53,11 @@ class Layout(ParallelConfig):
     # repeat_kv copies: `costs.eager_llama_pointwise_bytes`); twice that in the backward and once
     # more where the recompute replays the pointwise ops ("full", "op"). 0: fused kernels only
     pointwise_bytes: float = 0.0
+    # HBM bytes per (unsharded) parameter that ZeRO-3's gathers and reduce-scatters copy outside the
+    # collectives in each micro-batch: 0 where they gather into and scatter from flat buffers the
+    # model's views point at (FSDP1's FlatParameter, shiftlm's own); PyTorch FSDP2 copies each
+    # gathered parameter out and each gradient into its reduce-scatter input (measured.py: 14)
+    zero3_copy_bytes: float = 0.0
     # how the ep group's tokens travel: "alltoall" (NCCL all-to-all of every top-k row) or "deepep"
     # (DeepEP's normal kernels: once per remote node over RDMA, then NVLink; `moe.deepep_dispatch_bytes`)
     ep_dispatcher: str = "alltoall"

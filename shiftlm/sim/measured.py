@@ -252,6 +252,12 @@ GRAND_TETON = power_capped(
 # bias correction (4 + 4) and `+ eps` (4 + 4), `param.addcdiv_(m, denom)` (12 + 4): 84; and
 # `clip_grad_norm_` (max_norm 1.0): the norm's read (4) and the clip's multiply (4 + 4): 96 in all.
 TORCHTITAN_OPTIMIZER_BYTES = 96.0
+# FSDP2 (torch.distributed._composable.fsdp, torch 1963fc8) around its collectives, HBM bytes per
+# unsharded parameter per step: each all-gather's copy-out into the parameters
+# (`split_with_sizes_copy`, read 2 + write 2 in bf16), twice with reshard-after-forward (forward
+# and backward), and the gradients' copy-in to the fp32 reduce-scatter input (`_chunk_cat`, read 2,
+# write 4): 14. (The copy-in of the local shard to the all-gather input is 1/N of a parameter.)
+FSDP2_COPY_BYTES = 14.0
 
 
 def _torchtitan(row: dict) -> Case:
@@ -271,6 +277,7 @@ def _torchtitan(row: dict) -> Case:
         flash_attention=True,
         overlap_grad_sync=True,
         optimizer_bytes=TORCHTITAN_OPTIMIZER_BYTES,
+        zero3_copy_bytes=FSDP2_COPY_BYTES,
         # eager: its RMSNorm, RoPE, repeat_kv and SwiGLU run as separate kernels (no torch.compile)
         pointwise_bytes=eager_llama_pointwise_bytes(PRESETS[row["model"]]),
     )

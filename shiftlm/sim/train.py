@@ -39,7 +39,21 @@ def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, eff
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
     stage = grad_accumulation_stage_costs(stage, model, layout, hardware, efficiency)
+    stage = zero3_copy_stage_costs(stage, model, layout, hardware, efficiency)
     return activation_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+
+
+def zero3_copy_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
+    """ZeRO-3's copies around its collectives: `layout.zero3_copy_bytes` HBM bytes per unsharded
+    parameter of the stage-chunk in each micro-batch, memory-bound, charged to the chunk's
+    backward (the pass that runs most of them: the second gather's copy-out and the gradients'
+    copy-in; with one stage where it lands does not change the step)."""
+    if layout.zero < 3 or layout.zero3_copy_bytes <= 0:
+        return stage
+    chunks = len(stage.forward)
+    per_chunk = stage_params(model, layout) * layout.pp / chunks
+    seconds = per_chunk * layout.zero3_copy_bytes / (hardware.hbm_bandwidth * efficiency.memory)
+    return replace(stage, backward_input=[i + seconds for i in stage.backward_input])
 
 
 def grad_accumulation_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):

@@ -206,3 +206,24 @@ def test_torchtitans_eager_ops_cost_what_its_compiled_rows_save():
         eager_step = simulate_step(case.model, case.layout, case.hardware, FITTED, "bf16").step_time
         fused_step = simulate_step(case.model, fused, case.hardware, FITTED, "bf16").step_time
         assert eager_step - fused_step == pytest.approx(saved, rel=0.20)
+
+
+def test_fsdp2s_copies_cost_their_bytes_at_hbm_bandwidth():
+    """FSDP2's copy-out of each all-gather (twice: forward and backward) and the gradients' cast into
+    the fp32 reduce-scatter input: 14 bytes per unsharded parameter per micro-batch at the memory
+    rate; ZeRO-1/2 layouts take none."""
+    from shiftlm.sim.memory import stage_params
+
+    case = load_cases(default_data_dir(), ["torchtitan_h100"])["torchtitan_h100"][0]
+    assert case.layout.zero3_copy_bytes == 14.0
+    without = replace(case.layout, zero3_copy_bytes=0.0)
+    step = simulate_step(case.model, case.layout, case.hardware, FITTED, "bf16").step_time
+    base = simulate_step(case.model, without, case.hardware, FITTED, "bf16").step_time
+    expected = 14.0 * stage_params(case.model, case.layout) / (case.hardware.hbm_bandwidth * FITTED.memory)
+    assert step - base == pytest.approx(expected, rel=1e-6)
+    zero1 = replace(case.layout, zero=1)
+    assert simulate_step(case.model, zero1, case.hardware, FITTED, "bf16").step_time == pytest.approx(
+        simulate_step(
+            case.model, replace(zero1, zero3_copy_bytes=0.0), case.hardware, FITTED, "bf16"
+        ).step_time
+    )
