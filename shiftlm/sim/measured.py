@@ -315,8 +315,9 @@ def _megatron_core_moe(row: dict) -> Case:
     """A row of the Megatron-Core MoE tables on H100 (shiftlm/data/README.md): bf16, rank order
     tp-cp-ep-dp-pp, Megatron SP, TE fused attention, distributed optimizer (ZeRO-1) with overlapped
     gradient reduce, interleaved 1F1B with `vp` chunks, expert TP 1 (`etp`), dropless
-    balanced routing. DeepEP's dispatch is replayed as the all-to-all of the same rows; the fine-grained
-    recompute of norms and activations ("norm,act") as selective (pointwise only, not priced)."""
+    balanced routing. DeepEP's dispatch (the Qwen3 rows) sends a token once to each other node holding
+    any of its experts (`moe.deepep_dispatch_bytes`); the fine-grained recompute of norms and
+    activations ("norm,act") is replayed as selective (pointwise only, not priced)."""
     model = PRESETS[row["model"]]
     pp, vp = int(row["pp"]), int(row["vp"])
     layout = Layout(
