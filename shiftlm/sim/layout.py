@@ -15,6 +15,9 @@ from shiftlm.parallel import ParallelConfig
 # recompute modes of other frameworks that validation replays and shiftlm's trainer does not run:
 # torchtitan's per-op selective checkpointing ("op", `costs.op_sac_gemm_share`)
 REPLAYED_RECOMPUTE = ("op",)
+# how an ep group's tokens travel (`Layout.ep_dispatcher`): an NCCL all-to-all of every top-k row, or
+# DeepEP's normal kernels (once per remote node over RDMA, then NVLink inside it; `moe.deepep_time`)
+EP_DISPATCHERS = ("alltoall", "deepep")
 
 SHIFTLM_ORDER = ("tp", "sp", "cp", "pp", "dp")
 MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-cp-ep-dp-pp"
@@ -100,6 +103,10 @@ class Layout(ParallelConfig):
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError("--zero must be 0, 1, 2 or 3")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise ValueError(
+                f"ep dispatcher must be one of {', '.join(EP_DISPATCHERS)}, not {self.ep_dispatcher!r}"
+            )
         self.check_sequence(self.seq_len)  # also: every axis a positive integer
 
 

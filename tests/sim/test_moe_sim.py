@@ -251,3 +251,9 @@ def test_the_deepep_rows_replay_deepep_and_the_cross_node_one_is_priced_by_it():
     assert step == pytest.approx(cross.measured, rel=0.10)
     all_to_all = replace(cross.layout, ep_dispatcher="alltoall")
     assert simulate_step(cross.model, all_to_all, cross.hardware, eff, "bf16").step_time > 2 * cross.measured
+
+
+def test_an_unknown_ep_dispatcher_is_refused():
+    with pytest.raises(ValueError, match="ep dispatcher"):
+        _layout(ep_dispatcher="nccl").check()
+    _layout(ep_dispatcher="deepep").check()
