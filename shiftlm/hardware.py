@@ -239,3 +239,18 @@ def get_hardware(name: str, profile: Path | None = None) -> Hardware:
 def with_links(hardware: Hardware, intra: float, inter: float, name: str) -> Hardware:
     """The same GPU on a cluster with different links (e.g. the vTrain testbed)."""
     return replace(hardware, name=name, intra_node_bandwidth=intra, inter_node_bandwidth=inter)
+
+
+def power_capped(hardware: Hardware, watts: float, rated_watts: float, name: str) -> Hardware:
+    """`hardware` run under a board power limit of `watts` below the `rated_watts` its datasheet
+    peaks are stated at: the tensor-core peaks scale as (watts / rated_watts)^(1/3), the dynamic
+    power of CMOS logic at a clock f being ~C V^2 f with the voltage scaled along with the clock
+    (P ~ f^3, so f ~ P^(1/3)). HBM bandwidth is not scaled: the cap throttles the SM clock, not
+    the memory clock. Check against a datasheet of the same die: H100 SXM (132 SMs) is 989 TFLOP/s
+    bf16 at 700 W, H100 NVL (the same 132 SMs, NVIDIA H100 NVL product brief: 1,671 TFLOP/s with
+    sparsity, 835 dense) is rated 350-400 W; the law gives 989 x (400/700)^(1/3) = 821 (-1.7%)."""
+    if not 0 < watts <= rated_watts:
+        raise ValueError(f"power limit {watts} W must lie in (0, {rated_watts}] W")
+    scale = (watts / rated_watts) ** (1 / 3)
+    peaks = {dtype: rate * scale for dtype, rate in hardware.peak_flops.items()}
+    return replace(hardware, name=name, peak_flops=peaks)

@@ -15,6 +15,9 @@ from shiftlm.parallel import ParallelConfig
 # recompute modes of other frameworks that validation replays and shiftlm's trainer does not run:
 # torchtitan's per-op selective checkpointing ("op", `costs.op_sac_gemm_share`)
 REPLAYED_RECOMPUTE = ("op",)
+# how an ep group's tokens travel (`Layout.ep_dispatcher`): an NCCL all-to-all of every top-k row, or
+# DeepEP's normal kernels (once per remote node over RDMA, then NVLink inside it; `moe.deepep_time`)
+EP_DISPATCHERS = ("alltoall", "deepep")
 
 SHIFTLM_ORDER = ("tp", "sp", "cp", "pp", "dp")
 MEGATRON_ORDER = ("tp", "sp", "cp", "dp", "pp")  # Megatron-Core's default "tp-cp-ep-dp-pp"
@@ -48,6 +51,19 @@ class Layout(ParallelConfig):
     # HBM bytes per local parameter of the optimizer step (`costs.optimizer_time`): 30 for a fused
     # mixed-precision Adam; Megatron-LM's fp16 optimizer makes more passes (measured.py: 52)
     optimizer_bytes: float = 30.0
+    # HBM bytes per token per layer of the forward's pointwise ops that run unfused beyond the fused
+    # kernels `costs.forward_ops` lists (an eager framework's casts, decomposed norms, RoPE and
+    # repeat_kv copies: `costs.eager_llama_pointwise_bytes`); twice that in the backward and once
+    # more where the recompute replays the pointwise ops ("full", "op"). 0: fused kernels only
+    pointwise_bytes: float = 0.0
+    # HBM bytes per (unsharded) parameter that ZeRO-3's gathers and reduce-scatters copy outside the
+    # collectives in each micro-batch: 0 where they gather into and scatter from flat buffers the
+    # model's views point at (FSDP1's FlatParameter, shiftlm's own); PyTorch FSDP2 copies each
+    # gathered parameter out and each gradient into its reduce-scatter input (measured.py: 14)
+    zero3_copy_bytes: float = 0.0
+    # how the ep group's tokens travel: "alltoall" (NCCL all-to-all of every top-k row) or "deepep"
+    # (DeepEP's normal kernels: once per remote node over RDMA, then NVLink; `moe.deepep_dispatch_bytes`)
+    ep_dispatcher: str = "alltoall"
 
     def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""
@@ -87,6 +103,10 @@ class Layout(ParallelConfig):
             raise ValueError(f"--recompute must be one of {', '.join(RECOMPUTE_MODES)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError("--zero must be 0, 1, 2 or 3")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise ValueError(
+                f"ep dispatcher must be one of {', '.join(EP_DISPATCHERS)}, not {self.ep_dispatcher!r}"
+            )
         self.check_sequence(self.seq_len)  # also: every axis a positive integer
 
 

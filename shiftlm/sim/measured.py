@@ -25,8 +25,9 @@ from functools import cache
 from pathlib import Path
 
 from shiftlm.data import MEASURED_DIR
-from shiftlm.hardware import CATALOG, GIGA, Hardware, with_links
+from shiftlm.hardware import CATALOG, GIGA, Hardware, power_capped, with_links
 from shiftlm.presets import PRESETS, ModelConfig, gpt_style
+from shiftlm.sim.costs import eager_llama_pointwise_bytes
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
 
 H100 = CATALOG["h100-sxm"]
@@ -232,10 +233,31 @@ def _llmfoundry(table: str, hardware: Hardware):
 
 TORCHTITAN = "torchtitan"
 # Meta's Grand Teton hosts of torchtitan's published benchmarks (benchmarks/llama3_h100_202412_torchtitan.md):
-# H100 with 96 GB of HBM2e at 2.4 TB/s, 8 per host on NVLink, 400 Gb/s RDMA per GPU, 500 W power
-# limit. The page says the peak FLOP/s of these parts lies between H100 SXM's and NVL's and is not
-# known: the SXM datasheet peak (and its published achievable share) is an upper bound.
-GRAND_TETON = replace(H100, name="h100-grand-teton", hbm_bytes=96 * 2**30, hbm_bandwidth=2.4e12)
+# H100 with 96 GB of HBM2e at 2.4 TB/s, 8 per host on NVLink, 400 Gb/s RDMA per GPU, "the default
+# 500W power limit" of the SXM part's 700 W TDP. The page says their peak FLOP/s lies between H100
+# SXM's (989) and NVL's (835) and is not known; the power law of `hardware.power_capped` puts it at
+# 989 x (500/700)^(1/3) = 884 TFLOP/s bf16 (the MAMF share measured at 700 W kept).
+H100_SXM_WATTS = 700.0
+GRAND_TETON_WATTS = 500.0
+GRAND_TETON = power_capped(
+    replace(H100, hbm_bytes=96 * 2**30, hbm_bandwidth=2.4e12),
+    GRAND_TETON_WATTS,
+    H100_SXM_WATTS,
+    "h100-grand-teton",
+)
+# torchtitan's optimizer step as the benchmarks ran it (`optimizer.fused` off: torch.optim.AdamW
+# with foreach=True, torchtitan/optimizer.py at 9dec370) on fp32 parameters, gradients and states,
+# HBM bytes per local parameter: the decoupled weight decay `param *= 1 - lr wd` (4 + 4), `m.lerp_(g)`
+# (8 + 4), `v *= beta2` (4 + 4), `v.addcmul_(g, g)` (12 + 4), `sqrt(v)` (4 + 4), its division by the
+# bias correction (4 + 4) and `+ eps` (4 + 4), `param.addcdiv_(m, denom)` (12 + 4): 84; and
+# `clip_grad_norm_` (max_norm 1.0): the norm's read (4) and the clip's multiply (4 + 4): 96 in all.
+TORCHTITAN_OPTIMIZER_BYTES = 96.0
+# FSDP2 (torch.distributed._composable.fsdp, torch 1963fc8) around its collectives, HBM bytes per
+# unsharded parameter per step: each all-gather's copy-out into the parameters
+# (`split_with_sizes_copy`, read 2 + write 2 in bf16), twice with reshard-after-forward (forward
+# and backward), and the gradients' copy-in to the fp32 reduce-scatter input (`_chunk_cat`, read 2,
+# write 4): 14. (The copy-in of the local shard to the all-gather input is 1/N of a parameter.)
+FSDP2_COPY_BYTES = 14.0
 
 
 def _torchtitan(row: dict) -> Case:
@@ -254,6 +276,10 @@ def _torchtitan(row: dict) -> Case:
         sequence_parallel=tp > 1,
         flash_attention=True,
         overlap_grad_sync=True,
+        optimizer_bytes=TORCHTITAN_OPTIMIZER_BYTES,
+        zero3_copy_bytes=FSDP2_COPY_BYTES,
+        # eager: its RMSNorm, RoPE, repeat_kv and SwiGLU run as separate kernels (no torch.compile)
+        pointwise_bytes=eager_llama_pointwise_bytes(PRESETS[row["model"]]),
     )
     assert layout.gpus == gpus and layout.microbatches == 1, row
     label = f"{row['model']} {gpus}gpu fsdp{fsdp} tp{tp} lbs{local} ({row['techniques']})"
@@ -289,8 +315,9 @@ def _megatron_core_moe(row: dict) -> Case:
     """A row of the Megatron-Core MoE tables on H100 (shiftlm/data/README.md): bf16, rank order
     tp-cp-ep-dp-pp, Megatron SP, TE fused attention, distributed optimizer (ZeRO-1) with overlapped
     gradient reduce, interleaved 1F1B with `vp` chunks, expert TP 1 (`etp`), dropless
-    balanced routing. DeepEP's dispatch is replayed as the all-to-all of the same rows; the fine-grained
-    recompute of norms and activations ("norm,act") as selective (pointwise only, not priced)."""
+    balanced routing. DeepEP's dispatch (the Qwen3 rows) sends a token once to each other node holding
+    any of its experts (`moe.deepep_dispatch_bytes`); the fine-grained recompute of norms and
+    activations ("norm,act") is replayed as selective (pointwise only, not priced)."""
     model = PRESETS[row["model"]]
     pp, vp = int(row["pp"]), int(row["vp"])
     layout = Layout(
@@ -309,6 +336,7 @@ def _megatron_core_moe(row: dict) -> Case:
         zero=1,
         sequence_parallel=int(row["tp"]) > 1,
         rank_order=MEGATRON_ORDER,
+        ep_dispatcher="deepep" if row["dispatcher"] == "deepep" else "alltoall",
     )
     assert layout.gpus == int(row["gpus"]), row
     label = f"{row['model']} {layout.gpus}gpu tp{layout.tp} ep{layout.ep} pp{pp} vp{vp} ({row['dispatcher']})"

@@ -25,6 +25,7 @@ Per MoE layer and micro-batch, on one rank holding E/ep experts (balanced routin
 
 from __future__ import annotations
 
+from math import comb
 from typing import TYPE_CHECKING
 
 from shiftlm.config import ModelConfig
@@ -136,3 +137,43 @@ def dispatched_rows(model: ModelConfig) -> float:
     """Hidden-size rows per token a MoE layer keeps for backward (the permuted input and the experts'
     output, top-k each), averaged over layers."""
     return 2 * model.num_experts_per_tok * moe_share(model)
+
+
+def remote_nodes_per_token(model: ModelConfig, nodes: int) -> float:
+    """Expected number of other nodes a token's top-k experts lie on, for an ep group over `nodes`
+    nodes holding E/nodes experts each and balanced (uniform, without replacement) routing:
+    (nodes - 1) x (1 - C(E - E/nodes, k) / C(E, k))."""
+    if nodes <= 1:
+        return 0.0
+    experts, k = model.num_experts, model.num_experts_per_tok
+    untouched = comb(experts - experts // nodes, k) / comb(experts, k)
+    return (nodes - 1) * (1 - untouched)
+
+
+def deepep_dispatch_bytes(model: ModelConfig, layout: Layout, dtype_bytes: int, nodes: int) -> float:
+    """Bytes one rank sends over its NIC in one DeepEP dispatch (or combine) across nodes: DeepEP's
+    normal kernels send a token once to each other node that holds any of its top-k experts and
+    forward it there over NVLink (github.com/deepseek-ai/DeepEP, docs/legacy.md: "kernels optimized
+    for asymmetric-domain bandwidth forwarding, such as forwarding data from NVLink domain to RDMA
+    domain"; its benchmark counts the RDMA bytes as the node-deduplicated tokens x hidden), where an
+    all-to-all sends every remote top-k row: T x remote nodes per token x h, against T x k x
+    (n - local)/n x h."""
+    return dispatch_tokens(layout) * remote_nodes_per_token(model, nodes) * model.hidden_size * dtype_bytes
+
+
+def deepep_time(
+    model: ModelConfig,
+    layout: Layout,
+    dtype_bytes: int,
+    per_node: int,
+    nodes: int,
+    intra_bandwidth: float,
+    rdma_bandwidth: float,
+    latency: float,
+) -> float:
+    """One DeepEP dispatch (or combine) of an ep group of `per_node` ranks on each of `nodes` nodes:
+    the node-deduplicated rows over the NIC at `rdma_bandwidth` while every row's NVLink hop inside
+    its node (all T x k rows but the 1/per_node already on their GPU) runs at `intra_bandwidth`."""
+    rdma = deepep_dispatch_bytes(model, layout, dtype_bytes, nodes)
+    nvlink = dispatch_bytes(model, layout, dtype_bytes) * (per_node - 1) / per_node
+    return latency + max(nvlink / intra_bandwidth, rdma / rdma_bandwidth)

@@ -39,7 +39,21 @@ def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, eff
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
     stage = grad_accumulation_stage_costs(stage, model, layout, hardware, efficiency)
+    stage = zero3_copy_stage_costs(stage, model, layout, hardware, efficiency)
     return activation_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+
+
+def zero3_copy_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
+    """ZeRO-3's copies around its collectives: `layout.zero3_copy_bytes` HBM bytes per unsharded
+    parameter of the stage-chunk in each micro-batch, memory-bound, charged to the chunk's
+    backward (the pass that runs most of them: the second gather's copy-out and the gradients'
+    copy-in; with one stage where it lands does not change the step)."""
+    if layout.zero < 3 or layout.zero3_copy_bytes <= 0:
+        return stage
+    chunks = len(stage.forward)
+    per_chunk = stage_params(model, layout) * layout.pp / chunks
+    seconds = per_chunk * layout.zero3_copy_bytes / (hardware.hbm_bandwidth * efficiency.memory)
+    return replace(stage, backward_input=[i + seconds for i in stage.backward_input])
 
 
 def grad_accumulation_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
@@ -63,16 +77,19 @@ def grad_accumulation_stage_costs(stage, model: ModelConfig, layout: Layout, har
 
 def activation_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
     """A framework's activation copies beyond the kernels `costs.forward_ops` lists (layout changes,
-    casts): `efficiency.activation_bytes` HBM bytes per token per hidden unit per layer in each
-    forward, twice that in each backward, and the forward's again under full recompute."""
-    if efficiency.activation_bytes <= 0:
+    casts): `efficiency.activation_bytes` HBM bytes per token per hidden unit per layer (a fitted
+    framework parameter) plus `layout.pointwise_bytes` per token per layer (an eager framework's
+    unfused pointwise ops, counted from its source) in each forward, twice that in each backward,
+    and the forward's again where the recompute replays the pointwise ops (full, or per-op SAC)."""
+    per_token = efficiency.activation_bytes * model.hidden_size + layout.pointwise_bytes
+    if per_token <= 0:
         return stage
     stages = len(stage.forward)
     tokens = layout.micro_batch * layout.seq_len / (layout.sp * layout.cp)
     layers = model.num_layers / stages
-    forward = efficiency.activation_bytes * tokens * model.hidden_size * layers
+    forward = per_token * tokens * layers
     forward /= hardware.hbm_bandwidth * efficiency.memory
-    backward = (2 + (layout.recompute == "full")) * forward
+    backward = (2 + (layout.recompute in ("full", "op"))) * forward
     return replace(
         stage,
         forward=[f + forward for f in stage.forward],
@@ -118,9 +135,23 @@ def stage_costs(
     sp_links = group_placement(layout, "sp", hardware.gpus_per_node)
     comm = costs.layer_comm_time(model, tokens, shard, tp_links, sp_links, links)
     if layout.ep > 1:  # dispatch and combine all-to-alls of each MoE layer (sim/moe.py)
-        a2a = all_to_all_time(
-            moe.dispatch_bytes(model, layout, width), *moe.ep_placement(layout, hardware.gpus_per_node), links
-        )
+        ep_per_node, ep_nodes = moe.ep_placement(layout, hardware.gpus_per_node)
+        if layout.ep_dispatcher == "deepep" and ep_nodes > 1:
+            # DeepEP's RDMA leg reaches about the NIC's line rate (its published normal-kernel
+            # bottleneck bandwidth on 50 GB/s CX7 NICs: 43-58 GB/s, docs/legacy.md): the
+            # first-principles InfiniBand share, not the one fitted to Selene's 2021 ring all-reduces
+            a2a = moe.deepep_time(
+                model,
+                layout,
+                width,
+                ep_per_node,
+                ep_nodes,
+                links.intra_bandwidth,
+                hardware.inter_node_bandwidth * FIRST_PRINCIPLES.inter_comm,
+                links.inter_latency,
+            )
+        else:
+            a2a = all_to_all_time(moe.dispatch_bytes(model, layout, width), ep_per_node, ep_nodes, links)
         comm += 2 * a2a * moe.moe_share(model)
     exchange = moe.etp_exchange_bytes(model, layout, width)
     if exchange:  # etp != tp: the etp group gathers the dispatched tokens and reduce-scatters outputs

@@ -154,3 +154,76 @@ def test_the_validation_plot_is_a_grid_whose_tick_labels_do_not_overlap():
             assert len(boxes) >= 2, ax.get_title()
             for i, a in enumerate(boxes):
                 assert not any(a.overlaps(b) for b in boxes[i + 1 :]), ax.get_title()
+
+
+def test_eager_llama_pointwise_bytes_count_torchtitans_ops():
+    """torchtitan's eager Llama block (9dec370) moves, per token and layer of its forward, 2 x 36
+    bytes per hidden unit in its RMSNorms (fp32 upcast, pow, mean, rsqrt mul, cast, weight mul),
+    2 x 6 in its residual adds, 20 per q and k unit in its fp32 complex RoPE, 4 per q and k unit in
+    repeat_kv's copies, 10 per FFN unit in its unfused SwiGLU: beyond the fused kernels'
+    22 per hidden and 6 per FFN unit that is 106 bytes per hidden unit for Llama 3 8B."""
+    from shiftlm.sim.costs import eager_llama_pointwise_bytes
+
+    llama = PRESETS["llama3-8b"]
+    h, f, kv = llama.hidden_size, llama.intermediate_size, llama.kv_dim
+    expected = 72 * h + 12 * h + 20 * (h + kv) + 4 * (h + kv) + 10 * f - (22 * h + 6 * f)
+    assert eager_llama_pointwise_bytes(llama) == expected == 106 * h
+    mha = replace(llama, num_kv_heads=llama.num_heads)  # no repeat_kv copy without GQA
+    assert eager_llama_pointwise_bytes(mha) == pytest.approx(
+        72 * h + 12 * h + 40 * h + 10 * f - (22 * h + 6 * f)
+    )
+
+
+def test_a_power_cap_scales_the_tensor_core_peak_by_its_cube_root():
+    """500 W on a 700 W H100 SXM: 989 x (5/7)^(1/3) = 884 TFLOP/s, between SXM's 989 and NVL's 835 as
+    torchtitan's page says; the law gives 821 for NVL's 400 W against its datasheet 835. HBM is not
+    throttled."""
+    from shiftlm.hardware import power_capped
+    from shiftlm.sim.measured import GRAND_TETON
+
+    h100 = CATALOG["h100-sxm"]
+    assert GRAND_TETON.flops("bf16") / 1e12 == pytest.approx(884.0, abs=1.0)
+    assert 835e12 < GRAND_TETON.flops("bf16") < 989e12
+    nvl = power_capped(h100, 400, 700, "nvl-like")
+    assert nvl.flops("bf16") == pytest.approx(835e12, rel=0.02)
+    assert nvl.hbm_bandwidth == h100.hbm_bandwidth
+    with pytest.raises(ValueError):
+        power_capped(h100, 800, 700, "over")
+
+
+def test_torchtitans_eager_ops_cost_what_its_compiled_rows_save():
+    """The page's same runs with torch.compile (which fuses the norms, RoPE and SwiGLU to about the
+    kernels `forward_ops` lists): Table 1 6,667 and Table 3 6,514 TPS/GPU against the eager 5,762 and
+    5,605, i.e. 0.386 s and 0.408 s less per step of 16,384 tokens per GPU. The replay's eager
+    pointwise traffic (`Layout.pointwise_bytes`) costs 0.446 s per step: within 20% of both."""
+    cases = load_cases(default_data_dir(), ["torchtitan_h100"])["torchtitan_h100"]
+    compiled_tps = {8: 6667, 128: 6514}
+    for case in cases:
+        assert case.layout.pointwise_bytes > 0 and case.layout.optimizer_bytes == 96.0
+        tokens = case.layout.micro_batch * case.layout.seq_len
+        saved = tokens / case.measured - tokens / compiled_tps[case.layout.gpus]
+        fused = replace(case.layout, pointwise_bytes=0.0)
+        eager_step = simulate_step(case.model, case.layout, case.hardware, FITTED, "bf16").step_time
+        fused_step = simulate_step(case.model, fused, case.hardware, FITTED, "bf16").step_time
+        assert eager_step - fused_step == pytest.approx(saved, rel=0.20)
+
+
+def test_fsdp2s_copies_cost_their_bytes_at_hbm_bandwidth():
+    """FSDP2's copy-out of each all-gather (twice: forward and backward) and the gradients' cast into
+    the fp32 reduce-scatter input: 14 bytes per unsharded parameter per micro-batch at the memory
+    rate; ZeRO-1/2 layouts take none."""
+    from shiftlm.sim.memory import stage_params
+
+    case = load_cases(default_data_dir(), ["torchtitan_h100"])["torchtitan_h100"][0]
+    assert case.layout.zero3_copy_bytes == 14.0
+    without = replace(case.layout, zero3_copy_bytes=0.0)
+    step = simulate_step(case.model, case.layout, case.hardware, FITTED, "bf16").step_time
+    base = simulate_step(case.model, without, case.hardware, FITTED, "bf16").step_time
+    expected = 14.0 * stage_params(case.model, case.layout) / (case.hardware.hbm_bandwidth * FITTED.memory)
+    assert step - base == pytest.approx(expected, rel=1e-6)
+    zero1 = replace(case.layout, zero=1)
+    assert simulate_step(case.model, zero1, case.hardware, FITTED, "bf16").step_time == pytest.approx(
+        simulate_step(
+            case.model, replace(zero1, zero3_copy_bytes=0.0), case.hardware, FITTED, "bf16"
+        ).step_time
+    )

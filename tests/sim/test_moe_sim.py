@@ -216,3 +216,44 @@ def test_plans_propose_etp_and_an_etp_layout_runs_the_dry_run(ranks, tmp_path):
     phases = dry_run(config, 4, launch=pooled)  # raises unless the step equals one rank's
     assert phases["config"]["layout"]["etp"] == 1 and phases["stand_in"]["ranks"] == 4
     assert phases["check"]["rel_diff"]["loss"] <= 1e-5 and phases["check"]["rel_diff"]["grad_norm"] <= 5e-5
+
+
+def test_deepep_sends_a_token_once_per_remote_node():
+    """DeepEP's normal kernels send a token over RDMA once to each other node holding any of its
+    top-k experts (docs/legacy.md of github.com/deepseek-ai/DeepEP): for Qwen3-235B's 128 experts,
+    top-8, over 4 nodes that is 3 x (1 - C(96, 8) / C(128, 8)) = 2.72 nodes per token, where the
+    all-to-all sends 8 x 3/4 = 6 rows; with top-1 the two coincide (no row to deduplicate)."""
+    qwen = PRESETS["qwen3-235b-a22b"]
+    assert moe.remote_nodes_per_token(qwen, 4) == pytest.approx(2.7218, abs=1e-4)
+    assert moe.remote_nodes_per_token(qwen, 1) == 0.0
+    top1 = replace(qwen, num_experts_per_tok=1)
+    layout = Layout(dp=16, pp=8, tp=2, ep=32, etp=1, micro_batch=1, global_batch=2048, seq_len=4096)
+    for nodes in (2, 4, 8):
+        all_rows = moe.dispatch_bytes(top1, layout, 2) * (nodes - 1) / nodes
+        assert moe.deepep_dispatch_bytes(top1, layout, 2, nodes) == pytest.approx(all_rows)
+    assert moe.deepep_dispatch_bytes(qwen, layout, 2, 4) < 0.46 * moe.dispatch_bytes(qwen, layout, 2) * 3 / 4
+
+
+def test_the_deepep_rows_replay_deepep_and_the_cross_node_one_is_priced_by_it():
+    """The Megatron-Core MoE table's DeepEP rows replay DeepEP's dispatch; the EP32 row (its ep group
+    over 4 nodes) is within 10% of its published 19.7 s with it, where an all-to-all of every row at
+    the fitted InfiniBand share predicts more than twice that (45.6 s before 2026-11-28)."""
+    from shiftlm.sim.efficiency import FITTED_CLUSTER
+    from shiftlm.sim.measured import default_data_dir, load_cases
+    from shiftlm.sim.validate import on_cluster
+
+    cases = load_cases(default_data_dir(), ["megatron_core_moe_h100"])["megatron_core_moe_h100"]
+    assert [c.layout.ep_dispatcher for c in cases] == ["alltoall", "deepep", "deepep"]
+    cross = cases[1]
+    assert moe.ep_placement(cross.layout, cross.hardware.gpus_per_node) == (8, 4)
+    eff = on_cluster(FITTED, cross, FITTED_CLUSTER)
+    step = simulate_step(cross.model, cross.layout, cross.hardware, eff, "bf16").step_time
+    assert step == pytest.approx(cross.measured, rel=0.10)
+    all_to_all = replace(cross.layout, ep_dispatcher="alltoall")
+    assert simulate_step(cross.model, all_to_all, cross.hardware, eff, "bf16").step_time > 2 * cross.measured
+
+
+def test_an_unknown_ep_dispatcher_is_refused():
+    with pytest.raises(ValueError, match="ep dispatcher"):
+        _layout(ep_dispatcher="nccl").check()
+    _layout(ep_dispatcher="deepep").check()
