@@ -4,6 +4,7 @@ bench/results/gpu/, the device named in each.
     python bench/gpu_serve.py --out bench/results/gpu                  # every phase, each its own process
     python bench/gpu_serve.py --phase decode --out DIR                 # one phase
     python bench/gpu_serve.py --smoke --out /tmp/gs                    # the CPU, tiny shapes: checks the script
+    python bench/gpu_serve.py --quick --phase decode --phase offline   # issue 34's must-show points only
 
 Phases (each a subprocess with its own time limit, so one failure leaves the others' results):
 - decode: the engine's decode step (ModelRunner, the ~1.1B Llama of bench/gpu.py in bf16), eager and
@@ -32,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 PHASES = {"decode": 420, "offline": 300, "server": 240}  # seconds each
 SMOKE = os.environ.get("SHIFTLM_GPU_SMOKE") == "1"  # bench/gpu.py's switch: its small shapes, on the CPU
+# --quick: the decode phase at only what issue 34 must show (1 and 64 sequences at context 512), for a
+# GPU session with minutes to spend
+QUICK = os.environ.get("SHIFTLM_GPU_QUICK") == "1"
 
 
 def device_name() -> str:
@@ -88,8 +92,8 @@ def phase_decode(out: Path) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     config = ModelConfig.from_hf(model_dir)
-    contexts = (32, 64) if SMOKE else (512, 2048)
-    batches = (1, 2, 4) if SMOKE else (1, 2, 4, 8, 16, 32, 64, 128)
+    contexts = (32, 64) if SMOKE else (512,) if QUICK else (512, 2048)
+    batches = (1, 2, 4) if SMOKE else (1, 64) if QUICK else (1, 2, 4, 8, 16, 32, 64, 128)
     block = 16
     blocks_per_seq = max(contexts) // block + 1
     rows = {}
@@ -335,11 +339,16 @@ def main() -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="every phase on the CPU, tiny (checks the script)"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="decode at the must-show points only (1 and 64 sequences @ 512)"
+    )
     parser.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     SMOKE = SMOKE or args.smoke
     if SMOKE:
         os.environ["SHIFTLM_GPU_SMOKE"] = "1"  # the phases' processes inherit it
+    if args.quick:
+        os.environ["SHIFTLM_GPU_QUICK"] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     phases = args.phase or list(PHASES)
