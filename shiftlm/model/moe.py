@@ -102,13 +102,14 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """`torch._grouped_mm` runs fp32 on the CPU and bf16 on CUDA, with 16-byte aligned rows; under
-    `torch.compile` bf16 only (its meta function, which tracing runs, refuses other dtypes)."""
+    """`torch._grouped_mm` runs fp32 and bf16 on the CPU and bf16 on CUDA, with 16-byte aligned rows;
+    under `torch.compile` bf16 only (its meta function, which tracing runs, refuses other dtypes)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
-    dtype_ok = x.dtype == torch.float32 if x.device.type == "cpu" else x.dtype == torch.bfloat16
+    dtypes = (torch.float32, torch.bfloat16) if x.device.type == "cpu" else (torch.bfloat16,)
+    dtype_ok = x.dtype in dtypes
     aligned = all(
         w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights
     )

@@ -164,15 +164,16 @@ class CompiledDecode:
 
     @staticmethod
     def supports(model: Transformer) -> bool:
-        """The models this path covers (else the runner keeps the eager step): a dense model; on the CPU
-        in fp32 (the GEMV choice is measured in fp32), on CUDA any dtype."""
-        device = model.head_weight.device.type
-        return (
-            not model.config.is_moe  # a dense Llama's step: the MoE layers run eager
-            and model.with_embedding
-            and model.with_head
-            and (device == "cuda" or (device == "cpu" and model.model.norm.weight.dtype == torch.float32))
-        )
+        """The models this path covers (else the runner keeps the eager step): a dense model on the CPU
+        in fp32 (the GEMV choice is measured in fp32) or on CUDA in any dtype; a mixture of experts in
+        bf16 (on either), where its grouped expert GEMMs trace (`torch._grouped_mm`'s meta function
+        takes bf16 only) and its routing has no data-dependent size (`moe.expert_counts`)."""
+        device, dtype = model.head_weight.device.type, model.model.norm.weight.dtype
+        if not (model.with_embedding and model.with_head and device in ("cpu", "cuda")):
+            return False
+        if model.config.is_moe:
+            return dtype == torch.bfloat16
+        return device == "cuda" or dtype == torch.float32
 
     def applies(self, batch: FlatBatch, mode: Mode) -> bool:
         """A pure decode step of at most `max_seqs` sequences (PagedAttention's lean path: row i is

@@ -132,7 +132,9 @@ class ModelRunner:
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
         # CUDA graphs (and their scratch block) only where the compiled step they replay will exist
         graphs = compile_decode and mesh.device.type == "cuda" and mesh.shift.size == 1
-        graphs = graphs and CompiledDecode.supports(model)
+        # not for a mixture of experts: a replay runs no Python, so the router's counts per expert
+        # (/metrics, the step log) would not be taken
+        graphs = graphs and CompiledDecode.supports(model) and not config.is_moe
         if num_blocks is None:
             num_blocks = _blocks_from_memory(config, mesh, block_size, dtype, *memory) - graphs
         cache = PagedKVCache(

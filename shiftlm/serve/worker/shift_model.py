@@ -96,7 +96,9 @@ class ShiftModel:
         )
         if compile_mixed is None:
             compile_mixed = compile_decode and cuda
-        mixed = compile_mixed and CompiledDecode.supports(model)
+        # dense models only: a mixture of experts' routing put a bound on the token count (dynamo added
+        # `tokens <= 4096` under the grouped GEMMs), so its prefill steps stay eager
+        mixed = compile_mixed and CompiledDecode.supports(model) and not config.is_moe
         mixed = mixed and (
             compiled
             or compile_usable(
@@ -117,13 +119,14 @@ class ShiftModel:
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
         if self.graphs is not None and self.graphs.applies(batch):  # one rank: the block is every logit
-            return self.graphs(batch)
+            return self.graphs(batch)  # (never for a mixture of experts: runner.py)
         if self.compiled is not None and self.compiled.applies(batch, mode):
-            return self.compiled(batch)
-        if self.compiled_mixed is not None and self.compiled_mixed.applies(batch, mode):
-            return self.compiled_mixed(batch)
-        out = self._forward(batch, mode)
-        if self.moe_layers:
+            out = self.compiled(batch)
+        elif self.compiled_mixed is not None and self.compiled_mixed.applies(batch, mode):
+            out = self.compiled_mixed(batch)
+        else:
+            out = self._forward(batch, mode)
+        if self.moe_layers:  # the routers' counts of this step (compiled: set by the graph's side effects)
             self.expert_rows = self._expert_rows(mode)
         return out
 
