@@ -134,10 +134,11 @@ class Trainer(RunCheckpoints):
         self.canonical_norm = None
         if config.train.deterministic:  # train/deterministic.py: every sum in one order at any ep
             self.canonical_norm = CanonicalNorm(self.flat, self._counted, self.mesh)
-            for stage in self.stages:
-                for module in stage.modules():
-                    if isinstance(module, SparseMoE):
-                        module.deterministic = True
+            self._moe_layers = [
+                m for stage in self.stages for m in stage.modules() if isinstance(m, SparseMoE)
+            ]
+            for module in self._moe_layers:
+                module.deterministic = True
         validation = config.validation
         holdout = validation.steps * config.train.global_batch if validation.freq else 0
         dataset, held_out = split_holdout(self._dataset(), holdout)
@@ -236,6 +237,9 @@ class Trainer(RunCheckpoints):
             self.grad_sync.sync_tp_replicated(self._owned_names, self.mesh.tp)
             return
         self.flat.adopt_grads()
+        if self.canonical_norm is not None:  # the expert weights' per-source gradients, by the tree
+            for module in self._moe_layers:
+                module.source_grads.flush()
         self.grad_sync.finish()
         for stages in self.replicas:
             sync_tied_embedding_grads(stages, self.mesh)

@@ -20,7 +20,7 @@ from tests.train.conftest import run_training
 STEPS = 5
 BASE = [
     "--train.seq_len=32",
-    "--train.global_batch=4",
+    "--train.global_batch=8",  # 2 micro-batches per rank: the per-source accumulators
     "--train.micro_batch=1",
     f"--train.steps={STEPS}",
     "--optim.warmup_steps=2",
