@@ -1,6 +1,7 @@
 """`train.deterministic` makes resuming across a change of ep bit for bit: a dp4 ep2 run saved at
 step 2 and resumed at ep4 and at ep1 (dp4) has the uninterrupted run's losses and final weights and
-Adam moments, `torch.equal`; without the flag the same resume differs in the last bits."""
+Adam moments, `torch.equal` (and dp2 x tp2, dp2 x pp2 from ep2 to ep1); without the flag the same
+resume differs in the last bits."""
 
 from __future__ import annotations
 
@@ -53,21 +54,21 @@ def _resume_at(ranks, moe_model, saved: Path, copy: Path, overrides: list[str]) 
     return losses[0]
 
 
-def _run_and_resume(ranks, moe_model, tmp_path: Path, flag: list[str], eps: list[int]):
-    """The uninterrupted dp4 ep2 run (losses, final state), and for each ep in `eps` the run resumed
-    from its step-2 checkpoint at that ep (losses, final state)."""
+def _run_and_resume(ranks, moe_model, tmp_path: Path, flag: list[str], eps: list[int], layout=(DP4,)):
+    """The uninterrupted ep2 run at `layout` (4 ranks; losses, final state), and for each ep in `eps`
+    the run resumed from its step-2 checkpoint at that ep (losses, final state)."""
     full_dir = tmp_path / "ep2"
     full = ranks.run(
         4,
         run_training,
         [moe_model, *BASE],
-        [DP4, "--parallel.ep=2", *flag, "--checkpoint.resume=false"],
+        [*layout, "--parallel.ep=2", *flag, "--checkpoint.resume=false"],
         str(full_dir),
     )[0]
     resumed = {}
     for ep in eps:
         copy = tmp_path / f"ep2_to_ep{ep}"
-        losses = _resume_at(ranks, moe_model, full_dir, copy, [DP4, f"--parallel.ep={ep}", *flag])
+        losses = _resume_at(ranks, moe_model, full_dir, copy, [*layout, f"--parallel.ep={ep}", *flag])
         resumed[ep] = losses, _final_state(copy)
     return (full, _final_state(full_dir)), resumed
 
@@ -83,6 +84,23 @@ def test_deterministic_resume_across_ep_is_bit_for_bit(ranks, moe_model, tmp_pat
         assert again.keys() == state.keys()
         for name, tensor in state.items():
             assert torch.equal(again[name], tensor), f"ep{ep}: {name}"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("--parallel.dp=2", "--parallel.tp=2"), ("--parallel.dp=2", "--parallel.pp=2", "--train.schedule=1f1b")],
+    ids=["dp2_tp2", "dp2_pp2"],
+)
+def test_deterministic_resume_from_ep2_to_ep1_with_tp_or_pp_is_bit_for_bit(
+    ranks, moe_model, tmp_path, layout
+):
+    (full, state), resumed = _run_and_resume(
+        ranks, moe_model, tmp_path, ["--train.deterministic=true"], [1], layout
+    )
+    losses, again = resumed[1]
+    assert losses == {step: full[step] for step in (3, 4, 5)}
+    assert again.keys() == state.keys()
+    assert all(torch.equal(again[name], tensor) for name, tensor in state.items())
 
 
 def test_without_the_flag_resume_across_ep_differs_in_the_last_bits(ranks, moe_model, tmp_path):
