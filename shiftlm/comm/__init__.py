@@ -18,6 +18,8 @@ from shiftlm.comm.ops import (
     reduce_scatter,
     reduce_scatter_along,
     split_along,
+    tree_all_reduce,
+    tree_sum,
 )
 from shiftlm.comm.p2p import irecv, isend
 
@@ -48,4 +50,6 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_along",
     "split_along",
+    "tree_all_reduce",
+    "tree_sum",
 ]

@@ -88,6 +88,27 @@ def all_gather(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor
     return torch.cat(parts, dim=dim)
 
 
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + ... + parts[n-1] in one fixed binary tree: (0+1), (2+3), ..., then pairs of those
+    (an odd one out is carried up a level). The order a recursive-doubling all-reduce adds in, so a
+    sum split into aligned power-of-two blocks (summed where they lie, then across) is bit for bit
+    this one (`deterministic` training, docs/moe.md)."""
+    while len(parts) > 1:
+        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + parts[len(parts) - len(parts) % 2 :]
+    return parts[0]
+
+
+def tree_all_reduce(tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+    """Sum over the group in `tree_sum`'s order of group ranks, the same bits on every rank and for
+    every buffer the elements sit in (a ring or shared-memory all-reduce adds in an order that depends
+    on the group and on where an element lies). An all-gather and a local sum: group.size x the
+    memory and traffic of one buffer, the price of `train.deterministic`. Out of place."""
+    if group.size == 1:
+        return tensor.clone()
+    return tree_sum(list(all_gather(tensor.contiguous().unsqueeze(0), group, 0).unbind(0)))
+
+
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: CommGroup, *, async_op: bool = False
 ) -> torch.Tensor | TrackedWork:

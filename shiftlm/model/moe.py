@@ -41,6 +41,7 @@ from shiftlm.comm import (
     gather_replicated,
     reduce_from_group,
     reduce_scatter_along,
+    tree_sum,
 )
 from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
@@ -151,6 +152,74 @@ def grouped_swiglu(
     return torch.cat(parts, dim=0) if parts else x.new_zeros(0, down.shape[1])
 
 
+class SourceGrads:
+    """The deterministic expert GEMMs' weight gradients kept per (weight, source rank): each source's
+    summed over the step's micro-batches in their order, as its own rank would at ep 1, and `flush`
+    then adds the sources' sums into `.grad` by `comm.tree_sum` (in autograd's order of arrival, or
+    summed over sources per micro-batch, the order would depend on ep). Sources x the local experts'
+    weights of memory while a step runs."""
+
+    def __init__(self):
+        self._sums: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    @torch.no_grad()
+    def add(self, weight: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> None:
+        entry = self._sums.get(id(weight))
+        if entry is None:
+            self._sums[id(weight)] = (weight, [grad.clone() for grad in grads])
+            return
+        for total, grad in zip(entry[1], grads):
+            total += grad
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Each weight's sources summed by the tree into its `.grad` (at the step's end, before the
+        data-parallel sum)."""
+        for weight, sums in self._sums.values():
+            total = tree_sum(sums)
+            if weight.grad is None:
+                weight.grad = total
+            else:
+                weight.grad += total
+        self._sums.clear()
+
+
+class _FanOut(torch.autograd.Function):
+    """forward: `copies` aliases of a weight, one per block of rows that uses it; backward: their
+    gradients (one GEMM's each) go to `sums` (`SourceGrads`), not to the weight by autograd."""
+
+    @staticmethod
+    def forward(ctx, weight, copies, sums):
+        ctx.weight, ctx.sums = weight, sums
+        return tuple(weight.view_as(weight) for _ in range(copies))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.sums.add(ctx.weight, grads)
+        return None, None, None
+
+
+def blockwise_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    sums: SourceGrads,
+) -> torch.Tensor:
+    """The deterministic expert GEMMs (`SparseMoE.deterministic`): rows ordered by (source rank, expert),
+    `counts[s, e]` of them, each block through its expert by GEMMs of its own, so a source's rows and
+    its partial weight gradient are computed as if that rank held the expert alone (ep 1); the weight
+    gradients go to `sums` per source (`SourceGrads`). `weights[e]`: (gate, up, down) of local expert
+    e. Output in the rows' order."""
+    sources, local = counts.shape
+    copies = [[_FanOut.apply(w, sources, sums) for w in expert] for expert in weights]
+    parts = []
+    for block_index, block in enumerate(x.split(counts.flatten().tolist(), dim=0)):
+        source, expert = divmod(block_index, local)
+        gate, up, down = (copy[source] for copy in copies[expert])
+        parts.append(F.linear(F.silu(F.linear(block, gate)) * F.linear(block, up), down))
+    return torch.cat(parts, dim=0) if parts else x.new_zeros(0, x.shape[-1])
+
+
 class SparseMoE(nn.Module):
     """The routed experts (this ep rank's, split over etp: TP by default) and Qwen2-MoE's gated shared
     expert (split over TP).
@@ -193,6 +262,10 @@ class SparseMoE(nn.Module):
         # with ep > 1: "all_to_all" (each row to its expert's rank), or "all_gather" (every rank gathers
         # all tokens, computes its experts' rows, and the outputs are reduce-scattered back; bench/moe.py)
         self.dispatch = "all_to_all"
+        # `train.deterministic`: expert GEMMs per (source rank, expert) block (`blockwise_swiglu`), so the
+        # step is the same bit for bit at any ep (docs/moe.md, "Bit-exact across ep")
+        self.deterministic = False
+        self.source_grads = SourceGrads()  # its expert weight gradients until the step's `flush`
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k] in x's dtype, expert indices [T, k]) of the rows of x, as transformers."""
@@ -336,22 +409,34 @@ class SparseMoE(nn.Module):
 
     def experts_forward(self, x: torch.Tensor, rows: torch.Tensor, full_tp: object = None) -> torch.Tensor:
         """Rows sorted by expert (`rows[e]` for expert e, all experts) -> each through its expert."""
-        stacked = self.stacked_weights(full_tp)
         if self.ep.size == 1:
-            return grouped_swiglu(x, rows, *stacked, grouped=self.grouped)
+            return self.local_experts_forward(x, rows.view(1, -1), full_tp)
         ep, local = self.ep, self.local_experts
         # how many rows each rank sends me per local expert: [ep, local]
         received = all_to_all(rows.view(ep.size, local).contiguous(), ep, scatter_dim=0, gather_dim=0)
         send = rows.view(ep.size, local).sum(dim=1).tolist()
         recv = received.sum(dim=1).tolist()
         arrived = all_to_all_rows(x, ep, send, recv)  # by source rank, then by expert
+        return all_to_all_rows(self.local_experts_forward(arrived, received), ep, recv, send)
+
+    def local_experts_forward(
+        self, x: torch.Tensor, counts: torch.Tensor, full_tp: object = None
+    ) -> torch.Tensor:
+        """Rows ordered by (source rank, expert), `counts[s, e]` of them ([sources, E_local]) -> each
+        through this rank's expert e, in the same order."""
+        if self.deterministic:
+            weights = [expert.weights(full_tp) for expert in self.experts.values()]
+            return blockwise_swiglu(x, counts, weights, self.source_grads)
+        stacked = self.stacked_weights(full_tp)
+        if counts.shape[0] == 1:
+            return grouped_swiglu(x, counts[0], *stacked, grouped=self.grouped)
+        local = self.local_experts
         expert_of_row = (
-            torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.flatten())
+            torch.arange(local, device=x.device).repeat(counts.shape[0]).repeat_interleave(counts.flatten())
         )
         by_expert = torch.argsort(expert_of_row, stable=True)
-        y = grouped_swiglu(arrived[by_expert], received.sum(dim=0), *stacked, grouped=self.grouped)
-        y = y[torch.argsort(by_expert)]  # back to (source rank, expert) order
-        return all_to_all_rows(y, ep, recv, send)
+        y = grouped_swiglu(x[by_expert], counts.sum(dim=0), *stacked, grouped=self.grouped)
+        return y[torch.argsort(by_expert)]  # back to (source rank, expert) order
 
 
 def load_balancing_loss(

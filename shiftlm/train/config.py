@@ -56,6 +56,9 @@ class TrainSection:
     compile: str = (
         "auto"  # torch.compile each decoder layer (model/compile.py); auto: on CUDA only; true; false
     )
+    # the step's bits independent of ep (docs/moe.md, "Bit-exact across ep"; Megatron's --deterministic-mode):
+    # expert GEMMs per source rank, gradients and the clipping norm summed in one fixed tree; ZeRO 0/1
+    deterministic: bool = False
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shiftlm.comm import CommGroup, all_reduce
+from shiftlm.comm import CommGroup, all_reduce, tree_all_reduce
 from shiftlm.train.flat import FlatParameters
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -34,12 +34,15 @@ class GradSync:
         overlap: bool = True,
         count_accumulations: bool = True,
         groups: list[CommGroup] | None = None,
+        deterministic: bool = False,
     ):
         """`count_accumulations=False`: ignore autograd's accumulate hooks, only `parameters_ready`
         completes a parameter (the pipeline executor: its I pass fires a weight's hook without a
         gradient, whose W comes later). `groups[i]`: parameter i's data group when they differ
-        (routed experts over `edp`, train/moe.py); a bucket never spans two groups."""
-        self.flat, self.group = flat, group
+        (routed experts over `edp`, train/moe.py); a bucket never spans two groups. `deterministic`
+        (`train.deterministic`): every bucket summed by `tree_all_reduce` in `finish()`, no overlap."""
+        self.flat, self.group, self.deterministic = flat, group, deterministic
+        overlap = overlap and not deterministic
         self.groups = groups if groups is not None else [group] * len(flat.parameters)
         self.overlap = overlap and max((g.size for g in self.groups), default=1) > 1
         self.buckets: list[tuple[int, int]] = []  # [start, end) in the flat buffer
@@ -109,6 +112,10 @@ class GradSync:
     def _launch(self, bucket: int) -> None:
         start, end = self.buckets[bucket]
         chunk = self.flat.grads[start:end]
+        if self.deterministic:
+            chunk.copy_(tree_all_reduce(chunk, self._bucket_group[bucket]))
+            self._handles[bucket] = None
+            return
         self._handles[bucket] = all_reduce(chunk, self._bucket_group[bucket], async_op=True, in_place=True)
 
     @torch.no_grad()
@@ -120,5 +127,6 @@ class GradSync:
             if bucket not in self._handles:
                 self._launch(bucket)
         for handle in self._handles.values():
-            handle.wait()
+            if handle is not None:
+                handle.wait()
         self._expected = 0

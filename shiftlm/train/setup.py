@@ -17,6 +17,7 @@ from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError
 from shiftlm.parallel import ParallelConfig
 from shiftlm.train.config import TrainConfig
+from shiftlm.train.deterministic import check_deterministic
 from shiftlm.train.moe import aux_loss_active
 from shiftlm.train.pipeline import resolved_chunks
 from shiftlm.train.sources import prepare_shards
@@ -119,6 +120,8 @@ def check_layout(config: TrainConfig, model: ModelConfig, world_size: int) -> Pa
     parallel.check_world_size(world_size)
     parallel.check_sequence(config.train.seq_len)
     check_data_format(config)
+    if config.train.deterministic:
+        check_deterministic(parallel, config.train.zero)
     return parallel
 
 

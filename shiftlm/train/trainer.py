@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shiftlm.comm import all_reduce
+from shiftlm.comm import all_reduce, tree_all_reduce
 from shiftlm.hardware import device_peak_flops
 from shiftlm.mesh import Mesh, choose_device, device_name
 from shiftlm.model.grads import sync_tp_replicated_grads
+from shiftlm.model.moe import SparseMoE
 from shiftlm.model.sharding import is_expert_param, shard_spec
 from shiftlm.model.weights import shard_group, source_name
 from shiftlm.monitor import Watchdog, connect_store, faults
@@ -34,6 +35,7 @@ from shiftlm.monitor.live import straggler_watch
 from shiftlm.pipeline.tied import sync_tied_embedding_grads, tied_embedding_copies
 from shiftlm.train.config import TrainConfig
 from shiftlm.train.data import BatchPlan, BatchReader, TokenDataset, split_holdout
+from shiftlm.train.deterministic import CanonicalNorm
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_shards import ShardedGrads
 from shiftlm.train.grad_sync import GradSync
@@ -121,6 +123,7 @@ class Trainer(RunCheckpoints):
                 overlap,
                 count_accumulations=config.parallel.pp == 1,
                 groups=[groups[u] for u in self.flat.unit_of] if groups else None,
+                deterministic=config.train.deterministic,
             )
         decay = lambda name, shape: len(shape) >= 2  # noqa: E731 (no decay on norms and biases)
         self.optimizer = ShardedAdamW(
@@ -128,6 +131,14 @@ class Trainer(RunCheckpoints):
         )
         self.optimizer.shard_parameters(self.stages)  # ZeRO-3 only: shards at rest, gathered per layer
         self.norm_mask, self.expert_norm = self._norm_mask(owned)
+        self.canonical_norm = None
+        if config.train.deterministic:  # train/deterministic.py: every sum in one order at any ep
+            self.canonical_norm = CanonicalNorm(self.flat, self._counted, self.mesh)
+            self._moe_layers = [
+                m for stage in self.stages for m in stage.modules() if isinstance(m, SparseMoE)
+            ]
+            for module in self._moe_layers:
+                module.deterministic = True
         validation = config.validation
         holdout = validation.steps * config.train.global_batch if validation.freq else 0
         dataset, held_out = split_holdout(self._dataset(), holdout)
@@ -193,6 +204,7 @@ class Trainer(RunCheckpoints):
             ]
             if replica == 0 and source == name and group.rank == holders[0]:
                 counted.add(flat_name(name, replica))
+        self._counted = counted
         ranges = self.optimizer.ranges if self.sharded_grads else None  # shard-sized when sharded
         if not mesh.config.experts_apart:
             return self.flat.mask(lambda name, shape: name in counted, ranges), None
@@ -225,6 +237,9 @@ class Trainer(RunCheckpoints):
             self.grad_sync.sync_tp_replicated(self._owned_names, self.mesh.tp)
             return
         self.flat.adopt_grads()
+        if self.canonical_norm is not None:  # the expert weights' per-source gradients, by the tree
+            for module in self._moe_layers:
+                module.source_grads.flush()
         self.grad_sync.finish()
         for stages in self.replicas:
             sync_tied_embedding_grads(stages, self.mesh)
@@ -334,13 +349,17 @@ class Trainer(RunCheckpoints):
         self.grad_sync.begin_step(len(micro_batches))
         loss = self.runner.run(micro_batches, target_tokens)
         self._sum_grads()
-        grad_norm = global_grad_norm(
-            self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer, self.expert_norm
-        )
+        if self.canonical_norm is not None:
+            grad_norm = self.canonical_norm()
+        else:
+            grad_norm = global_grad_norm(
+                self.flat, self.norm_mask, [self.mesh.tp, self.mesh.pp], self.optimizer, self.expert_norm
+            )
         lr = learning_rate(step, self.config.train.steps, self.config.optim)
         self.optimizer.step(lr, clip_coefficient(grad_norm, self.config.optim.grad_clip))
         # the loss lives on the last stage, split over the data group: sum it to every rank
-        loss = all_reduce(all_reduce(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
+        data_sum = tree_all_reduce if self.canonical_norm is not None else all_reduce
+        loss = all_reduce(data_sum(loss.reshape(1), self.mesh.dp_sp), self.mesh.pp).item()
         return loss, grad_norm, lr
 
     def validation_loss(self) -> float:

@@ -12,6 +12,7 @@ import pytest
 
 from shiftlm.cli import main
 from shiftlm.mesh import coords_of, expert_coords
+from shiftlm.model.moe import SparseMoE
 from shiftlm.model.sharding import shard_spec
 from shiftlm.model.weights import take_shard
 from shiftlm.train.config import load_config
@@ -53,7 +54,44 @@ def one_rank(ranks, moe_model, tmp_path_factory):
 def test_etp_layout_losses_and_first_gradients_equal_one_rank(ranks, tmp_path, moe_model, one_rank, layout):
     world, overrides = LAYOUTS[layout]
     runs = ranks.run(world, losses_and_first_grads, [moe_model, *overrides], str(tmp_path))
-    parallel = load_config(None, [moe_model, *overrides]).parallel
+    _assert_equal_one_rank(layout, runs, one_rank, load_config(None, [moe_model, *overrides]).parallel)
+
+
+def all_gather_dispatch_run(overrides: list[str], log_dir: str) -> tuple:
+    """`losses_and_first_grads` with every MoE layer dispatching by all-gather (`SparseMoE.dispatch`),
+    and how many times this rank's layers took that path."""
+    original_init, original_gathered = SparseMoE.__init__, SparseMoE.gathered_experts
+    calls = []
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.dispatch = "all_gather"
+
+    def gathered(self, *args):
+        calls.append(1)
+        return original_gathered(self, *args)
+
+    SparseMoE.__init__, SparseMoE.gathered_experts = init, gathered
+    try:
+        return losses_and_first_grads(overrides, log_dir), len(calls)
+    finally:
+        SparseMoE.__init__, SparseMoE.gathered_experts = original_init, original_gathered
+
+
+@pytest.mark.parametrize("layout", ["etp2_x_ep2", "tp2_x_etp1_x_ep2", "tp2_sp_x_etp1_x_ep2"])
+def test_all_gather_dispatch_at_etp_not_tp_equals_one_rank(ranks, tmp_path, moe_model, one_rank, layout):
+    """The all-gather dispatcher inside the folded layer (gather over etp, then over ep; reduce-scatter
+    back over ep, then over etp) gives one rank's losses and step-1 gradients as the all-to-all does."""
+    world, overrides = LAYOUTS[layout]
+    results = ranks.run(world, all_gather_dispatch_run, [moe_model, *overrides], str(tmp_path))
+    assert all(calls > 0 for _, calls in results)  # every rank dispatched by all-gather
+    runs = [run for run, _ in results]
+    _assert_equal_one_rank(layout, runs, one_rank, load_config(None, [moe_model, *overrides]).parallel)
+
+
+def _assert_equal_one_rank(layout: str, runs: list, one_rank: tuple, parallel) -> None:
+    """Every rank's 5 losses and grad norms equal one rank's, and its step-1 gradients (its TP and
+    etp shards, its experts) equal the matching slices of one rank's (1e-5 relative)."""
     (one_losses, one_norms), one_grads, _ = one_rank
     worst = loss_error = 0.0
     for rank, ((losses, norms), _, _) in enumerate(runs):

@@ -9,7 +9,7 @@ from shiftlm.train.config import OptimSection
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_sync import GradSync
 from shiftlm.train.optim import clip_coefficient, learning_rate
-from shiftlm.train.zero import ShardedAdamW
+from shiftlm.train.zero import ShardedAdamW, global_grad_norm
 
 
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_min_lr():
@@ -77,3 +77,17 @@ def test_dp_sync_and_zero1_match_one_process_on_the_whole_batch(ranks, zero, buc
     per_rank = ranks.run(2, _train_two_linears, zero, bucket_bytes)
     assert per_rank[0] == per_rank[1]  # replicas stay identical
     assert per_rank[0] == pytest.approx(_reference_weights(), rel=1e-5, abs=1e-7)
+
+
+def test_the_gradient_norm_of_a_wide_range_buffer_is_its_fp64_norm():
+    """3e6 gradients over four orders of magnitude on one rank: the clip norm is the fp64 norm to
+    1e-6. MKL's `torch.dot` (what it was) adds into a few running fp32 sums and rounds the small squares
+    away: 3.9e-5 low here, the 7.6e-5 by which one rank missed `--dry-run`'s 5e-5 grad-norm check."""
+    torch.manual_seed(0)
+    grads = torch.randn(3_000_000) * 10 ** (-4 * torch.rand(3_000_000))
+    mask = torch.ones_like(grads)
+    exact = grads.double().norm().item()
+    flat = FlatParameters([("w", torch.nn.Parameter(torch.zeros(grads.numel())))])
+    flat.grads.copy_(grads)
+    assert global_grad_norm(flat, mask, []) == pytest.approx(exact, rel=1e-6)
+    assert abs(torch.dot(grads, grads).sqrt().item() - exact) / exact > 1e-5  # the old sum could not pass
