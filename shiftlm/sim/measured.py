@@ -337,6 +337,7 @@ def _megatron_core_moe(row: dict) -> Case:
         sequence_parallel=int(row["tp"]) > 1,
         rank_order=MEGATRON_ORDER,
         ep_dispatcher="deepep" if row["dispatcher"] == "deepep" else "alltoall",
+        megatron_core_moe=True,
     )
     assert layout.gpus == int(row["gpus"]), row
     label = f"{row['model']} {layout.gpus}gpu tp{layout.tp} ep{layout.ep} pp{pp} vp{vp} ({row['dispatcher']})"
