@@ -285,6 +285,7 @@ def layer_pass_costs(
     efficiency: Efficiency,
     dtype: str,
     comm_forward: float,
+    host_ops_forward: float = LAYER_OPS_FORWARD,
 ) -> PassCosts:
     """F, I and W of one layer. Backward GEMMs cost twice the forward (dgrad + wgrad, split into I
     and W as in zero-bubble PP, Qi et al. 2024); attention and pointwise backward go to I. Recompute
@@ -329,13 +330,15 @@ def layer_pass_costs(
         efficiency.kernel_overhead * max(0, LAYER_OPS_FORWARD - len(ops)),
         efficiency.kernel_overhead * max(0, LAYER_OPS_BACKWARD - 2 * len(gemms) - 2 * len(others)),
     )
-    replay = LAYER_OPS_FORWARD if recompute == "full" else 0
+    replay = host_ops_forward if recompute == "full" else 0
     forward_device = forward + comm_forward + unmodelled[0]
     backward_input += unmodelled[1] + (unmodelled[0] if recompute == "full" else 0)
     # The host issues kernels ahead of the device, but only partly: the streams overlap as
     # `overlapped` says (a pass takes at least the longer of the two, at most their sum).
-    host_forward = efficiency.host_op * LAYER_OPS_FORWARD
-    host_backward = efficiency.host_op * (LAYER_OPS_BACKWARD + replay)
+    # (`host_ops_forward`: a GPT layer's LAYER_OPS_FORWARD, or a Megatron-Core MoE layer's count;
+    # autograd's backward issues about two per forward op)
+    host_forward = efficiency.host_op * host_ops_forward
+    host_backward = efficiency.host_op * (LAYER_OPS_BACKWARD / LAYER_OPS_FORWARD * host_ops_forward + replay)
     backward = overlapped(backward_input + wgrad_time, host_backward, efficiency.host_overlap)
     forward_total = overlapped(forward_device, host_forward, efficiency.host_overlap)
     return PassCosts(forward_total, backward - wgrad_time, wgrad_time)

@@ -64,6 +64,9 @@ class Layout(ParallelConfig):
     # how the ep group's tokens travel: "alltoall" (NCCL all-to-all of every top-k row) or "deepep"
     # (DeepEP's normal kernels: once per remote node over RDMA, then NVLink; `moe.deepep_dispatch_bytes`)
     ep_dispatcher: str = "alltoall"
+    # the MoE layers are Megatron-Core's: the host issues the ops counted from its source
+    # (`moe.megatron_core_moe_layer_ops`) in place of a GPT layer's dense MLP ops
+    megatron_core_moe: bool = False
 
     def check_model(self, model: ModelConfig, chunks: int | None = None) -> None:
         """The trainer's own divisibility checks (`ParallelConfig.check_model`), with this run's chunks."""

@@ -317,7 +317,8 @@ def _megatron_core_moe(row: dict) -> Case:
     gradient reduce, interleaved 1F1B with `vp` chunks, expert TP 1 (`etp`), dropless
     balanced routing. DeepEP's dispatch (the Qwen3 rows) sends a token once to each other node holding
     any of its experts (`moe.deepep_dispatch_bytes`); the fine-grained recompute of norms and
-    activations ("norm,act") is replayed as selective (pointwise only, not priced)."""
+    activations ("norm,act") is replayed as selective (pointwise only, not priced). The host issues
+    a Megatron-Core MoE layer's ops, counted from its source (`moe.megatron_core_moe_layer_ops`)."""
     model = PRESETS[row["model"]]
     pp, vp = int(row["pp"]), int(row["vp"])
     layout = Layout(
@@ -337,6 +338,7 @@ def _megatron_core_moe(row: dict) -> Case:
         sequence_parallel=int(row["tp"]) > 1,
         rank_order=MEGATRON_ORDER,
         ep_dispatcher="deepep" if row["dispatcher"] == "deepep" else "alltoall",
+        megatron_core_moe=True,
     )
     assert layout.gpus == int(row["gpus"]), row
     label = f"{row['model']} {layout.gpus}gpu tp{layout.tp} ep{layout.ep} pp{pp} vp{vp} ({row['dispatcher']})"

@@ -177,3 +177,62 @@ def deepep_time(
     rdma = deepep_dispatch_bytes(model, layout, dtype_bytes, nodes)
     nvlink = dispatch_bytes(model, layout, dtype_bytes) * (per_node - 1) / per_node
     return latency + max(nvlink / intra_bandwidth, rdma / rdma_bandwidth)
+
+
+# Host (framework) ops one Megatron-Core MoE layer issues in its forward, counted from
+# megatron/core/transformer/moe/ at main 1e057005 (the revision the Qwen3 TP4 EP8 row names) with the
+# Qwen3-235B recipe's flags (Megatron-MoE-ModelZoo c1ad0b5, model_configs/benchmarking/
+# Qwen3-235B-A22B.yaml: `--moe-token-dispatcher-type flex --moe-enable-deepep --moe-permute-fusion
+# --enable-experimental --moe-router-load-balancing-type aux_loss --moe-router-dtype fp32
+# --moe-grouped-gemm`, Transformer Engine; `--moe-router-fusion` is listed there too but does not
+# exist at 1e057005, so the router runs unfused), each framework call counted once as
+# `efficiency.LAYER_OPS_FORWARD` counts a GPT layer's:
+MCORE_MOE_OPS = {
+    # router.py `gating` + `routing`: input.to(fp32), weight.to(fp32), linear, logits.view
+    "router_gating": 4,
+    # moe_utils.py `topk_softmax_with_capacity` (no pre-softmax, no capacity): topk, softmax, type_as,
+    # zeros_like, scatter, zeros_like, int, scatter, bool, sum(dim=0)
+    "router_topk": 10,
+    # router.py `aux_loss_load_balancing` / `apply_load_balancing_loss`, moe_utils.py
+    # `switch_load_balancing_loss_func`, `save_to_aux_losses_tracker`: softmax for the aux scores,
+    # sum(dim=0), mul, sum, mul, loss / coeff, detach, tracker index, +=, MoEAuxLossAutoScaler.apply
+    # (and an all_reduce of tokens_per_expert over the tp x cp group where that group is > 1)
+    "router_aux_loss": 10,
+    # token_dispatcher.py `MoEFlexTokenDispatcher.token_permutation`, `_initialize_metadata`,
+    # `_DeepepManager.setup_metadata`: view, (reshape, expand, reshape, contiguous) for the routing
+    # map and the probs, two reshapes, topk
+    "dispatch_metadata": 12,
+    # fused_a2a.py `FusedDispatch.forward`: contiguous, Function.apply, DeepEP get_dispatch_layout,
+    # DeepEP dispatch (notify kernel, then the host waits for the received counts, dispatch kernel),
+    # torch.tensor(num_recv_tokens_per_expert_list)
+    "deepep_dispatch": 6,
+    # `_DeepepManager.get_permuted_hidden_states_by_experts`: fused_indices_to_multihot, the host
+    # sum of tokens_per_expert, TE's fused_permute_with_probs (row-id map, permute, their outputs)
+    "permute": 6,
+    # experts.py `TEGroupedMLP.forward` outside the per-expert GEMMs: tokens_per_expert.tolist(),
+    # probs.unsqueeze, weighted_bias_swiglu, and per grouped linear (fc1, fc2) TE `_GroupedLinear`'s
+    # torch.split of the input and its output torch.empty
+    "experts": 7,
+    # `get_restored_hidden_states_by_experts` (TE fused_unpermute and its output), fused_a2a.py
+    # `FusedCombine` (Function.apply, DeepEP combine), the final view
+    "unpermute_combine": 5,
+}
+# TE `general_grouped_gemm` issues one cuBLAS GEMM per local expert per grouped linear (fc1, fc2)
+MCORE_MOE_GEMMS_PER_EXPERT = 2
+# the dense MLP ops of `LAYER_OPS_FORWARD` a MoE layer replaces: fc1, bias-GeLU, fc2
+DENSE_MLP_OPS = 3
+
+
+def megatron_core_moe_layer_ops(model: ModelConfig, layout: Layout, gpt_layer_ops: float) -> float:
+    """Host ops of one layer's forward, averaged over the layers, where the MoE layers are
+    Megatron-Core's (`MCORE_MOE_OPS`): a GPT layer's `gpt_layer_ops` with the dense MLP's ops replaced
+    by the MoE layer's, whose grouped linears issue a GEMM per local expert (E/ep)."""
+    if not model.is_moe:
+        return gpt_layer_ops
+    ops = sum(MCORE_MOE_OPS.values())
+    if layout.tp * layout.cp > 1:
+        ops += 1  # the aux loss's all_reduce of tokens_per_expert over the tp x cp group
+    ops += MCORE_MOE_GEMMS_PER_EXPERT * model.num_experts / layout.ep
+    moe_layer = gpt_layer_ops - DENSE_MLP_OPS + ops
+    share = moe_share(model)
+    return share * moe_layer + (1 - share) * gpt_layer_ops

@@ -167,8 +167,20 @@ def stage_costs(
         ring_forward, ring_backward = costs.ring_exposed_time(model, tokens, shard, attention, crosses, links)
         comm += ring_forward
         ring_backward -= ring_forward  # layer_pass_costs adds the forward's comm to the backward too
+    host_ops = costs.LAYER_OPS_FORWARD
+    if layout.megatron_core_moe:
+        host_ops = moe.megatron_core_moe_layer_ops(model, layout, host_ops)
     layer = costs.layer_pass_costs(
-        model, layout.micro_batch, layout.seq_len, shard, layout.recompute, hardware, efficiency, dtype, comm
+        model,
+        layout.micro_batch,
+        layout.seq_len,
+        shard,
+        layout.recompute,
+        hardware,
+        efficiency,
+        dtype,
+        comm,
+        host_ops_forward=host_ops,
     )
     layer = replace(layer, backward_input=layer.backward_input + ring_backward)
     head = costs.head_pass_costs(model, tokens, shard, hardware, efficiency, dtype)
