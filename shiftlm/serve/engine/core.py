@@ -100,7 +100,7 @@ class Engine:
         async_scheduling: bool = False,
     ):
         """`async_scheduling` (`--async-scheduling`): schedule step N+1 while step N runs (`step`);
-        the runner must run ahead (`runs_ahead`: one rank)."""
+        the runner must take a plan's pending tokens (`runs_ahead`)."""
         if async_scheduling and not getattr(runner, "runs_ahead", False):
             raise ValueError(
                 f"{type(runner).__name__} cannot run a step ahead of its tokens (async_scheduling)"
@@ -238,10 +238,10 @@ class Engine:
         (vLLM's asynchronous scheduling): the next plan carries N's draws as `PENDING` tokens that
         the runner reads on the device, so on a GPU the host's work (reading N's tokens, detokenizing,
         stop checks, scheduling) overlaps the device running N+1. A sequence that stops at N (EOS, a
-        stop string, an abort) has computed one token for nothing at N+1, which is dropped. The engine
-        runs a step without an overlap (it waits for N first) when N drew a token whose next draw
-        reads the tokens so far (penalties, min_tokens) or a stream group's, or when only preempting
-        could make room."""
+        stop string, an abort) has computed one token for nothing at N+1, which is dropped. A draw that
+        reads the tokens so far (penalties, min_tokens) takes N's from the device. The engine runs a
+        step without an overlap (it waits for N first) when N drew for a stream group, or when only
+        preempting could make room."""
         plans: list[StepPlan] = []
         try:
             current, self._running = self._running, None
