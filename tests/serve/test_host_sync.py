@@ -187,18 +187,28 @@ def test_sampling_copies_to_the_device_without_waiting_for_it(monkeypatch):
     """A host-to-device copy that is not `non_blocking` waits for the whole stream (the model's step
     included): the sampler builds every small tensor on the host and copies it asynchronously
     (`sampling._on`), so with asynchronous scheduling the host is free while the next step runs.
-    Checked without a GPU by what the calls ask: no `torch.tensor(..., device=)`, no blocking `.to`."""
+    Checked without a GPU on the `meta` device, standing for one: no `torch.tensor(..., device=<it>)`
+    and no blocking `.to(<it>)` while a step mixing every parameter is drawn."""
     from shiftlm.serve.engine import sampling
     from shiftlm.serve.engine.sampling import SampleRow, draw_rows, make_generator
     from shiftlm.serve.engine.sequence import SamplingParams
 
+    device = torch.device("meta")
+    params = [
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=2),
+        SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.2, presence_penalty=0.5),
+        SamplingParams(temperature=0.5, logit_bias=((3, 2.0),), min_tokens=5, frequency_penalty=0.3),
+    ]
+    pending = torch.tensor([4], device=device)
+    rows = [SampleRow(i, p, make_generator(p, 0), (1, 2), (3,), pending) for i, p in enumerate(params)]
+    logits = torch.randn(3, 40, device=device)
     blocking = []
     for name in ("tensor", "as_tensor"):
         made = getattr(torch, name)
 
         def spy(*args, made=made, name=name, **kwargs):
-            if kwargs.get("device") is not None:
-                blocking.append(f"torch.{name}(device=...)")
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]) == device:
+                blocking.append(f"torch.{name}(device=meta)")
             return made(*args, **kwargs)
 
         monkeypatch.setattr(torch, name, spy)
@@ -206,24 +216,17 @@ def test_sampling_copies_to_the_device_without_waiting_for_it(monkeypatch):
 
     def spy_to(tensor, *args, **kwargs):
         target = kwargs.get("device", args[0] if args else None)
-        if isinstance(target, (str, torch.device)) and not kwargs.get("non_blocking", False):
+        moving = isinstance(target, (str, torch.device)) and torch.device(target) != tensor.device
+        if moving and not kwargs.get("non_blocking", False):
             blocking.append(".to(device) blocking")
         return to(tensor, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", spy_to)
-    params = [
-        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, logprobs=2),
-        SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.2, presence_penalty=0.5),
-        SamplingParams(temperature=0.5, logit_bias=((3, 2.0),), min_tokens=5, frequency_penalty=0.3),
-    ]
-    rows = [
-        SampleRow(i, p, make_generator(p, 0), (1, 2), (3,), torch.tensor([4])) for i, p in enumerate(params)
-    ]
-    draw = draw_rows(torch.randn(3, 40), rows, eos_ids={0})
+    draw = draw_rows(logits, rows, eos_ids={0})
     assert blocking == [], blocking
-    assert len(draw.result().tokens) == 3
+    assert draw.tokens.shape == (3,) and draw.tokens.device == device
     monkeypatch.setattr(
         sampling, "_on", lambda device, values, dtype: torch.tensor(values, dtype=dtype, device=device)
     )
-    draw_rows(torch.randn(3, 40), rows, eos_ids={0})  # the planted synchronous copies are seen
-    assert blocking and all(b == "torch.tensor(device=...)" for b in blocking)
+    draw_rows(logits, rows, eos_ids={0})  # the planted synchronous copies are seen
+    assert blocking and all(b == "torch.tensor(device=meta)" for b in blocking)

@@ -68,7 +68,7 @@ class _Launched:
         """The token this step drew for one sequence, [1], where it was drawn."""
         i = self.pending_row[seq_id]
         if self.draw is None:
-            return torch.tensor([self.picks[i][0]], dtype=torch.long)
+            return torch.tensor([self.picks[i][0]], dtype=torch.long, device="cpu")
         return self.draw.tokens[i : i + 1]
 
     def pending_tokens(self, plan: StepPlan) -> torch.Tensor | None:
@@ -79,8 +79,8 @@ class _Launched:
         if not index:
             return None
         if self.draw is None:  # drawn row by row on the host
-            return torch.tensor([self.picks[i][0] for i in index], dtype=torch.long)
-        where = torch.tensor(index, dtype=torch.long).to(self.draw.tokens.device, non_blocking=True)
+            return torch.tensor([self.picks[i][0] for i in index], dtype=torch.long, device="cpu")
+        where = torch.tensor(index, dtype=torch.long, device="cpu").to(self.draw.tokens.device, non_blocking=True)
         return self.draw.tokens[where]
 
 

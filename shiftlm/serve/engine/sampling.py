@@ -83,8 +83,8 @@ def _on(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
     device: made on the host, then copied asynchronously. `torch.tensor(values, device=cuda)` copies
     synchronously, i.e. waits for everything queued on the stream before it, the model's step
     included, which would leave nothing for asynchronous scheduling to overlap."""
-    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return tensor.to(device=device, dtype=dtype, non_blocking=True)
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype, device="cpu")
+    return host.to(device=device, dtype=dtype, non_blocking=True)
 
 
 def filter_logits(
@@ -193,7 +193,7 @@ def _draw(logprobs: torch.Tensor | None, tokens: torch.Tensor, ks: list[int | No
     table = torch.cat(columns, dim=1)
     copied = None
     if table.is_cuda:  # into pinned memory, ordered after the draws and before any later step's work
-        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host = torch.empty(table.shape, dtype=table.dtype, device="cpu", pin_memory=True)
         host.copy_(table, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
