@@ -80,7 +80,9 @@ class _Launched:
             return None
         if self.draw is None:  # drawn row by row on the host
             return torch.tensor([self.picks[i][0] for i in index], dtype=torch.long, device="cpu")
-        where = torch.tensor(index, dtype=torch.long, device="cpu").to(self.draw.tokens.device, non_blocking=True)
+        where = torch.tensor(index, dtype=torch.long, device="cpu").to(
+            self.draw.tokens.device, non_blocking=True
+        )
         return self.draw.tokens[where]
 
 
