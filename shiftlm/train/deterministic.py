@@ -6,7 +6,7 @@ ep: what moves between ep values is where sums are taken. With the flag each suc
 binary tree over f (`comm.tree_sum`):
 - an expert's weight gradient: one GEMM per (source rank, expert) block of rows, the sources of the
   holder's ep group (an aligned block of EP token ranks) summed by a tree on the holder
-  (`model.moe.blockwise_swiglu`), then across `edp` by `comm.tree_all_reduce`, which continues the
+  (`model.moe_deterministic.blockwise_swiglu`), then across `edp` by `comm.tree_all_reduce`, which continues the
   same tree when D and ep are powers of two;
 - every other gradient: `tree_all_reduce` over dp_sp, whose result does not depend on where an element
   lies in its bucket (the flat buffers are laid out differently at each ep);
