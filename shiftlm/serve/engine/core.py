@@ -17,19 +17,20 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 import torch
 
 from shiftlm.serve.engine.errors import InvalidRequest, PromptTooLong, StepError
+from shiftlm.serve.engine.launched import Launched
 from shiftlm.serve.engine.metrics import ServingMetrics
 from shiftlm.serve.engine.requests import Request, RequestContext, RequestOutput, SingleRequest, StreamRequest
-from shiftlm.serve.engine.sampling import SEED_MODULUS, Draw, SampleRow, TokenLogprob, draw_rows, sample_rows
+from shiftlm.serve.engine.sampling import SEED_MODULUS, draw_rows, sample_rows
 from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.streams import check_streams, layout_code, max_step_cost
-from shiftlm.serve.plan import PENDING, Runner, StepPlan
+from shiftlm.serve.plan import Runner, StepPlan
 
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
 
@@ -48,42 +49,6 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     failed_steps: int = 0  # steps that raised (counted by `AsyncEngine`, which catches them)
-
-
-@dataclass(eq=False)
-class _Launched:
-    """A step whose model ran and whose tokens are drawn, on the device, but not yet read."""
-
-    plan: StepPlan
-    logits: torch.Tensor
-    rows: list[SampleRow] = field(default_factory=list)
-    owners: list[str] = field(default_factory=list)  # the request of each row
-    drawing: list[tuple[Request, int]] = field(default_factory=list)  # (request, how many rows it draws)
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> traceback
-    pending_row: dict[int, int] = field(default_factory=dict)  # seq id -> its draw's row (runs ahead)
-    draw: Draw | None = None
-    picks: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # `draw` failed: row by row
-
-    def token(self, seq_id: int) -> torch.Tensor:
-        """The token this step drew for one sequence, [1], where it was drawn."""
-        i = self.pending_row[seq_id]
-        if self.draw is None:
-            return torch.tensor([self.picks[i][0]], dtype=torch.long, device="cpu")
-        return self.draw.tokens[i : i + 1]
-
-    def pending_tokens(self, plan: StepPlan) -> torch.Tensor | None:
-        """This step's draws that `plan` (the next step) carries as `PENDING`, in the plan's order."""
-        index = [
-            self.pending_row[chunk.seq_id] for chunk in plan.chunks for t in chunk.token_ids if t == PENDING
-        ]
-        if not index:
-            return None
-        if self.draw is None:  # drawn row by row on the host
-            return torch.tensor([self.picks[i][0] for i in index], dtype=torch.long, device="cpu")
-        where = torch.tensor(index, dtype=torch.long, device="cpu").to(
-            self.draw.tokens.device, non_blocking=True
-        )
-        return self.draw.tokens[where]
 
 
 class Engine:
@@ -109,7 +74,7 @@ class Engine:
             )
         self.runner = runner
         self.async_scheduling = async_scheduling
-        self._running: _Launched | None = None  # the step launched ahead (async_scheduling)
+        self._running: Launched | None = None  # the step launched ahead (async_scheduling)
         self.scheduler = Scheduler(config)
         self.vocab_size = vocab_size
         self.sliding_window = sliding_window  # the model's (stream groups need none)
@@ -270,12 +235,12 @@ class Engine:
             )
             raise StepError(f"{type(err).__name__}: {err}", sorted(set(ids)), in_runner=False) from err
 
-    def _can_run_ahead(self, current: _Launched) -> bool:
+    def _can_run_ahead(self, current: Launched) -> bool:
         """Step N+1 may be scheduled before N's tokens are read: every request N draws for is one plain
         sequence (a stream group's next timestep depends on which of its streams stopped)."""
         return all(isinstance(request, SingleRequest) for request, _ in current.drawing)
 
-    def _launch(self, plan: StepPlan, previous: _Launched | None = None) -> _Launched:
+    def _launch(self, plan: StepPlan, previous: Launched | None = None) -> Launched:
         """Run `plan` and draw its tokens, reading nothing back. `previous`: the step still running,
         whose draws are this plan's `PENDING` tokens."""
         started = time.perf_counter()
@@ -290,7 +255,7 @@ class Engine:
             ids = sorted({*self._request_ids(plan), *(self._request_ids(previous.plan) if previous else ())})
             raise StepError(message, ids, in_runner=True) from err
         self._record_step(plan, started, time.perf_counter() - started)
-        launched = _Launched(plan, logits)
+        launched = Launched(plan, logits)
         row = 0
         for chunk in plan.chunks:
             row += chunk.num_logits_rows
@@ -316,7 +281,7 @@ class Engine:
         launched.draw = self._draw(logits, launched)
         return launched
 
-    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+    def _finish(self, launched: Launched) -> list[RequestOutput]:
         """Read a launched step's tokens and hand each request its own."""
         plan, failed = launched.plan, launched.failed
         self._collect_prompt_logprobs(plan, launched.logits)
@@ -348,7 +313,7 @@ class Engine:
         seqs = [self.scheduler.sequence(chunk.seq_id) for chunk in plan.chunks]
         return sorted({seq.request_id for seq in seqs if seq is not None})
 
-    def _draw(self, logits: torch.Tensor, launched: _Launched):
+    def _draw(self, logits: torch.Tensor, launched: Launched):
         """The step's draws in one sampler call (`Draw`, still on the device); if it raises, row by row
         on the host, so that only the requests whose rows raise fail (recorded in `failed`; their
         entries are placeholders): then None, and `launched.picks` holds them."""
