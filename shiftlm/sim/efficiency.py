@@ -69,36 +69,34 @@ class Efficiency:
 
 FIRST_PRINCIPLES = Efficiency()
 
-# Output of `shiftlm simulate validate --refit` (fit.py: coordinate descent on the fit split of all
-# A100 tables that have fit rows). docs/simulator.md gives each one's physical meaning and the tables
-# that determine it. `gemm` is a share of the GPU's achievable matmul rate (0.877 x A100's 0.869 =
-# 0.762 of its peak). Not fitted since 2026-11-27 (issue 33's parsimony; docs/simulator.md):
-# `memory`, and `kernel_overhead`, `handoff_latency`, `host_overlap` at their first-principles
-# values above (one table or none determined them; a calibrated profile measures its own).
+# Output of `shiftlm simulate validate --refit` (fit.py: coordinate descent on the fit split of every
+# table that has fit rows and names no framework). docs/simulator.md gives each one's physical meaning
+# and the two or more tables that determine it. `gemm` is a share of the GPU's achievable matmul rate
+# (0.866 x A100's 0.869 = 0.753 of its peak). Not fitted (issue 33's parsimony): `memory`,
+# `kernel_overhead`, `handoff_latency` and `host_overlap` stay at their first-principles values above
+# (one table or none determined them; a calibrated profile measures its own). `inter_comm` is one
+# InfiniBand share for every cluster since 2026-11-28 (Selene's and vTrain's testbed's; vTrain's own
+# value, 0.689, was determined by one table), and `host_op` is determined by vTrain single-node's
+# small models and the Megatron-Core MoE table's host-bound TP4 EP8 row (22.6 us; 21.8 from vTrain alone).
 FITTED = Efficiency(
-    gemm=0.877,
-    intra_comm=0.903,
-    inter_comm=0.395,
-    host_op=2.18e-5,
+    gemm=0.866,
+    intra_comm=0.902,
+    inter_comm=0.445,
+    host_op=2.26e-5,
 )
 
-# The same fit's one cluster-specific parameter: vTrain's testbed InfiniBand (800 Gb/s per node) at
-# 0.689 of its line rate in collectives and hand-offs, where the Selene tables' share is 0.395 (its
-# NVLink needs none: its intra-node all-reduces are measured, `sim.measured.vtrain_testbed`).
 # The framework parameters (SOFTWARE_PARAMETERS, below) of llm-foundry, fitted on the fit rows of its
 # A100 and H100 tables (two GPU generations determine each) with the shared constants fixed: MPT's
-# triton attention at 0.573 of FA-2's rate, and 71.5 HBM bytes per token per hidden unit per layer of
-# activation copies (docs/simulator.md, "GPU generations"; 0.533 and 59.4 when only the A100 table fitted them).
+# triton attention at 0.58 of FA-2's rate, and 68.0 HBM bytes per token per hidden unit per layer of
+# activation copies (docs/simulator.md, "The fitted constants").
 FITTED_CLUSTER = {
-    "inter_comm@a100-80gb-vtrain": 0.689,
-    "attention_kernel@llm-foundry": 0.573,
-    "activation_bytes@llm-foundry": 71.5,
+    "attention_kernel@llm-foundry": 0.58,
+    "activation_bytes@llm-foundry": 68.0,
 }
 FIT_PARAMETERS = (
     "gemm",
     "intra_comm",
     "inter_comm",
-    "inter_comm@a100-80gb-vtrain",
     "host_op",
 )
 # A framework's own parameters, fitted after the shared ones (which stay fixed) on the fit rows of

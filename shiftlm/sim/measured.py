@@ -13,7 +13,7 @@ and its A100 80GB table (the same framework and models) fit only the framework's
 ("field@llm-foundry", `Case.software`), every other row of each: two tables determine each of them,
 and under leave-one-table-out each GPU generation predicts the other (the shared constants carry to
 H100 through the published achievable-matmul share, `Hardware.matmul_fraction`). torchtitan's H100
-table is never fitted.
+table is never fitted; every table is scored by a refit that never saw it (`sim.loto`).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ MEGATRON_OPTIMIZER_BYTES = 52.0
 # kernel (read both, write one: 6 bytes per parameter). Later Megatron-LM (Korthikanti's 2022 runs,
 # vTrain's) accumulates into fp32 `main_grad`, inside the wgrad GEMM where apex provides the fused
 # kernel (`--gradient-accumulation-fusion`); replayed with no such cost, as their fit rows agree
-# (docs/simulator.md, "Megatron T1 against Korthikanti T5").
+# (bench/results/simulator_history.md, "Megatron T1 against Korthikanti T5").
 MEGATRON_2021_GRAD_ACCUMULATION = 6.0
 
 

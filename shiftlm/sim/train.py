@@ -139,7 +139,7 @@ def stage_costs(
         if layout.ep_dispatcher == "deepep" and ep_nodes > 1:
             # DeepEP's RDMA leg reaches about the NIC's line rate (its published normal-kernel
             # bottleneck bandwidth on 50 GB/s CX7 NICs: 43-58 GB/s, docs/legacy.md): the
-            # first-principles InfiniBand share, not the one fitted to Selene's 2021 ring all-reduces
+            # first-principles InfiniBand share, not the one fitted to Megatron-LM's NCCL collectives
             a2a = moe.deepep_time(
                 model,
                 layout,

@@ -1,8 +1,9 @@
 """Replay the measured tables, report per-row and per-table error, and fit the free parameters.
 
 The fit uses only the fit split (`is_fit_row`: every other row of Megatron T1 and Korthikanti T5,
-every fourth of the two vTrain tables, every other row of llm-foundry's A100 and H100 tables for that
-framework's own two parameters only, none of torchtitan's nor the MoE table's) and reports
+every fourth of the two vTrain tables, every other row of the Megatron-Core MoE table, every other
+row of llm-foundry's A100 and H100 tables for that framework's own two parameters only, none of
+torchtitan's) and reports
 MAPE on the held-out rows, so a parameter set that memorises rows shows up as a gap between the two. For Korthikanti Table 5 the
 even rows are the full-recompute runs, so its held-out rows are exactly the SP + selective runs.
 """
@@ -22,6 +23,9 @@ FIT_STRIDE = {
     "korthikanti_2022_table5": 2,
     "vtrain_multi_node": 4,
     "vtrain_single_node": 4,
+    # rows 0 and 2 (Mixtral, Qwen3 TP4 EP8): with vTrain single-node's small models the only host-bound
+    # runs, so two tables on two hosts determine `host_op` and each predicts the other when left out
+    "megatron_core_moe_h100": 2,
     # only for llm-foundry's own parameters (fit.fit_frameworks), never the shared ones: two tables
     # (two GPU generations) determine each of them, so under leave-one-table-out either predicts the other
     "llmfoundry_a100": 2,

@@ -185,17 +185,17 @@ def test_megatron_core_moe_rows_agree_with_the_flops_they_state():
 
 def test_plans_propose_etp_and_an_etp_layout_runs_the_dry_run(ranks, tmp_path):
     """`plan train` proposes each expert whole on a rank (etp 1) next to tp 2 attention (Mixtral 8x7B on
-    64 H100s, among the top 30): those plans dispatch 1/tp of the tokens per rank, pass the trainer's
+    64 H100s, among the top 40): those plans dispatch 1/tp of the tokens per rank, pass the trainer's
     config and layout checks (the first phase of `--dry-run`), and such a layout (dp32 tp2 ep8 etp1
-    ZeRO-3, the planner's 238th here) runs `shiftlm train --dry-run`: its stand-in (dp2 tp2 ep4 etp1)
-    takes one rank's step. (The top-30 etp plans are tp2 x sp4 x pp8, whose 8-rank stand-in once missed
+    ZeRO-3, further down the planner's ranking) runs `shiftlm train --dry-run`: its stand-in (dp2 tp2 ep4 etp1)
+    takes one rank's step. (The top-40 etp plans are tp2 x sp4 x pp8, whose 8-rank stand-in once missed
     the 5e-5 grad-norm check by one rank's fp32 dot: now 8.5e-8, docs/moe.md, "Simulator and planner".)"""
     from shiftlm.train.config import load_config
     from shiftlm.train.dryrun import dry_run
     from shiftlm.train.elastic import run_training
     from shiftlm.train.setup import check_layout, model_config
 
-    plan = plan_training(MIXTRAL, H100, 64, 4096, 256, top_k=30, efficiency=FITTED)
+    plan = plan_training(MIXTRAL, H100, 64, 4096, 256, top_k=40, efficiency=FITTED)
     folded = [r.layout for r in plan.ranked if r.layout.expert_tp != r.layout.tp]
     assert folded and all(layout.expert_tp == 1 for layout in folded)
     for layout in folded:

@@ -19,7 +19,7 @@ from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
 from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
 from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs, step_stage_costs
-from shiftlm.sim.validate import mape, percentile_abs_error, replay, table_summary
+from shiftlm.sim.validate import is_fit_row, mape, percentile_abs_error, replay, table_summary
 from shiftlm.sim.validate_cli import TARGET_P90_PCT, TARGET_PCT
 
 
@@ -29,11 +29,14 @@ def _held_out(table):
 
 
 MET_TODAY = {  # issue 17's held-out goals (validate_cli.TARGET_PCT): which are met today
-    "megatron_2021_table1": True,  # 2.88% (5.04% before Megatron-LM 2021's gradient accumulation)
-    # 3.06% since 2026-11-27 (2.50% before): the price of three fewer fitted constants (docs/simulator.md)
-    "korthikanti_2022_table5": False,
-    "vtrain_multi_node": True,  # 6.89% (6.99% with 10 fitted constants, 7.45% before the NCCL tables)
-    "vtrain_single_node": True,
+    "megatron_2021_table1": True,  # 2.90% (2.88% with 10 fitted constants)
+    "korthikanti_2022_table5": True,  # 2.84% (3.06% with 7, 2.50% with 10)
+    # 8.26% since 2026-11-28: the price of one InfiniBand share for every cluster (issue 33's
+    # parsimony; 6.89% with vTrain's own share, which only this table determined)
+    "vtrain_multi_node": False,
+    # 7.76% (goal 8%), but p90 15.8% (goal 15%) since 2026-11-28: `host_op` (22.6 us) and `gemm` (0.866)
+    # now also answer to the MoE table's runs (14.3% p90 when this table alone determined `host_op`)
+    "vtrain_single_node": False,
     # its odd rows: llm-foundry's two constants are fitted on the even rows of its H100 and A100 tables
     "llmfoundry_h100": True,
 }
@@ -60,13 +63,13 @@ def test_fitted_model_meets_the_issue_goal_on_held_out_rows(table):
     [
         # where a goal is not met, the bound is today's value plus a little: a regression fails
         ("megatron_2021_table1", 4.0),
-        ("korthikanti_2022_table5", 3.1),
-        ("vtrain_multi_node", 7.0),
+        ("korthikanti_2022_table5", 3.0),
+        ("vtrain_multi_node", 8.5),
         ("vtrain_single_node", 8.0),
         ("llmfoundry_h100", 8.0),
-        # no goal: the same framework on A100 (6.32% since its constants are fitted on both
+        # no goal: the same framework on A100 (6.41% since its constants are fitted on both
         # generations; 5.51% when only this table fitted them)
-        ("llmfoundry_a100", 6.5),
+        ("llmfoundry_a100", 6.6),
     ],
 )
 def test_fitted_model_stays_within_its_held_out_error(table, bound):
@@ -86,6 +89,16 @@ def test_torchtitan_is_never_fitted_and_llm_foundry_only_for_its_framework():
         case.software == "llm-foundry" for t in ("llmfoundry_h100", "llmfoundry_a100") for case in cases[t]
     )
     assert "attention_kernel@llm-foundry" in FITTED_CLUSTER and "attention_kernel" not in FIT_PARAMETERS
+
+
+def test_the_host_bound_runs_of_two_tables_are_in_the_fit():
+    # `host_op` needs two tables (issue 33): vTrain single-node's small models and the MoE table's
+    # Qwen3 TP4 EP8 row; the MoE table's Qwen3 TP2 EP32 row is its held-out one
+    cases = load_cases(default_data_dir(), ["megatron_core_moe_h100"])["megatron_core_moe_h100"]
+    fit_rows = [case.label for index, case in enumerate(cases) if is_fit_row("megatron_core_moe_h100", index)]
+    assert len(fit_rows) == 2 and "qwen3" in fit_rows[1] and "tp4 ep8" in fit_rows[1]
+    assert [row.label for row in _held_out("megatron_core_moe_h100")] == [cases[1].label]
+    assert "host_op" in FIT_PARAMETERS and not any("@" in name for name in FIT_PARAMETERS)
 
 
 def test_a_software_parameter_applies_to_its_framework_on_every_gpu_and_nowhere_else():
