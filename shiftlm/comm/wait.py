@@ -5,13 +5,13 @@ socket thread; the caller sleeps on a condition variable until the worker signal
 is late, every waiting thread sleeps and the core halts, and each of those wake-ups costs tens to
 hundreds of microseconds on a virtual machine. Serving runs up to ten collectives per step (the plan
 broadcast, two row-parallel sums per layer, the logits gather), so on a 2-core VM a 2-rank decode
-step took 15-20 ms of wall time for 6-7 ms of CPU (docs/serving.md, "Waiting ranks").
+step took 15-20 ms of wall time for 6-7 ms of CPU (bench/results/serving_history.md, "Waiting ranks").
 
 `set_spin_wait(seconds)` makes every blocking collective of `comm.ops` (and the serving runner's
 plan broadcast and logits gather) start asynchronously and poll `work.is_completed()` for up to
 `seconds`, yielding the core (`os.sched_yield`, which also drops the GIL) between polls, then sleep
 in `work.wait()` as before; an idle server stops polling after `seconds`. Off (0) by default;
-`shiftlm serve --spin-wait S` turns it on for its CPU ranks > 0 only. Measured (docs/serving.md,
+`shiftlm serve --spin-wait S` turns it on for its CPU ranks > 0 only. Measured (bench/results/serving_history.md,
 "Waiting ranks"): with a core per rank a 2-rank decode step drops from 15-27 to 10-19 ms of wall time;
 but a poll only helps where nothing else needs the core. Linux's `sched_yield` does not hand a core to
 another process for long, so a polling rank 1 slowed the benchmark client sharing its core (TTFT x3),

@@ -63,7 +63,7 @@ def pin_local_rank(local_rank: int, local_world_size: int) -> int | None:
     rank r on the r-th core of the process's affinity set (what `taskset` gave it), when that set has a
     core for every local rank. Returns the core, or None (fewer cores than ranks: left to the kernel).
     Unpinned, the kernel moves two ranks of a 2-core server onto one core at times, and every
-    collective then waits for a descheduled peer (docs/serving.md, "Waiting ranks")."""
+    collective then waits for a descheduled peer (bench/results/serving_history.md, "Waiting ranks")."""
     cores = sorted(os.sched_getaffinity(0))
     if local_world_size < 2 or len(cores) < local_world_size:
         return None
