@@ -82,6 +82,14 @@ def test_plan_train_says_what_it_plans_before_it_plans(capsys, tmp_path):
     assert lines[0] == f"planning llama3-8b on 16 x h100-sxm (best layout -> {out}) ..."
     assert lines[-2].startswith("why 1.: the fastest predicted step that fits (")
     assert lines[-1].startswith(f"wrote {out}: the config of 1.") and out.is_file()
+    # with --top 1 the reason still compares the pick with its runner-up (it once said "the only
+    # layout that fits" of whichever plan came first, as only one was ranked)
+    assert main([*argv, "--out", str(out), "--top", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len([line for line in lines if line.startswith("1. ")]) == 1 and not any(
+        line.startswith("2. ") for line in lines
+    )
+    assert lines[-2].startswith("why 1.: the fastest predicted step that fits (")
 
 
 # -- 3. the quickstart keeps the previous run and ends with what to do next ------------------------

@@ -170,8 +170,9 @@ def _plan_train(args: argparse.Namespace) -> int:
             f"planning {model.name} on {args.gpus} x {hardware.name} (best layout -> {args.out}) ...",
             flush=True,
         )
+    # rank at least two, so "why 1." compares it with the runner-up even with --top 1
     plan = plan_training(
-        model, hardware, args.gpus, args.seq, args.global_batch, args.top, efficiency, args.dtype
+        model, hardware, args.gpus, args.seq, args.global_batch, max(args.top, 2), efficiency, args.dtype
     )
     if not plan.ranked:
         raise ValueError(
@@ -188,7 +189,7 @@ def _plan_train(args: argparse.Namespace) -> int:
             "why": r.why(),
         }
         | r.result.as_dict()
-        for r in plan.ranked
+        for r in plan.ranked[: args.top]
     ]
     if args.json:
         print(
@@ -206,7 +207,7 @@ def _plan_train(args: argparse.Namespace) -> int:
     print(
         f"{plan.enumerated} layouts, {plan.fit_lower_bound} pass the memory bound, {plan.simulated} simulated"
     )
-    for rank, r in enumerate(plan.ranked, 1):
+    for rank, r in enumerate(plan.ranked[: args.top], 1):
         lay = r.layout
         print(
             f"{rank}. dp={lay.dp} pp={lay.pp}{f' cp={lay.cp}' if lay.cp > 1 else ''}"

@@ -16,8 +16,12 @@ from shiftlm.sim.train import simulate_step
 A100, H100 = CATALOG["a100-80gb"], CATALOG["h100-sxm"]
 
 
-@pytest.mark.parametrize("table", ["megatron_2021_table1", "korthikanti_2022_table5", "vtrain_multi_node"])
+@pytest.mark.parametrize(
+    "table",
+    ["megatron_2021_table1", "korthikanti_2022_table5", "vtrain_multi_node", "megatron_core_moe_h100"],
+)
 def test_every_measured_layout_fits_in_80_gb(table):
+    # they all ran (Qwen3 TP2 EP32: 77.4 GiB, which an H100 read as 80e9 bytes did not hold)
     for case in load_cases(default_data_dir(), [table])[table]:
         layout = case.layout
         in_flight = (
