@@ -48,11 +48,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 TERA, GIGA = 1e12, 1e9
-# HBM capacities on datasheets are binary: "80 GB" is what the device reports as 80 GiB, less a few
-# hundred MiB the driver keeps (A100 80GB: 81,920 MiB; H100 SXM: 81,559 MiB; our H200, "141 GB":
+# A GiB. HBM capacities on datasheets are binary: "80 GB" is what the device reports as 80 GiB, less a
+# few hundred MiB the driver keeps (A100 80GB: 81,920 MiB; H100 SXM: 81,559 MiB; our H200, "141 GB":
 # 143,771 MiB from nvidia-smi, bench/results/gpu/gpu_env.json). Reading them as 1e9 bytes
 # understated every GPU's memory by 7% and refused layouts that fit.
-HBM_GB = 2**30
+GIB = 2**30
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -151,7 +151,7 @@ def _gpu(
     return Hardware(
         name,
         {dtype: rate * TERA for dtype, rate in tflops.items()},
-        hbm_gb * HBM_GB,
+        hbm_gb * GIB,
         hbm_gb_s * GIGA,
         intra_gb_s * GIGA,
         inter_gb_s * GIGA,

@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 
 from shiftlm.data import MEASURED_DIR
-from shiftlm.hardware import CATALOG, GIGA, Hardware, power_capped, with_links
+from shiftlm.hardware import CATALOG, GIB, GIGA, Hardware, power_capped, with_links
 from shiftlm.presets import PRESETS, ModelConfig, gpt_style
 from shiftlm.sim.costs import eager_llama_pointwise_bytes
 from shiftlm.sim.layout import MEGATRON_ORDER, Layout
@@ -240,7 +240,7 @@ TORCHTITAN = "torchtitan"
 H100_SXM_WATTS = 700.0
 GRAND_TETON_WATTS = 500.0
 GRAND_TETON = power_capped(
-    replace(H100, hbm_bytes=96 * 2**30, hbm_bandwidth=2.4e12),
+    replace(H100, hbm_bytes=96 * GIB, hbm_bandwidth=2.4e12),
     GRAND_TETON_WATTS,
     H100_SXM_WATTS,
     "h100-grand-teton",

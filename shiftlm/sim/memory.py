@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from shiftlm.config import ModelConfig
+from shiftlm.hardware import GIB
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.moe import dispatched_rows, expert_layer_params, ffn_width, stage_expert_params, zero_sharded
 
-GIB = 2**30
 # CUDA context, NCCL buffers, cuBLAS workspace and allocator fragmentation: a common rule of thumb.
 RUNTIME_RESERVE_BYTES = 2.0 * GIB
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from shiftlm.config import ModelConfig
 from shiftlm.errors import ConfigError, DoesNotFitError
+from shiftlm.hardware import GIB
 from shiftlm.train.config import TrainConfig
 
-GIB = 2**30
 CPU_RUNTIME_BYTES = 0.4 * GIB  # Python + torch of one CPU rank (measured: ~0.35 GB RSS before the model)
 
 
