@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from functools import lru_cache
 from pathlib import Path
 
 _SKIPPED_DIRS = {"test", "tests", "site-packages", "idle_test", "__pycache__", "pydoc_data"}
@@ -22,14 +23,23 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def stdlib_files(max_bytes: int) -> list[Path]:
-    """Standard-library `*.py` files in sorted relative-path order, up to `max_bytes` in total."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+@lru_cache(maxsize=8)
+def stdlib_files(max_bytes: int) -> tuple[Path, ...]:
+    """Standard-library `*.py` files in sorted relative-path order, up to `max_bytes` in total.
+
+    Skipped directories are never entered: the stdlib root of a pyenv or system Python holds its
+    site-packages, whose walk cost every rank of every run seconds (kept per process: a process that
+    trains twice, a test's pooled rank, lists once)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [name for name in subdirs if name not in _SKIPPED_DIRS]
+        relative = os.path.relpath(directory, root)
+        prefix = "" if relative == "." else Path(relative).as_posix() + "/"
+        found.extend(prefix + name for name in names if name.endswith(".py"))
     chosen, total = [], 0
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        relative = path.relative_to(root)
-        if _SKIPPED_DIRS.intersection(relative.parts[:-1]):
-            continue
+    for relative in sorted(found):
+        path = Path(root, relative)
         size = path.stat().st_size
         if size == 0 or size > _MAX_FILE_BYTES:
             continue
@@ -37,7 +47,7 @@ def stdlib_files(max_bytes: int) -> list[Path]:
             break
         chosen.append(path)
         total += size
-    return chosen
+    return tuple(chosen)
 
 
 def stdlib_corpus(max_bytes: int = 4_000_000) -> list[str]:
