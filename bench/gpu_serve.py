@@ -82,10 +82,6 @@ def phase_decode(out: Path) -> dict:
     import torch
 
     from shiftlm.config import ModelConfig
-    from shiftlm.mesh import Mesh
-    from shiftlm.parallel import ParallelConfig
-    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
-    from shiftlm.serve.worker.runner import ModelRunner
 
     model_dir = _model_dir()
     cuda = torch.cuda.is_available()
@@ -94,68 +90,101 @@ def phase_decode(out: Path) -> dict:
     config = ModelConfig.from_hf(model_dir)
     contexts = (32, 64) if SMOKE else (512,) if QUICK else (512, 2048)
     batches = (1, 2, 4) if SMOKE else (1, 64) if QUICK else (1, 2, 4, 8, 16, 32, 64, 128)
-    block = 16
-    blocks_per_seq = max(contexts) // block + 1
-    rows = {}
-    # the eager step, then the compiled one (worker/compiled_step.py: on CUDA every decode batch), each
-    # on a runner of its own: its load time includes the compiles
-    for name, compiled in (("shiftlm", False), ("shiftlm_compiled", True)):
-        start = time.perf_counter()
-        runner = ModelRunner.load(
-            model_dir,
-            Mesh(ParallelConfig(), device=device),
-            max(batches) * blocks_per_seq,
-            block,
-            dtype=dtype,
-            compile_decode=compiled,  # on CUDA: CUDA graphs for these batches and contexts too
-            max_num_seqs=max(batches),
-            max_model_len=max(contexts) + block,
-        )
-        load_s = time.perf_counter() - start
-        rate = _copy_rate(device)
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.shift_model.model.parameters())
-        kv_per_token = (
-            2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
-        )
-        for context in contexts:
-            for batch in batches:
-                # prefill `batch` sequences of `context - 1` tokens, then time decode steps at `context`
-                random.seed(context * 1000 + batch)
-                chunks = []
-                for s in range(batch):
-                    blocks = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
-                    ids = tuple(random.randrange(config.vocab_size) for _ in range(context - 1))
-                    chunks.append(ScheduledChunk(s, ids, 0, blocks, True, row=s))
-                for chunk in chunks:
-                    runner.run_step(StepPlan(0, Mode.TP, (chunk,)))
-                decode = StepPlan(
-                    1,
-                    Mode.TP,
-                    tuple(ScheduledChunk(s, (7,), context - 1, (), True, row=s) for s in range(batch)),
-                )
-                compiled_steps = runner.shift_model.compiled.steps if runner.shift_model.compiled else 0
-                ours = _timed(lambda plan=decode, runner=runner: runner.run_step(plan), 5 if SMOKE else 20)
-                roofline = (weight_bytes + batch * context * kv_per_token) / rate
-                row = rows.setdefault(
-                    (context, batch), dict(context=context, batch=batch, roofline_ms=roofline * 1e3)
-                )
-                row[f"{name}_ms"] = ours * 1e3
-                row[f"{name}_load_s"] = load_s
-                ran = runner.shift_model.compiled.steps if runner.shift_model.compiled else 0
-                row[f"{name}_ran_compiled"] = ran > compiled_steps
-                print(json.dumps(row), flush=True)
-        runner = None
+    rows: dict = {}
+    meta: dict = {}  # the copy rate and weight bytes the roofline used
+    errors: dict[str, str] = {}
+    phase_start = time.perf_counter()
+    # the eager step, the compiled one (worker/compiled_step.py: on CUDA every decode batch, from CUDA
+    # graphs) over gather + SDPA attention, and the compiled one over FlexAttention reading the blocks
+    # in place (worker/flex_decode.py, issue 34's candidate), each on a runner of its own (its load time
+    # includes the compiles and captures); a variant that fails is reported, not fatal, and FlexAttention
+    # is left out when the others took more than half the phase's time
+    for name, compiled, backend in (
+        ("shiftlm", False, "auto"),
+        ("shiftlm_compiled", True, "auto"),
+        ("shiftlm_compiled_flex", True, "flex"),
+    ):
+        if backend == "flex" and time.perf_counter() - phase_start > PHASES["decode"] / 2:
+            errors[name] = "skipped: the phase's time was half spent"
+            continue
+        try:
+            _decode_variant(
+                rows, meta, name, compiled, backend, model_dir, device, dtype, config, contexts, batches
+            )
+        except Exception as err:  # noqa: BLE001 - one variant's failure must not lose the others' numbers
+            errors[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+            print(json.dumps({"variant": name, "error": errors[name]}), flush=True)
     rows = list(rows.values())
-    runner = None  # its cache's memory, before transformers loads
     for row, hf in zip(rows, _transformers_decode(model_dir, device, dtype, contexts, batches)):
         row["transformers_compiled_ms"] = hf * 1e3
         row["vs_transformers"] = hf / (row["shiftlm_ms"] / 1e3)
-        row["compiled_vs_transformers"] = hf / (row["shiftlm_compiled_ms"] / 1e3)
-    result = dict(
-        device=device_name(), dtype=str(dtype), copy_gbps=rate / 1e9, weight_bytes=weight_bytes, rows=rows
-    )
+        for name in ("shiftlm_compiled", "shiftlm_compiled_flex"):
+            if f"{name}_ms" in row:
+                row[f"{name[len('shiftlm_') :]}_vs_transformers"] = hf / (row[f"{name}_ms"] / 1e3)
+    result = dict(device=device_name(), dtype=str(dtype), **meta, rows=rows, errors=errors)
     _plot_decode(rows, out / "gpu_serve_decode.png", result["device"])
     return result
+
+
+def _decode_variant(
+    rows, meta, name, compiled, backend, model_dir, device, dtype, config, contexts, batches
+) -> None:
+    """One runner's decode step times, into `rows` (keyed by context and batch) as `{name}_ms`."""
+    import torch
+
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    block = 16
+    blocks_per_seq = max(contexts) // block + 1
+    start = time.perf_counter()
+    runner = ModelRunner.load(
+        model_dir,
+        Mesh(ParallelConfig(), device=device),
+        max(batches) * blocks_per_seq,
+        block,
+        dtype=dtype,
+        compile_decode=compiled,  # on CUDA: CUDA graphs for these batches and contexts too
+        attention_backend=backend,
+        max_num_seqs=max(batches),
+        max_model_len=max(contexts) + block,
+    )
+    load_s = time.perf_counter() - start
+    rate = _copy_rate(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.shift_model.model.parameters())
+    meta.update(copy_gbps=rate / 1e9, weight_bytes=weight_bytes)
+    kv_per_token = (
+        2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+    )
+    for context in contexts:
+        for batch in batches:
+            # prefill `batch` sequences of `context - 1` tokens, then time decode steps at `context`
+            random.seed(context * 1000 + batch)
+            chunks = []
+            for s in range(batch):
+                blocks = tuple(range(s * blocks_per_seq, (s + 1) * blocks_per_seq))
+                ids = tuple(random.randrange(config.vocab_size) for _ in range(context - 1))
+                chunks.append(ScheduledChunk(s, ids, 0, blocks, True, row=s))
+            for chunk in chunks:
+                runner.run_step(StepPlan(0, Mode.TP, (chunk,)))
+            decode = StepPlan(
+                1,
+                Mode.TP,
+                tuple(ScheduledChunk(s, (7,), context - 1, (), True, row=s) for s in range(batch)),
+            )
+            compiled_steps = runner.shift_model.compiled.steps if runner.shift_model.compiled else 0
+            ours = _timed(lambda plan=decode, runner=runner: runner.run_step(plan), 5 if SMOKE else 20)
+            roofline = (weight_bytes + batch * context * kv_per_token) / rate
+            row = rows.setdefault(
+                (context, batch), dict(context=context, batch=batch, roofline_ms=roofline * 1e3)
+            )
+            row[f"{name}_ms"] = ours * 1e3
+            row[f"{name}_load_s"] = load_s
+            ran = runner.shift_model.compiled.steps if runner.shift_model.compiled else 0
+            row[f"{name}_ran_compiled"] = ran > compiled_steps
+            print(json.dumps(row), flush=True)
 
 
 def _transformers_decode(model_dir: Path, device, dtype, contexts, batches) -> list[float]:
@@ -198,7 +227,8 @@ def _plot_decode(rows: list[dict], path: Path, device: str) -> None:
         batches = [r["batch"] for r in mine]
         for key, label in (
             ("shiftlm_ms", "shiftlm eager"),
-            ("shiftlm_compiled_ms", "shiftlm compiled"),
+            ("shiftlm_compiled_ms", "shiftlm compiled (gather + SDPA)"),
+            ("shiftlm_compiled_flex_ms", "shiftlm compiled (FlexAttention)"),
             ("transformers_compiled_ms", "transformers compiled"),
             ("roofline_ms", "HBM roofline"),
         ):

@@ -119,7 +119,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         default="auto",
         help="auto = shiftlm's CPU kernels on CPU where they build (decode attention from the cache blocks, "
         "fused RMSNorm and SwiGLU; first build ~25 s, cached), else PyTorch's ops (gather + SDPA); "
-        "cpu-kernel insists on them; sdpa never uses them",
+        "cpu-kernel insists on them; sdpa never uses them; flex attends decode steps with PyTorch's "
+        "FlexAttention straight from the cache blocks (compiled; the candidate for CUDA, docs/serving.md)",
     )
 
 

@@ -1,7 +1,8 @@
 """Decode steps padded to captured shapes (serve/worker/decode_graphs.py) compute the eager step's
 logits and write the same K/V: batches of 1 to 5 sequences padded to 1, 2, 4, 8 rows, contexts of 1
 to 4 blocks padded to buckets of 1, 2, 4; padding rows touch the scratch block only. On the CPU the
-padded step runs without graphs; on a GPU (`cuda` marker) the same steps replay captured graphs."""
+padded step runs without graphs; on a GPU (`cuda` marker) the same steps replay captured graphs. Both
+for the gather + SDPA attention and for FlexAttention reading the blocks in place (one context bucket)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def plans() -> list[StepPlan]:
     return out
 
 
-def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture: bool):
+def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture: bool, backend: str = "auto"):
     """A runner whose decode steps go through `DecodeGraphs` (max 8 sequences, 4 blocks each)."""
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
@@ -59,11 +60,19 @@ def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture:
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(), device=device)
-    runner = ModelRunner.load(model_dir, mesh, num_blocks=BLOCKS, block_size=BLOCK, dtype=dtype, gemv_rows=0)
+    runner = ModelRunner.load(
+        model_dir,
+        mesh,
+        num_blocks=BLOCKS,
+        block_size=BLOCK,
+        dtype=dtype,
+        gemv_rows=0,
+        attention_backend=backend,
+    )
     old = runner.cache
     layers, _, _, kv_heads, head_dim = old.storage.shape
     cache = PagedKVCache(layers, BLOCKS, BLOCK, kv_heads, head_dim, dtype, device, scratch=True)
-    cache.kernel = old.kernel
+    cache.kernel, cache.flex = old.kernel, old.flex
     runner.cache = runner.shift_model.cache = cache
     compiled = CompiledDecode(runner.shift_model.model, cache, max_seqs=BLOCKS, dynamic_batch=True)
     assert compiled.warm_up()
@@ -73,7 +82,9 @@ def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture:
     return runner
 
 
-def check_padded_steps_equal_eager(tmp_path, device: torch.device, capture: bool) -> None:
+def check_padded_steps_equal_eager(
+    tmp_path, device: torch.device, capture: bool, backend: str = "auto"
+) -> None:
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
@@ -82,7 +93,9 @@ def check_padded_steps_equal_eager(tmp_path, device: torch.device, capture: bool
     eager = ModelRunner.load(
         model_dir, Mesh(ParallelConfig(), device=device), num_blocks=BLOCKS, block_size=BLOCK
     )
-    graphed = graphed_runner(model_dir, device, torch.float32, capture)
+    graphed = graphed_runner(model_dir, device, torch.float32, capture, backend)
+    if backend == "flex":  # each sequence reads its own blocks whatever the table's width: one bucket
+        assert graphed.shift_model.graphs.buckets == [4] and graphed.cache.flex
     for plan in plans():
         want, got = eager.execute(plan), graphed.execute(plan)
         error = float((got - want).abs().max() / want.abs().max())
@@ -96,15 +109,17 @@ def check_padded_steps_equal_eager(tmp_path, device: torch.device, capture: bool
     )
 
 
-def test_padded_decode_steps_equal_the_eager_step_on_the_cpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["auto", "flex"])
+def test_padded_decode_steps_equal_the_eager_step_on_the_cpu(tmp_path, monkeypatch, backend):
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
-    check_padded_steps_equal_eager(tmp_path, torch.device("cpu"), capture=False)
+    check_padded_steps_equal_eager(tmp_path, torch.device("cpu"), capture=False, backend=backend)
 
 
 @pytest.mark.cuda
-def test_captured_cuda_graphs_equal_the_eager_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["auto", "flex"])
+def test_captured_cuda_graphs_equal_the_eager_step(tmp_path, monkeypatch, backend):
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
-    check_padded_steps_equal_eager(tmp_path, torch.device("cuda"), capture=True)
+    check_padded_steps_equal_eager(tmp_path, torch.device("cuda"), capture=True, backend=backend)
 
 
 def test_no_graph_gathers_more_blocks_than_the_cache_holds(tmp_path, monkeypatch):

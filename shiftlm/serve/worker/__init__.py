@@ -4,8 +4,9 @@ modes), `paged_attention` and its backends, `plan_codec` (the plan as tensors) a
 `ranks` watches the other ranks; `start` starts and loads a rank."""
 
 # --attention-backend: "auto" (the CPU kernel on CPU where it builds, else gather + SDPA), "cpu-kernel"
-# (insist on it), "sdpa" (always gather blocks for SDPA); worker/runner.py chooses the kernel
-ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa")
+# (insist on it), "sdpa" (always gather blocks for SDPA), "flex" (decode rows attend from the cache
+# blocks in place with FlexAttention: flex_decode.py); worker/runner.py chooses
+ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flex")
 
 __all__ = ["ATTENTION_BACKENDS", "runner", "shift_model", "paged_attention", "stream_attention", "stream_plan", "plan_codec",
-           "logits", "compiled_step", "shift_probe", "ranks", "start"]  # fmt: skip
+           "logits", "compiled_step", "flex_decode", "shift_probe", "ranks", "start"]  # fmt: skip

@@ -36,6 +36,7 @@ from shiftlm.model.attention import FullTP
 from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
+from shiftlm.serve.worker.flex_decode import flex_decode, flex_plan
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache, kernel_decode
 
 log = logging.getLogger(__name__)
@@ -59,14 +60,18 @@ def paged_decode_attention(
     bias: torch.Tensor,
     positions: torch.Tensor,
     window: int,
+    flex: list[torch.Tensor],
 ) -> torch.Tensor:
     """The eager decode attention of one layer (PagedAttention's lean path, the same calls): write K/V
     [S, Hkv, D] into `storage` (a `PagedKVCache`'s) at `slots`, attend q [S, Hq, D] -> [S, Hq, D] with
-    the cache's CPU kernel if it has one, else gather the blocks into the cache's kept buffers for
-    SDPA. Opaque to inductor: the context length stays inside, so the compiled graph's only dynamic
-    size is the batch, and the gather keeps its buffers."""
+    FlexAttention from the blocks in place where `flex` holds the step's block mask (`flex_plan`), the
+    cache's CPU kernel if it has one, else gather the blocks into the cache's kept buffers for SDPA.
+    Opaque to inductor: the context length stays inside, so the compiled graph's only dynamic size is
+    the batch, and the gather keeps its buffers."""
     cache = _CACHES[storage.data_ptr()]
     cache.write(layer, slots, k, v)
+    if flex:
+        return flex_decode(q, *cache.slots(layer), flex, cache.block_size)
     if cache.kernel is not None:
         return kernel_decode(cache, layer, q, block_index, positions, window)
     seqs, heads, d = q.shape
@@ -76,7 +81,7 @@ def paged_decode_attention(
 
 
 @paged_decode_attention.register_fake
-def _(q, k, v, storage, layer, slots, block_index, bias, positions, window):
+def _(q, k, v, storage, layer, slots, block_index, bias, positions, window, flex):
     return torch.empty_like(q)
 
 
@@ -84,9 +89,9 @@ class DecodeAttention:
     """The attention backend (`model.attention.AttentionBackend`) of a compiled decode step: each
     layer's call is one `paged_decode_attention` on the step's tensors (made inside the graph)."""
 
-    def __init__(self, storage, slots, block_index, bias, positions, window: int):
+    def __init__(self, storage, slots, block_index, bias, positions, window: int, flex: list[torch.Tensor]):
         self.storage, self.slots, self.block_index = storage, slots, block_index
-        self.bias, self.positions, self.window = bias, positions, window
+        self.bias, self.positions, self.window, self.flex = bias, positions, window, flex
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [1, S, Hq, D], k/v: [1, S, Hkv, D] -> [1, S, Hq, D]."""
@@ -101,6 +106,7 @@ class DecodeAttention:
             self.bias,
             self.positions,
             self.window,
+            self.flex,
         )
         return out.unsqueeze(0)
 
@@ -120,12 +126,29 @@ class TracedFullTP(FullTP):
 
 
 def decode_step(
-    model: Transformer, ids, positions, slots, block_index, bias, rows, window, storage, head, full_tp
+    model: Transformer,
+    ids,
+    positions,
+    slots,
+    block_index,
+    bias,
+    rows,
+    window,
+    storage,
+    head,
+    full_tp,
+    flex_block,
 ):
     """This rank's block of the sampled rows' logits [rows, its vocab columns] of a decode step: the
     model's own layers with the `PLAIN` ops and `DecodeAttention` (in full TP over the shift group
-    where `full_tp` is given), then its final norm and `head` (what `torch.compile` traces)."""
-    backend = DecodeAttention(storage, slots, block_index, bias, positions, window)
+    where `full_tp` is given), then its final norm and `head` (what `torch.compile` traces).
+    `flex_block`: the cache's block size where attention runs FlexAttention (its block mask is made
+    here, once for every layer), else 0."""
+    flex = []
+    if flex_block:
+        tables = block_index.view(ids.shape[0], -1)
+        flex = flex_plan(tables, positions, window, flex_block, storage.shape[2] // flex_block)
+    backend = DecodeAttention(storage, slots, block_index, bias, positions, window, flex)
     hidden = model.hidden_states(ids[None], positions[None], backend, full_tp, PLAIN)[0]
     return F.linear(model.model.norm(hidden[rows], PLAIN), head)
 
@@ -204,8 +227,20 @@ class CompiledDecode:
     def run(self, ids, positions, slots, block_index, bias, rows, window: int) -> torch.Tensor:
         """The compiled step on these tensors (`decode_step`'s arguments): logits of `rows`."""
         storage, head = self.cache.storage, self.head
+        flex_block = self.cache.block_size if self.cache.flex else 0
         return self._fn(
-            self.model, ids, positions, slots, block_index, bias, rows, window, storage, head, self.full_tp
+            self.model,
+            ids,
+            positions,
+            slots,
+            block_index,
+            bias,
+            rows,
+            window,
+            storage,
+            head,
+            self.full_tp,
+            flex_block,
         )
 
     @torch.no_grad()

@@ -58,8 +58,13 @@ class DecodeGraphs:
             raise ValueError("decode graphs pad with a scratch block: build the cache with scratch=True")
         self.compiled, self.cache, self.capture = compiled, cache, capture
         self.sizes, self.buckets = capture_sizes(max_seqs), context_buckets(max_blocks)
-        # the shapes that get a graph: at most the cache's blocks gathered per layer
-        self.shapes = frozenset((s, b) for s in self.sizes for b in self.buckets if s * b <= cache.num_blocks)
+        # the shapes that get a graph: at most the cache's blocks gathered per layer. FlexAttention reads
+        # each sequence's own blocks in place, whatever the table's width: one bucket, the longest
+        if cache.flex:
+            self.buckets = [max_blocks]
+        self.shapes = frozenset(
+            (s, b) for s in self.sizes for b in self.buckets if cache.flex or s * b <= cache.num_blocks
+        )
         device, block = cache.storage.device, cache.block_size
         self.scratch_slot = cache.scratch_block * block
         most = self.sizes[-1]
@@ -141,8 +146,8 @@ class DecodeGraphs:
         if not self.capture:
             return
         start = time.perf_counter()
-        most = max(size * blocks for size, blocks in self.shapes)
-        self.cache.reserve_gather(most)  # the gather buffers at their largest: no graph's memory moves
+        if not self.cache.flex:  # the gather buffers at their largest: no graph's memory moves
+            self.cache.reserve_gather(max(size * blocks for size, blocks in self.shapes))
         pool = torch.cuda.graph_pool_handle()
         for size, blocks in sorted(self.shapes, reverse=True):  # largest first: the rest reuse its pool
             warm = self._run(size, blocks)  # compiled kernels built, caches touched, outside capture

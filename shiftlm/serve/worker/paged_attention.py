@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from shiftlm.serve.worker.flex_decode import flex_decode, flex_plan
 from shiftlm.serve.worker.stream_attention import QueryRotation, rotated_attention
 
 
@@ -33,7 +34,7 @@ class AttentionGroup:
     query_valid: torch.Tensor | None  # [S, Q] False on padding; None when nothing is padded
     mask: torch.Tensor  # [S, 1, Q, C] True where query i may read key position c
     block_index: torch.Tensor  # [S * C / block_size] physical blocks, sequence-major
-    _folded: dict = field(default_factory=dict)  # mask per GQA group size; bias per dtype
+    _folded: dict = field(default_factory=dict)  # mask per GQA group size; bias per dtype; flex's mask
     # hogwild stream groups: the queries' extra RoPE rotation per key block (serve/worker/stream_attention.py)
     rotation: QueryRotation | None = None
     # causal groups (not stream groups): each query's position [S, Q] and the sliding window (0: none),
@@ -132,6 +133,8 @@ class PagedKVCache:
         # the CPU paged-attention kernel (kernels/cpu.py) when the runner enabled it: decode rows
         # then attend straight from the blocks, without `gather`
         self.kernel = None
+        # decode rows attend from the blocks in place with FlexAttention (flex_decode.py) when set
+        self.flex = False
         # where attention gathers a group's K and V blocks: kept from step to step and grown to the
         # largest gather, so that every layer writes the same (cache-hot) memory. A fresh tensor per
         # gather (tens of MB at 64 sequences x 512 context) came from mmap and page-faulted on every
@@ -165,6 +168,32 @@ class PagedKVCache:
         torch.index_select(k_blocks, 0, block_index, out=k_rows)
         torch.index_select(v_blocks, 0, block_index, out=v_rows)
         return k, v
+
+    def flex_decode(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        block_index: torch.Tensor,
+        positions: torch.Tensor,
+        window: int,
+        memo=None,
+    ) -> torch.Tensor:
+        """q [S, Hq, D], one query per sequence at `positions`, attended with FlexAttention straight
+        from the blocks `block_index` names (S tables, sequence-major) -> [S, Hq, D]. `memo`: where the
+        step's block mask is kept for its other layers (a group's)."""
+        plan = None if memo is None else memo.get("flex")
+        if plan is None:
+            seqs = q.shape[0]
+            plan = flex_plan(
+                block_index.view(seqs, -1),
+                positions.reshape(seqs),
+                window,
+                self.block_size,
+                self.storage.shape[2] // self.block_size,
+            )
+            if memo is not None:
+                memo["flex"] = plan
+        return flex_decode(q, *self._slots[layer], plan, self.block_size)
 
     def reserve_gather(self, rows: int) -> None:
         """Grow the gather buffers to hold `rows` blocks now (CUDA graphs: never again after capture)."""
@@ -237,6 +266,10 @@ class PagedAttention:
         seqs, heads, d = q.shape
         if self.cache.kernel is not None and group.query_pos is not None:
             return kernel_decode(self.cache, layer, q, group.block_index, group.query_pos, group.window)
+        if self.cache.flex and group.query_pos is not None:
+            return self.cache.flex_decode(
+                layer, q, group.block_index, group.query_pos, group.window, group._folded
+            )
         k, v = self._context(layer, seqs, group)
         folded = q.view(seqs, k.shape[1], -1, d)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.bias(q.dtype))

@@ -113,7 +113,8 @@ class ModelRunner:
         (`compiled_step.py`; the server's default, off with `--enforce-eager`).
         `attention_backend` (`--attention-backend`): "auto" attends decode rows with the CPU
         paged-attention kernel on CPU where it builds (kernels/cpu.py), "cpu-kernel" insists on
-        it, "sdpa" always gathers blocks for SDPA.
+        it, "sdpa" always gathers blocks for SDPA, "flex" attends decode rows with FlexAttention from
+        the blocks in place (flex_decode.py; prefill and mixed steps gather for SDPA).
         `gemv_rows`: inputs of up to this many rows run MKL's GEMV rather than oneDNN's packed GEMM
         (and the compiled decode covers those batch sizes); None measures which is faster here
         (`PackedWeights.choose_small_rows`). `model_config`: the checkpoint's, when the caller has
@@ -148,6 +149,7 @@ class ModelRunner:
             graphs,
         )
         cache.kernel = _attention_kernel(backend, mesh.device)
+        cache.flex = backend == "flex"
         shift_model = ShiftModel(
             model,
             mesh,
@@ -300,7 +302,7 @@ def _blocks_from_memory(
 
 def _attention_kernel(backend: str, device: torch.device):
     """The CPU paged-attention kernel module the backend asks for, or None (gather + SDPA)."""
-    if backend == "sdpa" or torch.device(device).type != "cpu":
+    if backend in ("sdpa", "flex") or torch.device(device).type != "cpu":
         if backend == "cpu-kernel":
             raise ConfigError(f"--attention-backend cpu-kernel runs on CPU only, not on {device}: use auto")
         return None

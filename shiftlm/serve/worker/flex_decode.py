@@ -1,0 +1,96 @@
+"""Decode attention read straight from the paged KV cache with PyTorch's FlexAttention
+(`--attention-backend flex`; issue 34's candidate for CUDA, to be measured against gather + SDPA).
+
+The gather path copies every sequence's context blocks into one buffer per layer and pads each
+sequence to the step's longest context (to a power-of-two bucket in a CUDA graph). FlexAttention
+instead takes the cache as it lies, K and V of a layer as [1, kv heads, slots, D] views of
+`PagedKVCache.slots`, and a block mask whose KV blocks are the cache blocks: query row s (one
+sequence's token) visits exactly its own blocks, in place, so a step costs what its contexts hold and
+the context length is data (a tensor), not a shape.
+
+Per sequence, with its query at position `pos` and the sliding window `w` (0: none), the keys it reads
+are the positions lo..pos (lo = max(0, pos - w + 1), else 0), in logical blocks first = lo // B to
+last = pos // B. The blocks strictly inside are whole ("full" blocks: no mask evaluated); the last one
+and, where the window cuts it, the first one are partial, and the mask reads a slot's logical position
+from which of those two blocks it lies in. `flex_plan` builds these per step from the block tables and
+positions with tensor ops only (no host sync: graph-capturable), once for every layer.
+
+The attention itself is compiled (`torch.compile` of `flex_attention`: inductor writes a Triton
+kernel on CUDA and a C++ one on the CPU, where the CPU tests run it). On the CPU one graph per batch
+size, with static shapes: inductor's CPU flex template fails to build with a symbolic batch (torch
+2.13, "cur_qSplitSize6 was not declared"). On CUDA dynamo's default: the second batch size seen
+recompiles the graph with a symbolic batch, which every later size reuses (a server captures ~20).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+
+def flex_plan(
+    tables: torch.Tensor, positions: torch.Tensor, window: int, block_size: int, width: int
+) -> list[torch.Tensor]:
+    """The step's block mask as int32 tensors (`_attend`'s arguments after k and v): `tables` [S, C]
+    the sequences' physical blocks (sequence-major, past a sequence's blocks anything), `positions`
+    [S] each query's position, `width` the cache's physical block count (FlexAttention's mask spans
+    every slot)."""
+    seqs, columns = tables.shape
+    positions = positions.to(tables.dtype)
+    low = (positions - window + 1).clamp(min=0) if window else torch.zeros_like(positions)
+    first, last = low // block_size, positions // block_size
+    cut = ((low % block_size) != 0) & (first != last)  # the window starts inside the first block
+    last_block = tables.gather(1, last[:, None])
+    partial = torch.cat([last_block, tables.gather(1, first[:, None]), tables.new_zeros(seqs, width - 2)], 1)
+    start = first + cut.to(first.dtype)  # the first full block
+    steps = torch.arange(columns, device=tables.device)
+    full = tables.gather(1, (start[:, None] + steps).clamp(max=columns - 1))
+    full = torch.cat([full, tables.new_zeros(seqs, width - columns)], 1)
+    counts = 1 + cut.to(first.dtype), (last - start).clamp(min=0)
+    pieces = [counts[0].view(seqs, 1, 1), partial.view(seqs, 1, 1, width), counts[1].view(seqs, 1, 1)]
+    pieces += [full.view(seqs, 1, 1, width), last_block[:, 0], last, first, low, positions]
+    return [piece.to(torch.int32).contiguous() for piece in pieces]
+
+
+def _attend(
+    q, k, v, partial, partial_ids, full, full_ids, last_block, last, first, low, pos, block_size: int
+):
+    """q [S, Hq, 1, D], k/v [1, Hkv, slots, D] (views of the cache) -> [S, Hq, 1, D]."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = kv_idx // block_size
+        logical = torch.where(block == last_block[b], last[b], first[b]) * block_size + kv_idx % block_size
+        return (logical <= pos[b]) & (logical >= low[b])
+
+    mask = BlockMask.from_kv_blocks(
+        partial,
+        partial_ids,
+        full,
+        full_ids,
+        BLOCK_SIZE=(1, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(1, k.shape[2]),
+        compute_q_blocks=False,
+    )
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def flex_decode(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: list[torch.Tensor], block_size: int
+) -> torch.Tensor:
+    """One query per sequence, q [S, Hq, D], over the cache's K/V of one layer [slots, Hkv, D] under
+    `plan` (`flex_plan`) -> [S, Hq, D]. Each compiled function is a code object of its own (dynamo
+    keeps at most 8 graphs per code object): per batch size on the CPU, per cache shape on CUDA."""
+    cpu = q.device.type == "cpu"
+    key = (q.shape if cpu else q.shape[1:], q.dtype, q.device, k_slots.shape, block_size)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        code = types.FunctionType(_attend.__code__.replace(), _attend.__globals__, "flex_decode")
+        fn = _COMPILED[key] = torch.compile(code, fullgraph=True, dynamic=False if cpu else None)
+    k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (k_slots, v_slots))
+    return fn(q.unsqueeze(2), k, v, *plan, block_size).squeeze(2)
