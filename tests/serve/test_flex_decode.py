@@ -50,6 +50,16 @@ def test_flex_decode_reads_each_sequences_blocks_in_place(positions, window, dty
     assert float((got - want).abs().max() / want.abs().max()) <= tolerance
 
 
+def test_a_cache_of_one_block_is_read_too():
+    """The mask keeps room for two partial blocks even where the cache has fewer."""
+    torch.manual_seed(0)
+    k_slots, v_slots = (torch.randn(4, 1, 8) for _ in range(2))
+    q, tables, positions = torch.randn(2, 2, 8), torch.zeros(2, 1, dtype=torch.long), torch.tensor([0, 3])
+    got = flex_decode(q, k_slots, v_slots, flex_plan(tables, positions, 0, 4, 1), 4)
+    want = _reference(q, k_slots, v_slots, tables, positions, 0, 4)
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral"])  # mistral: a sliding window of 6 tokens
 def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family):
     from shiftlm.mesh import Mesh

@@ -38,6 +38,7 @@ def flex_plan(
     [S] each query's position, `width` the cache's physical block count (FlexAttention's mask spans
     every slot)."""
     seqs, columns = tables.shape
+    width = max(width, 2)  # room for two partial blocks (a mask may span more slots than the cache has)
     positions = positions.to(tables.dtype)
     low = (positions - window + 1).clamp(min=0) if window else torch.zeros_like(positions)
     first, last = low // block_size, positions // block_size
