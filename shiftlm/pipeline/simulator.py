@@ -79,11 +79,13 @@ def _per_stage(cost: Cost, num_stages: int) -> list[float]:
 def dependencies(action: Action, schedule: Schedule) -> list[tuple[Key, bool]]:
     """The actions that must finish before `action` starts, each with whether a message sits between.
     A dependency on I stands for the stage's backward: I, or B where the stage runs a full backward."""
+    return _dependencies(action, schedule.lowered, _rank_table(schedule))
+
+
+def _rank_table(schedule: Schedule) -> list[list[int]]:
+    """The placement as a table: `[replica][stage]` -> rank."""
     placement = schedule.placement
-    rank_of = [
-        [placement.rank_of(s, r) for s in range(schedule.num_stages)] for r in range(placement.replicas)
-    ]
-    return _dependencies(action, schedule.lowered, rank_of)
+    return [[placement.rank_of(s, r) for s in range(schedule.num_stages)] for r in range(placement.replicas)]
 
 
 def _dependencies(action: Action, lowered: bool, rank_of: list[list[int]]) -> list[tuple[Key, bool]]:
@@ -152,8 +154,7 @@ class _Graph:
 
 
 def _graph(schedule: Schedule) -> _Graph:
-    placement, stages = schedule.placement, schedule.num_stages
-    rank_of = [[placement.rank_of(s, r) for s in range(stages)] for r in range(placement.replicas)]
+    stages, rank_of = schedule.num_stages, _rank_table(schedule)
     actions: list[Action] = []
     number: dict[Key, int] = {}
     rank_actions, previous = [], []

@@ -1,4 +1,4 @@
-"""The compiled mixed step (serve/worker/compiled_step.py `CompiledMixed`, issue 34 item 2): prefill
+"""The compiled mixed step (serve/worker/compiled_mixed.py `CompiledMixed`, issue 34 item 2): prefill
 chunks alone, chunked prefill continuing, prefill chunks beside decode rows and a stream group's
 timestep, all through one compiled graph, compute the eager step's logits and write the same K/V, on
 one rank and in full TP over two; no recompile as the token count changes."""
@@ -114,13 +114,13 @@ def test_a_step_that_cannot_be_compiled_runs_eagerly_after_one_warning(tmp_path,
     """An untried platform where tracing fails (not only inductor): the server still starts and serves."""
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
-    from shiftlm.serve.worker import compiled_step
+    from shiftlm.serve.worker import compiled_mixed
     from shiftlm.serve.worker.runner import ModelRunner
 
     def untraceable(*args):
         raise torch._dynamo.exc.Unsupported("planted: an op dynamo cannot trace here")
 
-    monkeypatch.setattr(compiled_step, "mixed_step", untraceable)
+    monkeypatch.setattr(compiled_mixed, "mixed_step", untraceable)
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     with caplog.at_level("WARNING"):
         runner = ModelRunner.load(model_dir, Mesh(ParallelConfig()), 32, BLOCK, compile_mixed=True)

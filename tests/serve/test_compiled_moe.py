@@ -1,7 +1,7 @@
-"""A mixture of experts through the compiled steps (serve/worker/compiled_step.py): in bf16, where the
-grouped expert GEMMs trace (`torch._grouped_mm`) and routing has no data-dependent size, tiny Mixtral,
-Qwen2-MoE (shared expert) and Qwen3-MoE run their decode steps compiled, with the eager step's logits
-(bf16: 3e-2) and this step's rows per expert for /metrics and the step log."""
+"""A mixture of experts through the compiled steps (serve/worker/compiled_step.py, compiled_mixed.py):
+in bf16, where the grouped expert GEMMs trace (`torch._grouped_mm`) and routing has no data-dependent
+size, tiny Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE run their decode steps compiled, with the
+eager step's logits (bf16: 3e-2) and this step's rows per expert for /metrics and the step log."""
 
 from __future__ import annotations
 

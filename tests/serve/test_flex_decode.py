@@ -43,7 +43,7 @@ def test_flex_decode_reads_each_sequences_blocks_in_place(positions, window, dty
     tables = torch.randperm(blocks)[: seqs * width].view(seqs, width)  # shuffled: no block order assumed
     positions = torch.tensor(positions)
     q = torch.randn(seqs, heads, dim, dtype=dtype)
-    plan = flex_plan(tables, positions, window, block, blocks)
+    plan = flex_plan(tables.flatten(), positions, window, block, blocks * block)
     got = flex_decode(q, k_slots, v_slots, plan, block).float()
     want = _reference(q, k_slots, v_slots, tables, positions, window, block).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -55,7 +55,7 @@ def test_a_cache_of_one_block_is_read_too():
     torch.manual_seed(0)
     k_slots, v_slots = (torch.randn(4, 1, 8) for _ in range(2))
     q, tables, positions = torch.randn(2, 2, 8), torch.zeros(2, 1, dtype=torch.long), torch.tensor([0, 3])
-    got = flex_decode(q, k_slots, v_slots, flex_plan(tables, positions, 0, 4, 1), 4)
+    got = flex_decode(q, k_slots, v_slots, flex_plan(tables.flatten(), positions, 0, 4, 4), 4)
     want = _reference(q, k_slots, v_slots, tables, positions, 0, 4)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 

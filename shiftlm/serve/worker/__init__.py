@@ -9,4 +9,4 @@ modes), `paged_attention` and its backends, `plan_codec` (the plan as tensors) a
 ATTENTION_BACKENDS = ("auto", "cpu-kernel", "sdpa", "flex")
 
 __all__ = ["ATTENTION_BACKENDS", "runner", "shift_model", "paged_attention", "stream_attention", "stream_plan", "plan_codec",
-           "logits", "compiled_step", "flex_decode", "shift_probe", "ranks", "start"]  # fmt: skip
+           "logits", "compiled_step", "compiled_mixed", "flex_decode", "shift_probe", "ranks", "start"]  # fmt: skip

@@ -127,11 +127,12 @@ class DecodeGraphs:
         table[:seqs, :context].copy_(group.block_index.view(seqs, context))
         table[:seqs, context:].fill_(self.cache.scratch_block)
         table[seqs:].fill_(self.cache.scratch_block)
-        width = context * self.cache.block_size
-        bias[:seqs, ..., :width].copy_(group.bias(bias.dtype))
-        bias[:seqs, ..., width:].fill_(float("-inf"))
-        bias[seqs:].fill_(float("-inf"))
-        bias[seqs:, ..., 0] = 0
+        if not self.cache.flex:  # FlexAttention reads the positions, not the mask
+            width = context * self.cache.block_size
+            bias[:seqs, ..., :width].copy_(group.bias(bias.dtype))
+            bias[:seqs, ..., width:].fill_(float("-inf"))
+            bias[seqs:].fill_(float("-inf"))
+            bias[seqs:, ..., 0] = 0
         graph = self._graphs.get((size, blocks))
         if graph is not None:
             graph.replay()

@@ -31,14 +31,16 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 
 def flex_plan(
-    tables: torch.Tensor, positions: torch.Tensor, window: int, block_size: int, width: int
+    block_index: torch.Tensor, positions: torch.Tensor, window: int, block_size: int, slots: int
 ) -> list[torch.Tensor]:
-    """The step's block mask as int32 tensors (`_attend`'s arguments after k and v): `tables` [S, C]
-    the sequences' physical blocks (sequence-major, past a sequence's blocks anything), `positions`
-    [S] each query's position, `width` the cache's physical block count (FlexAttention's mask spans
-    every slot)."""
-    seqs, columns = tables.shape
-    width = max(width, 2)  # room for two partial blocks (a mask may span more slots than the cache has)
+    """The step's block mask as int32 tensors (`_attend`'s arguments after k and v): `block_index` the
+    S sequences' block tables, sequence-major (past a sequence's blocks anything), `positions` each
+    query's position (S values), `slots` the cache's slot count (FlexAttention's mask spans them all)."""
+    seqs = positions.numel()
+    tables, positions = block_index.view(seqs, -1), positions.reshape(seqs)
+    columns = tables.shape[1]
+    # room for two partial blocks (a mask may span more slots than the cache has)
+    width = max(slots // block_size, 2)
     positions = positions.to(tables.dtype)
     low = (positions - window + 1).clamp(min=0) if window else torch.zeros_like(positions)
     first, last = low // block_size, positions // block_size

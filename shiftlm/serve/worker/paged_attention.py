@@ -65,6 +65,12 @@ class AttentionGroup:
             self._folded[dtype] = zero.masked_fill(~self.mask, float("-inf"))
         return self._folded[dtype]
 
+    def flex_mask(self, block_size: int, slots: int) -> list[torch.Tensor]:
+        """FlexAttention's block mask of this group of decode rows (`flex_plan`), made once per step."""
+        if "flex" not in self._folded:
+            self._folded["flex"] = flex_plan(self.block_index, self.query_pos, self.window, block_size, slots)
+        return self._folded["flex"]
+
     def folded_mask(self, groups: int) -> torch.Tensor:
         """The mask for queries folded as (query, head of the KV group): [S, 1, Q * groups, C]."""
         if groups not in self._folded:
@@ -169,32 +175,6 @@ class PagedKVCache:
         torch.index_select(v_blocks, 0, block_index, out=v_rows)
         return k, v
 
-    def flex_decode(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        block_index: torch.Tensor,
-        positions: torch.Tensor,
-        window: int,
-        memo=None,
-    ) -> torch.Tensor:
-        """q [S, Hq, D], one query per sequence at `positions`, attended with FlexAttention straight
-        from the blocks `block_index` names (S tables, sequence-major) -> [S, Hq, D]. `memo`: where the
-        step's block mask is kept for its other layers (a group's)."""
-        plan = None if memo is None else memo.get("flex")
-        if plan is None:
-            seqs = q.shape[0]
-            plan = flex_plan(
-                block_index.view(seqs, -1),
-                positions.reshape(seqs),
-                window,
-                self.block_size,
-                self.storage.shape[2] // self.block_size,
-            )
-            if memo is not None:
-                memo["flex"] = plan
-        return flex_decode(q, *self._slots[layer], plan, self.block_size)
-
     def reserve_gather(self, rows: int) -> None:
         """Grow the gather buffers to hold `rows` blocks now (CUDA graphs: never again after capture)."""
         width = self.block_size * self.storage.shape[3] * self.storage.shape[4]
@@ -267,9 +247,8 @@ class PagedAttention:
         if self.cache.kernel is not None and group.query_pos is not None:
             return kernel_decode(self.cache, layer, q, group.block_index, group.query_pos, group.window)
         if self.cache.flex and group.query_pos is not None:
-            return self.cache.flex_decode(
-                layer, q, group.block_index, group.query_pos, group.window, group._folded
-            )
+            plan = group.flex_mask(self.cache.block_size, self.cache.storage.shape[2])
+            return flex_decode(q, *self.cache.slots(layer), plan, self.cache.block_size)
         k, v = self._context(layer, seqs, group)
         folded = q.view(seqs, k.shape[1], -1, d)
         out = F.scaled_dot_product_attention(folded, k, v, attn_mask=group.bias(q.dtype))

@@ -28,7 +28,8 @@ from shiftlm.model.moe import SparseMoE
 from shiftlm.model.ops import InferenceOps
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
-from shiftlm.serve.worker.compiled_step import CompiledDecode, CompiledMixed
+from shiftlm.serve.worker.compiled_mixed import CompiledMixed
+from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
 from shiftlm.serve.worker.logits import full_tp_vocab_part, logits_block
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
