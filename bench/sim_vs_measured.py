@@ -23,11 +23,11 @@ from pathlib import Path
 
 from shiftlm.hardware import DEFAULT_PROFILE, Hardware, load_profile
 from shiftlm.pipeline.actions import Kind, Schedule
+from shiftlm.pipeline.peak import lowered_schedule as build
 from shiftlm.pipeline.simulator import ActionCosts, simulate
 from shiftlm.sim.collectives import p2p_links, p2p_time
 from shiftlm.sim.costs import Kernel, kernels_time
 from shiftlm.sim.efficiency import measured
-from shiftlm.sim.train import build
 
 RESULTS = Path(__file__).parent / "results"
 FP32 = 4

@@ -23,7 +23,8 @@ from shiftlm.pipeline.peak import lowered_schedule as build
 from shiftlm.sim.critical_path import PathCounts, critical_path
 from shiftlm.sim.efficiency import Efficiency
 from shiftlm.sim.measured import Case
-from shiftlm.sim.train import pipeline_timing, step_overheads, step_stage_costs
+from shiftlm.sim.pipeline_timing import pipeline_timing
+from shiftlm.sim.train import step_overheads, step_stage_costs
 from shiftlm.sim.validate import is_fit_row, mape, on_cluster, replay
 
 BOUNDS = {

@@ -5,7 +5,7 @@ lower bound on its memory (one micro-batch in flight) and on its step time (`ste
 rank finishes before the forward chain reaches its first stage and it has done all its own work).
 Candidates are then simulated in order of their bound, with the real schedule; the search stops once
 the next bound is no faster than the k-th best simulated layout, so the result is exactly the top k
-a full search would find. Simulations are memoised on normalised costs (`train.pipeline_timing`).
+a full search would find. Simulations are memoised on normalised costs (`pipeline_timing.pipeline_timing`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from shiftlm.sim.capabilities import (
 )
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout
+from shiftlm.sim.pipeline_timing import StageCosts
 from shiftlm.sim.train import (
-    StageCosts,
     StepResult,
     simulate_step,
     stage_costs,

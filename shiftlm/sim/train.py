@@ -12,11 +12,9 @@ chunk activations the schedule keeps alive on a rank (`SimulationResult.peak_act
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 from shiftlm.config import ModelConfig
 from shiftlm.hardware import DTYPE_BYTES, Hardware
-from shiftlm.pipeline.peak import lowered_schedule as build
 from shiftlm.sim import costs, moe
 from shiftlm.sim.collectives import (
     Links,
@@ -29,6 +27,7 @@ from shiftlm.sim.collectives import (
 from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
+from shiftlm.sim.pipeline_timing import StageCosts, pipeline_timing
 from shiftlm.sim.trainer_costs import data_group, regathered_stage_costs, zero_sync_factor
 
 
@@ -95,17 +94,6 @@ def activation_traffic_stage_costs(stage, model: ModelConfig, layout: Layout, ha
         forward=[f + forward for f in stage.forward],
         backward_input=[i + backward for i in stage.backward_input],
     )
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Per-stage seconds per micro-batch, and the collective share of them (for the breakdown)."""
-
-    forward: list[float]
-    backward_input: list[float]
-    backward_weight: list[float]
-    comm: list[float]
-    p2p: float
 
 
 def stage_costs(
@@ -213,73 +201,6 @@ def stage_costs(
             forward = forward[:1] + [f + gather for f in forward[1:]]
             backward_input = [b + gather for b in backward_input[:-1]] + backward_input[-1:]
     return StageCosts(forward, backward_input, backward_weight, [comm_per_stage] * num_stages, p2p)
-
-
-@dataclass(frozen=True)
-class PipelineTiming:
-    makespan: float
-    bubble_fraction: float
-    peak_activations: int
-    busy: tuple[float, ...]  # compute seconds per rank
-    busiest_stages: tuple[int, ...]  # the stages the busiest rank holds
-
-
-# Ratios are rounded to this many significant digits before memoising: costs within a relative
-# 1e-12 of each other give makespans within 1e-12 (the makespan is monotone and homogeneous).
-_RATIO_DIGITS = 12
-
-
-def pipeline_timing(layout: Layout, stage: StageCosts) -> PipelineTiming:
-    """Simulate `layout`'s schedule under `stage` costs. A makespan scales linearly when F, I, W and
-    p2p scale together, so the costs are normalised by the largest forward and each (schedule,
-    costs ratio) is simulated once; the planner's ZeRO variants and re-ranked layouts hit the memo."""
-    if layout.pp == 1:  # no pipeline: micro-batches run back to back (gradient accumulation)
-        busy = layout.microbatches * (stage.forward[0] + stage.backward_input[0] + stage.backward_weight[0])
-        return PipelineTiming(busy, 0.0, 1, (busy,), (0,))
-    scale = max(stage.forward)
-
-    def ratios(values: list[float]) -> tuple[float, ...]:
-        return tuple(float(f"{v / scale:.{_RATIO_DIGITS}g}") for v in values)
-
-    unit = _unit_pipeline_timing(
-        layout.schedule,
-        layout.pp,
-        layout.microbatches,
-        layout.chunks,
-        ratios(stage.forward),
-        ratios(stage.backward_input),
-        ratios(stage.backward_weight),
-        ratios([stage.p2p])[0],
-    )
-    return replace(unit, makespan=unit.makespan * scale, busy=tuple(b * scale for b in unit.busy))
-
-
-@lru_cache(maxsize=8192)
-def _unit_pipeline_timing(
-    name: str,
-    pp: int,
-    microbatches: int,
-    chunks: int,
-    forward: tuple[float, ...],
-    backward_input: tuple[float, ...],
-    backward_weight: tuple[float, ...],
-    p2p: float,
-) -> PipelineTiming:
-    from shiftlm.pipeline.simulator import ActionCosts, simulate
-
-    schedule = build(name, pp, microbatches, chunks)
-    result = simulate(
-        schedule, ActionCosts(list(forward), list(backward_input), list(backward_weight), p2p=p2p)
-    )
-    busiest = max(result.busy)
-    rank = result.busy.index(busiest)
-    return PipelineTiming(
-        result.makespan,
-        result.bubble_fraction,
-        max(result.peak_activations),
-        tuple(result.busy),
-        tuple(s for s in range(schedule.num_stages) if schedule.placement.rank_of(s) == rank),
-    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shiftlm.hardware import CATALOG
+from shiftlm.pipeline.peak import lowered_schedule as build
 from shiftlm.pipeline.simulator import ActionCosts, simulate
 from shiftlm.presets import PRESETS
 from shiftlm.sim.critical_path import critical_path
@@ -17,8 +18,9 @@ from shiftlm.sim.efficiency import FIRST_PRINCIPLES, FIT_PARAMETERS, FITTED, FIT
 from shiftlm.sim.fit import fit
 from shiftlm.sim.layout import Layout
 from shiftlm.sim.measured import default_data_dir, load_cases
+from shiftlm.sim.pipeline_timing import pipeline_timing
 from shiftlm.sim.planner import enumerate_layouts, plan_training, step_time_bound, train_config_toml
-from shiftlm.sim.train import build, pipeline_timing, simulate_step, stage_costs, step_stage_costs
+from shiftlm.sim.train import simulate_step, stage_costs, step_stage_costs
 from shiftlm.sim.validate import is_fit_row, mape, percentile_abs_error, replay, table_summary
 from shiftlm.sim.validate_cli import TARGET_P90_PCT, TARGET_PCT
 
