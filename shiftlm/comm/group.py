@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -16,6 +17,18 @@ class CommGroup:
     ranks: tuple[int, ...]
     pg: dist.ProcessGroup | None
     global_rank: int
+    # what a traced collective (a custom op, which takes strings, not objects) names the group by:
+    # unique per group object, so two meshes' groups of the same ranks never mix
+    key: str = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self}@{id(self):x}")
+        _BY_KEY[self.key] = self
+
+    @staticmethod
+    def by_key(key: str) -> CommGroup:
+        """The live group `key` names (traced collectives run on it)."""
+        return _BY_KEY[key]
 
     @property
     def size(self) -> int:
@@ -30,6 +43,7 @@ class CommGroup:
         return f"{self.name}{list(self.ranks)}"
 
 
+_BY_KEY: weakref.WeakValueDictionary[str, CommGroup] = weakref.WeakValueDictionary()
 SINGLE = CommGroup("single", (0,), None, 0)
 
 

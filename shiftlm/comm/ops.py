@@ -15,6 +15,12 @@ Gloo has no reduce-scatter, so there it is an all-reduce followed by taking this
 
 Every raw op counts its bytes in `comm.counters` and notes its enter and exit in the collective
 ledger (`comm/ledger.py`, off by default), through `_enter`.
+
+Traced by `torch.compile`, a raw op becomes a custom op (`torch.ops.shiftlm.*`, opaque to dynamo and
+inductor) that runs the same eager code when the graph runs: so a compiled block or serving step keeps
+its collectives in place, in one graph, instead of breaking at each (dynamo cannot trace a
+`ProcessGroup` call). The autograd pairs call the raw ops, so they trace too: a TP or SP block
+trains as one graph, and its backward's collectives are these ops again.
 """
 
 from __future__ import annotations
@@ -41,6 +47,58 @@ def _enter(op: str, group: CommGroup, tensor: torch.Tensor, async_op: bool = Fal
     return ledger.enter(op, group, nbytes, async_op=async_op)
 
 
+def _tracing() -> bool:
+    """Inside `torch.compile`'s tracing: a raw op emits its custom op instead of running."""
+    return torch.compiler.is_compiling()
+
+
+@torch.library.custom_op("shiftlm::all_reduce", mutates_args=())
+def _traced_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return all_reduce(x, CommGroup.by_key(group))
+
+
+@_traced_all_reduce.register_fake
+def _(x, group):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("shiftlm::all_gather", mutates_args=())
+def _traced_all_gather(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    return all_gather(x, CommGroup.by_key(group), dim)
+
+
+@_traced_all_gather.register_fake
+def _(x, group, dim):
+    shape = list(x.shape)
+    shape[dim] *= CommGroup.by_key(group).size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("shiftlm::reduce_scatter", mutates_args=())
+def _traced_reduce_scatter(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    return reduce_scatter(x, CommGroup.by_key(group), dim)
+
+
+@_traced_reduce_scatter.register_fake
+def _(x, group, dim):
+    shape = list(x.shape)
+    shape[dim] //= CommGroup.by_key(group).size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("shiftlm::all_to_all", mutates_args=())
+def _traced_all_to_all(x: torch.Tensor, group: str, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    return all_to_all(x, CommGroup.by_key(group), scatter_dim, gather_dim)
+
+
+@_traced_all_to_all.register_fake
+def _(x, group, scatter_dim, gather_dim):
+    size, shape = CommGroup.by_key(group).size, list(x.shape)
+    shape[scatter_dim] //= size
+    shape[gather_dim] *= size
+    return x.new_empty(shape)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     group: CommGroup,
@@ -56,6 +114,10 @@ def all_reduce(
     """
     if in_place and not tensor.is_contiguous():
         raise ValueError("all_reduce(in_place=True) needs a contiguous tensor")
+    if _tracing() and group.size > 1:
+        if async_op or in_place or op != dist.ReduceOp.SUM:
+            raise NotImplementedError("a traced all_reduce is a synchronous, out-of-place sum")
+        return _traced_all_reduce(tensor, group.key)
     out = tensor if in_place or group.size == 1 else tensor.contiguous().clone()
     if group.size == 1:
         return TrackedWork(None, None, out) if async_op else out
@@ -76,6 +138,8 @@ def all_gather(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Tensor
     """Concatenate every rank's tensor along `dim`, in group-rank order."""
     if group.size == 1:
         return tensor
+    if _tracing():
+        return _traced_all_gather(tensor, group.key, dim)
     tensor = tensor.contiguous()
     record = _enter("all_gather", group, tensor)
     local = shm.channel(group)
@@ -147,6 +211,8 @@ def reduce_scatter(tensor: torch.Tensor, group: CommGroup, dim: int) -> torch.Te
         raise ValueError(
             f"reduce_scatter: dim {dim} of {tuple(tensor.shape)} does not split into {group.size}"
         )
+    if _tracing():
+        return _traced_reduce_scatter(tensor, group.key, dim)
     tensor = tensor.contiguous()
     record = _enter("reduce_scatter", group, tensor)
     if dist.get_backend(group.pg) == "gloo":
@@ -165,6 +231,8 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_
     """Split `scatter_dim` into group-size chunks, send chunk i to rank i, concatenate what arrives on `gather_dim`."""
     if group.size == 1:
         return tensor
+    if _tracing():
+        return _traced_all_to_all(tensor, group.key, scatter_dim, gather_dim)
     record = _enter("all_to_all", group, tensor)
     inputs = [c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)]
     local = shm.channel(group)

@@ -66,8 +66,7 @@ class FullTP:
     parts: int
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """A row-parallel output summed over all P ranks (serving's compiled step passes a `FullTP`
-        whose sum is an op `torch.compile` traces: compiled_step.TracedFullTP)."""
+        """A row-parallel output summed over all P ranks (traced into a compiled graph as a custom op)."""
         return reduce_from_group(x, self.group)
 
 

@@ -5,9 +5,9 @@ specialise on which layer it is (parameters are graph inputs), so the first laye
 every layer and compile time does not grow with depth. Activation recomputation (`train/recompute.py`)
 wraps the compiled block: `full` checkpoints the compiled forward (its backward reruns the compiled
 forward), `selective` runs the compiled block under the mode that checkpoints the attention core
-(dynamo traces that checkpoint into the graph). ZeRO-3's gather/free hooks wrap it from outside, and
-the collectives of TP/SP/CP (Python autograd functions over our own groups) are where dynamo splits a
-block into graphs; on one rank, DP and ZeRO a block is one graph (tests/train/test_compile.py checks it).
+(dynamo traces that checkpoint into the graph). ZeRO-3's gather/free hooks wrap it from outside. The
+collectives of TP/SP and the cp ring trace as custom ops (comm/ops.py, model/ring_attention.py), so
+a block is one graph on every layout (tests/train/test_compile.py checks tp2, sp2, cp2).
 
 How a linear runs is the caller's choice, passed to every layer as `ops` (model/ops.py): a forward
 with `PLAIN` ops (the trainer without a pipeline, a pipeline's B micro-batches) runs the compiled

@@ -193,67 +193,112 @@ def _unfold_queries(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(b, hkv * g, t, d).permute(0, 2, 1, 3).to(dtype)
 
 
+def _ring_forward(q, k, v, group: CommGroup, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, T, Hq, D], log-sum-exp [B, Hkv, Hq/Hkv, T] fp32): K/V once around the ring."""
+    kv_heads, tokens = k.shape[2], q.shape[1]
+    qh = _fold_queries(q, kv_heads)
+    kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).contiguous()  # [2, B, Hkv, T, D], sent as is
+    out = torch.zeros_like(qh)
+    lse = torch.full(qh.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for step, block in _circulate(kv, group):
+        rows, cols, causal = _blocks(step, group.rank, group.size, tokens)
+        block = block.float()
+        part, part_lse = _block_forward(
+            qh[..., rows, :], block[0][:, :, cols], block[1][:, :, cols], causal, scale
+        )
+        _merge(out[..., rows, :], lse[..., rows], part, part_lse)
+    return _unfold_queries(out, q.dtype), lse
+
+
+def _ring_backward(grad_out, q, k, v, out, lse, group: CommGroup, scale: float):
+    """(dq, dk, dv): K/V around the ring again, with a travelling fp32 dK/dV accumulator (cp hops)."""
+    kv_heads, tokens = k.shape[2], q.shape[1]
+    nxt, prev = _neighbours(group)
+    qh, dout, out = (_fold_queries(t, kv_heads) for t in (q, grad_out, out))
+    kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).contiguous()
+    dq = torch.zeros_like(qh)
+    sends, pending = [], None
+    for step, block in _circulate(kv, group):
+        rows, cols, causal = _blocks(step, group.rank, group.size, tokens)
+        block = block.float()
+        dq_part, dk_part, dv_part = _block_backward(
+            dout[..., rows, :], qh[..., rows, :], block[0][:, :, cols], block[1][:, :, cols],
+            out[..., rows, :], lse[..., rows], causal, scale,
+        )  # fmt: skip
+        dq[..., rows, :] += dq_part
+        if pending is None:  # step 0: a fresh accumulator for my own block
+            acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        else:  # the accumulator of this block's owner, from the previous rank
+            pending[0].wait()
+            acc = pending[1]
+        acc[0][:, :, cols] += dk_part
+        acc[1][:, :, cols] += dv_part
+        if group.size == 1:
+            break
+        incoming = torch.empty_like(acc)
+        send, recv = exchange([(acc, nxt)], [(incoming, prev)], group, DKV_TAG)
+        sends.append(send)
+        pending = (recv, incoming)
+    if pending is not None:  # after cp hops my own block's accumulator is back
+        pending[0].wait()
+        acc = pending[1]
+    for work in sends:
+        work.wait()
+    dkv = acc.permute(0, 1, 3, 2, 4)  # dK and dV: copies, not views of one buffer (a custom op's rule)
+    return _unfold_queries(dq, q.dtype), torch.empty_like(k).copy_(dkv[0]), torch.empty_like(v).copy_(dkv[1])
+
+
+# The ring's two passes as custom ops: opaque to `torch.compile` (dynamo cannot trace the P2P
+# exchanges), so a compiled context-parallel block stays one graph around them (model/compile.py).
+@torch.library.custom_op("shiftlm::ring_attention", mutates_args=())
+def _ring_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, CommGroup.by_key(group), scale)
+
+
+@_ring_op.register_fake
+def _(q, k, v, group, scale):
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    return torch.empty_like(q), q.new_empty((b, kv_heads, h // kv_heads, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("shiftlm::ring_attention_backward", mutates_args=())
+def _ring_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(grad_out, q, k, v, out, lse, CommGroup.by_key(group), scale)
+
+
+@_ring_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, group, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 class RingAttention(torch.autograd.Function):
     """forward: causal attention of zigzag-split q/k/v over the cp ring; backward: the K/V ring again
     plus a travelling fp32 dK/dV accumulator (cp hops)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: CommGroup, scale: float):
-        kv_heads, tokens = k.shape[2], q.shape[1]
-        qh = _fold_queries(q, kv_heads)
-        kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).contiguous()  # [2, B, Hkv, T, D], sent as is
-        out = torch.zeros_like(qh)
-        lse = torch.full(qh.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        for step, block in _circulate(kv, group):
-            rows, cols, causal = _blocks(step, group.rank, group.size, tokens)
-            block = block.float()
-            part, part_lse = _block_forward(
-                qh[..., rows, :], block[0][:, :, cols], block[1][:, :, cols], causal, scale
-            )
-            _merge(out[..., rows, :], lse[..., rows], part, part_lse)
-        result = _unfold_queries(out, q.dtype)
+        result, lse = _ring_op(q, k, v, group.key, scale)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.key, ctx.scale = group.key, scale
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        kv_heads, tokens = k.shape[2], q.shape[1]
-        nxt, prev = _neighbours(group)
-        qh, dout, out = (_fold_queries(t, kv_heads) for t in (q, grad_out, out))
-        kv = torch.stack((k, v)).permute(0, 1, 3, 2, 4).contiguous()
-        dq = torch.zeros_like(qh)
-        sends, pending = [], None
-        for step, block in _circulate(kv, group):
-            rows, cols, causal = _blocks(step, group.rank, group.size, tokens)
-            block = block.float()
-            dq_part, dk_part, dv_part = _block_backward(
-                dout[..., rows, :], qh[..., rows, :], block[0][:, :, cols], block[1][:, :, cols],
-                out[..., rows, :], lse[..., rows], causal, scale,
-            )  # fmt: skip
-            dq[..., rows, :] += dq_part
-            if pending is None:  # step 0: a fresh accumulator for my own block
-                acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            else:  # the accumulator of this block's owner, from the previous rank
-                pending[0].wait()
-                acc = pending[1]
-            acc[0][:, :, cols] += dk_part
-            acc[1][:, :, cols] += dv_part
-            if group.size == 1:
-                break
-            incoming = torch.empty_like(acc)
-            send, recv = exchange([(acc, nxt)], [(incoming, prev)], group, DKV_TAG)
-            sends.append(send)
-            pending = (recv, incoming)
-        if pending is not None:  # after cp hops my own block's accumulator is back
-            pending[0].wait()
-            acc = pending[1]
-        for work in sends:
-            work.wait()
-        dkv = acc.permute(0, 1, 3, 2, 4)
-        return _unfold_queries(dq, q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        dq, dk, dv = _ring_backward_op(grad_out.contiguous(), q, k, v, out, lse, ctx.key, ctx.scale)
+        return dq, dk, dv, None, None
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:

@@ -53,6 +53,30 @@ def test_a_block_and_the_whole_model_trace_without_graph_breaks():
     assert (whole.graph_count, whole.graph_break_count) == (1, 0), whole.break_reasons
 
 
+def _block_graphs(parallel: dict) -> tuple[int, int, list[str]]:
+    """On this rank: dynamo's graphs and breaks of a decoder layer's forward under `parallel`."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+
+    mesh = Mesh(ParallelConfig(**parallel))
+    config = ModelConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2
+    )
+    model = build_model(config, mesh, seed=0)
+    seq = 8 // (mesh.tp.size if model.sequence_parallel else 1) // mesh.sp.size // mesh.cp.size
+    torch._dynamo.reset()
+    found = torch._dynamo.explain(model.model.layers["0"].forward)(*_layer_inputs(model, seq=seq))
+    return found.graph_count, found.graph_break_count, [r.reason[:200] for r in found.break_reasons]
+
+
+@pytest.mark.parametrize("parallel", [dict(tp=2), dict(sp=2), dict(cp=2)], ids=["tp2", "sp2", "cp2"])
+def test_a_parallel_block_traces_as_one_graph(ranks, parallel):
+    """TP's sums and gathers, Ulysses' all-to-alls and the cp ring are ops inside the block's graph
+    (comm/ops.py, model/ring_attention.py), not breaks between graphs."""
+    for graphs, breaks, reasons in ranks.run(2, _block_graphs, parallel):
+        assert (graphs, breaks) == (1, 0), reasons
+
+
 def test_every_layer_reuses_the_first_layers_graph():
     """Compile time does not grow with depth: 6 layers, one dynamo graph."""
     from torch._dynamo.utils import counters
@@ -92,6 +116,7 @@ LAYOUTS = {
     "pp2_1f1b": ["--parallel.pp=2", "--train.schedule=1f1b"],
     "pp2_zb_v": ["--parallel.pp=2", "--train.schedule=zb_v"],  # deferrable micro-batches run eagerly
     "zero3": ["--parallel.dp=2", "--train.micro_batch=2", "--train.zero=3"],
+    "cp2": ["--parallel.cp=2"],
 }
 
 

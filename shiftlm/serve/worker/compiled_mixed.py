@@ -18,7 +18,7 @@ from shiftlm.model.attention import FullTP
 from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
-from shiftlm.serve.worker.compiled_step import MAX_BATCH, TracedFullTP
+from shiftlm.serve.worker.compiled_step import MAX_BATCH
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class CompiledMixed:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, full_tp: FullTP | None = None, head=None):
         self.model, self.cache = model, cache
-        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else TracedFullTP.of(full_tp)
+        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
         self.head = model.head_weight if head is None else head
         # its own code object (see CompiledDecode)
         fn = types.FunctionType(mixed_step.__code__.replace(), mixed_step.__globals__, "mixed_step")

@@ -26,12 +26,10 @@ import os
 import time
 import types
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from shiftlm.comm.traced import register, traced_all_reduce
 from shiftlm.model.attention import FullTP
 from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
@@ -111,20 +109,6 @@ class DecodeAttention:
         return out.unsqueeze(0)
 
 
-@dataclass(frozen=True)
-class TracedFullTP(FullTP):
-    """Full TP whose sums over the shift group are `traced_all_reduce` (an op the graph keeps)."""
-
-    key: str = ""
-
-    @classmethod
-    def of(cls, full_tp: FullTP) -> TracedFullTP:
-        return cls(full_tp.group, full_tp.part, full_tp.parts, register(full_tp.group))
-
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return traced_all_reduce(x, self.key)
-
-
 def decode_step(
     model: Transformer,
     ids,
@@ -169,10 +153,10 @@ class CompiledDecode:
         size) and one for a single sequence, instead of one graph per batch size: what a GPU, which
         runs every decode batch compiled, uses.
         `full_tp`: this rank's part of Shift Parallelism's full-TP mode (several ranks: the step's sums
-        are traced collectives, and every rank compiles and runs each step in lockstep); `head`: the
+        are collectives the graph keeps (comm/ops.py), and every rank compiles and runs each step in lockstep); `head`: the
         LM head rows this rank computes (`ShiftModel.head_view`; default the whole head)."""
         self.model, self.cache, self.max_seqs, self.dynamic_batch = model, cache, max_seqs, dynamic_batch
-        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else TracedFullTP.of(full_tp)
+        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
         self.head = model.head_weight if head is None else head
         self.dtype = model.model.norm.weight.dtype
         _CACHES[cache.storage.data_ptr()] = cache
