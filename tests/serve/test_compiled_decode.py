@@ -161,6 +161,7 @@ def compiled_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
     plan); rank 0 returns the largest relative logit error, every rank its compiled step count."""
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker.compiled_step import CompiledDecode
     from shiftlm.serve.worker.runner import ModelRunner
 
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
@@ -168,6 +169,12 @@ def compiled_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
     compiled = ModelRunner.load(
         model_dir, mesh, num_blocks=32, block_size=BLOCK, compile_decode=True, gemv_rows=2
     )
+    shift = compiled.shift_model  # SP x TP decodes compiled too, as on CUDA (the CPU leaves them eager)
+    assert shift.compiled.ulysses is None
+    shift.compiled = CompiledDecode(
+        shift.model, compiled.cache, 2, False, shift.full_tp, shift.head_view, shift.ulysses
+    )
+    assert shift.compiled.warm_up()
     worst = 0.0
     for mode in Mode:
         for plan in steps(mode):
@@ -179,12 +186,15 @@ def compiled_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
 
 
 @pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)])
-def test_compiled_full_tp_decode_on_two_ranks_equals_the_eager_step(ranks, tmp_path, tp, sp):
+def test_compiled_decode_of_both_modes_on_two_ranks_equals_the_eager_step(ranks, tmp_path, tp, sp):
     """Shift Parallelism's full-TP mode over 2 gloo ranks (tp2, and sp2's latency mode): the compiled
     decode step keeps its sums over the group as traced collectives (comm/traced.py); logits equal
-    the eager step's (1e-5), both ranks' caches too; SP x TP steps stay eager."""
+    the eager step's (1e-5), both ranks' caches too; so do SP x TP decodes, compiled with their
+    Ulysses all-to-alls in the graph, where their batch needs no padding row (sp2: the 2-sequence
+    steps; a 1-sequence step, padded to 2, runs eagerly, or through a graph: test_decode_graphs.py)."""
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     results = ranks.run(tp * sp, compiled_vs_eager_on_ranks, str(model_dir), tp, sp)
     assert results[0]["worst"] <= 1e-5, results[0]
-    assert [r["steps"] for r in results] == [9, 9]  # every full-TP decode step, on both ranks
+    sp_tp = 6 if sp == 2 else 9
+    assert [r["steps"] for r in results] == [9 + sp_tp] * 2  # on both ranks
     assert all(r["same_cache"] for r in results)

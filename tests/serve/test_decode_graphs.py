@@ -29,7 +29,7 @@ def test_capture_sizes_are_vllms():
     )
 
 
-def plans() -> list[StepPlan]:
+def plans(mode: Mode = Mode.TP) -> list[StepPlan]:
     """Prefill 5 prompts (3-7 tokens), then decode batches of 5, 4, 3, 2, 1, 5, 5, 5 sequences."""
     prompts = [[(7 * i + j) % 200 + 3 for j in range(3 + i)] for i in range(5)]
     first = tuple(
@@ -41,7 +41,7 @@ def plans() -> list[StepPlan]:
         out.append(
             StepPlan(
                 step,
-                Mode.TP,
+                mode,
                 tuple(ScheduledChunk(i, (20 + step,), lengths[i], (), True, row=i) for i in range(batch)),
             )
         )
@@ -50,7 +50,9 @@ def plans() -> list[StepPlan]:
     return out
 
 
-def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture: bool, backend: str = "auto"):
+def graphed_runner(
+    model_dir, device: torch.device, dtype: torch.dtype, capture: bool, backend: str = "auto", tp=1, sp=1
+):
     """A runner whose decode steps go through `DecodeGraphs` (max 8 sequences, 4 blocks each)."""
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
@@ -59,7 +61,7 @@ def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture:
     from shiftlm.serve.worker.paged_attention import PagedKVCache
     from shiftlm.serve.worker.runner import ModelRunner
 
-    mesh = Mesh(ParallelConfig(), device=device)
+    mesh = Mesh(ParallelConfig(tp=tp, sp=sp), device=device)
     runner = ModelRunner.load(
         model_dir,
         mesh,
@@ -74,7 +76,8 @@ def graphed_runner(model_dir, device: torch.device, dtype: torch.dtype, capture:
     cache = PagedKVCache(layers, BLOCKS, BLOCK, kv_heads, head_dim, dtype, device, scratch=True)
     cache.kernel, cache.flex = old.kernel, old.flex
     runner.cache = runner.shift_model.cache = cache
-    compiled = CompiledDecode(runner.shift_model.model, cache, max_seqs=BLOCKS, dynamic_batch=True)
+    shift = runner.shift_model
+    compiled = CompiledDecode(shift.model, cache, BLOCKS, True, shift.full_tp, shift.head_view, shift.ulysses)
     assert compiled.warm_up()
     runner.shift_model.compiled = compiled
     runner.shift_model.graphs = DecodeGraphs(compiled, max_seqs=8, max_blocks=4, capture=capture)
@@ -131,6 +134,44 @@ def test_no_graph_gathers_more_blocks_than_the_cache_holds(tmp_path, monkeypatch
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     runner = graphed_runner(model_dir, torch.device("cpu"), torch.float32, capture=False)
     graphs = DecodeGraphs(runner.shift_model.compiled, max_seqs=64, max_blocks=16, capture=False)
-    assert (1, 16) in graphs.shapes and (4, 16) in graphs.shapes and (8, 8) in graphs.shapes
-    assert all(size * blocks <= BLOCKS for size, blocks in graphs.shapes)
-    assert (8, 16) not in graphs.shapes and (64, 1) in graphs.shapes
+    shapes = {(size, blocks) for mode, size, blocks in graphs.shapes if mode is Mode.TP}
+    assert (1, 16) in shapes and (4, 16) in shapes and (8, 8) in shapes
+    assert all(size * blocks <= BLOCKS for size, blocks in shapes)
+    assert (8, 16) not in shapes and (64, 1) in shapes
+
+
+def padded_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
+    """Every rank: an eager runner and one whose decode steps go through `DecodeGraphs`, over the same
+    plans in both modes; rank 0 returns the largest relative logit error."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    cpu = torch.device("cpu")
+    eager = ModelRunner.load(
+        model_dir, Mesh(ParallelConfig(tp=tp, sp=sp)), num_blocks=BLOCKS, block_size=BLOCK
+    )
+    graphed = graphed_runner(model_dir, cpu, torch.float32, False, tp=tp, sp=sp)
+    worst, graphs = 0.0, graphed.shift_model.graphs
+    for mode in Mode:
+        for plan in plans(mode):
+            want, got = eager.run_step(plan), graphed.run_step(plan)
+            if want is not None:
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    real = BLOCKS * BLOCK
+    same_cache = torch.allclose(graphed.cache.storage[:, :, :real], eager.cache.storage, rtol=1e-5, atol=1e-6)
+    return dict(worst=worst, steps=graphs.steps, sizes=graphs.sizes, same_cache=same_cache)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, 2), (2, 1)])
+def test_padded_decode_steps_of_both_modes_equal_eager_on_two_ranks(ranks, tmp_path, tp, sp):
+    """Shift Parallelism on 2 gloo ranks: full-TP and SP x TP decodes, each through its mode's graphs
+    (SP x TP's at batches of whole sp slices: 5 sequences run the graph of 8, 1 that of 2, each rank
+    its slice of the padded batch), equal the eager step's logits (1e-5) and caches."""
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    results = ranks.run(tp * sp, padded_vs_eager_on_ranks, str(model_dir), tp, sp)
+    decodes = len(plans()) - 1
+    for result in results:
+        assert result["worst"] <= 1e-5 and result["same_cache"], result
+        assert result["steps"] == 2 * decodes  # every decode step of both modes went through a graph
+    assert results[0]["sizes"][Mode.SP_TP] == ([2, 4, 8] if sp == 2 else [1, 2, 4, 8])

@@ -1,6 +1,5 @@
 """A pure decode step of the model's own layers as one `torch.compile`d graph (inductor): the serving
-runner's default on a single rank in full-TP mode; `--enforce-eager` keeps the eager step
-(docs/serving.md "Compiled decode").
+runner's default; `--enforce-eager` keeps the eager step (docs/serving.md "Compiled decode").
 
 The eager step runs ~300 small ops (norms, RoPE, reshapes, residual adds, ...) at a few microseconds
 of dispatch each; inductor fuses them into a few C++ kernels a layer around the GEMMs (extern `mm`).
@@ -12,11 +11,13 @@ dynamic-context kernels ran 2-4x slower than eager's at 8-64 sequences. The mode
 the compiled function (parameters are graph inputs, not constants: no recompiles, no copies), and the
 graph's only dynamic size is the context length, inside the gather index and mask (`warm_up`, at
 startup: one compile per batch size). There is no second copy of the model's math to keep in step.
+Over a shift group of several ranks the collectives are custom ops inside the graph (comm/ops.py),
+and each mode has its own graph: full TP, and SP x TP with its Ulysses all-to-alls (`graph_mode`).
 
-Applies to: one rank (shift group of 1), a dense model in fp32 on the CPU, a pure decode step (one
-query per sequence, no stream rotation) of at most `max_seqs` sequences (those where MKL's GEMV, the
-graph's linear, is the faster one): the latency case (TPOT one request at a time). Everything else
-(larger batches, prefill and mixed steps, several ranks) runs the eager step.
+Applies to: a pure decode step (one query per sequence, no stream rotation) of at most `max_seqs`
+sequences; on the CPU a dense model in fp32 and the batches where MKL's GEMV, the graph's linear, is
+the faster one (the latency case: TPOT one request at a time), on CUDA every batch. Everything else
+(prefill and mixed steps: compiled_mixed.py on CUDA) runs the eager step.
 """
 
 from __future__ import annotations
@@ -122,15 +123,23 @@ def decode_step(
     head,
     full_tp,
     flex_block,
+    ulysses,
 ):
     """This rank's block of the sampled rows' logits [rows, its vocab columns] of a decode step: the
     model's own layers with the `PLAIN` ops and `DecodeAttention` (in full TP over the shift group
     where `full_tp` is given), then its final norm and `head` (what `torch.compile` traces).
-    `flex_block`: the cache's block size where attention runs FlexAttention (its block mask is made
-    here, once for every layer), else 0."""
+    `ulysses` = (sp rank, sp size): SP x TP, where this rank embeds and projects its contiguous slice
+    of the batch and the layers' Ulysses all-to-alls bring every row to attention (`rows` are then
+    rows of the slice). `flex_block`: the cache's block size where attention runs FlexAttention (its
+    block mask is made here, once for every layer), else 0."""
     flex = flex_plan(block_index, positions, window, flex_block, storage.shape[2]) if flex_block else []
     backend = DecodeAttention(storage, slots, block_index, bias, positions, window, flex)
-    hidden = model.hidden_states(ids[None], positions[None], backend, full_tp, PLAIN)[0]
+    mine, where = ids, positions
+    if ulysses is not None:
+        rank, size = ulysses
+        per_rank = ids.shape[0] // size
+        mine, where = ids.narrow(0, rank * per_rank, per_rank), positions.narrow(0, rank * per_rank, per_rank)
+    hidden = model.hidden_states(mine[None], where[None], backend, full_tp, PLAIN)[0]
     return F.linear(model.model.norm(hidden[rows], PLAIN), head)
 
 
@@ -145,6 +154,7 @@ class CompiledDecode:
         dynamic_batch: bool = False,
         full_tp: FullTP | None = None,
         head: torch.Tensor | None = None,
+        ulysses: tuple[int, int] | None = None,
     ):
         """`max_seqs`: the largest batch it runs (on the CPU `ShiftModel` passes the row counts for which
         MKL's GEMV, the graph's extern `mm`, beats oneDNN's packed GEMM that eager uses: compiled was
@@ -154,10 +164,15 @@ class CompiledDecode:
         runs every decode batch compiled, uses.
         `full_tp`: this rank's part of Shift Parallelism's full-TP mode (several ranks: the step's sums
         are collectives the graph keeps (comm/ops.py), and every rank compiles and runs each step in lockstep); `head`: the
-        LM head rows this rank computes (`ShiftModel.head_view`; default the whole head)."""
+        LM head rows this rank computes in full TP (`ShiftModel.head_view`; default the whole head).
+        `ulysses` = (sp rank, sp size) where the shift group has several ranks and the model is dense:
+        SP x TP decode steps run compiled too (a graph of their own, the TP shard's whole head), else
+        they run the eager step."""
         self.model, self.cache, self.max_seqs, self.dynamic_batch = model, cache, max_seqs, dynamic_batch
         self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
         self.head = model.head_weight if head is None else head
+        # the shift modes run different graphs only where the group has several ranks
+        self.ulysses = ulysses if self.full_tp is not None else None
         self.dtype = model.model.norm.weight.dtype
         _CACHES[cache.storage.data_ptr()] = cache
         # a code object of its own per model: dynamo keeps at most 8 graphs per code object, so models
@@ -179,35 +194,40 @@ class CompiledDecode:
             return dtype == torch.bfloat16
         return device == "cuda" or dtype == torch.float32
 
+    def graph_mode(self, mode: Mode) -> Mode | None:
+        """The graph a step of `mode` runs: its own mode where the modes differ (several ranks), TP's
+        on one rank (the same computation); None where that mode has no compiled step."""
+        if self.full_tp is None:
+            return Mode.TP
+        return mode if mode is Mode.TP or self.ulysses is not None else None
+
     def applies(self, batch: FlatBatch, mode: Mode) -> bool:
         """A pure decode step of at most `max_seqs` sequences (PagedAttention's lean path: row i is
-        sequence i, one query each), in full TP where the shift group has several ranks."""
+        sequence i, one query each; in SP x TP no padding rows), in a mode with a compiled step."""
         return (
-            (mode is Mode.TP or self.full_tp is None)
+            self.graph_mode(mode) is not None
             and batch.token_ids.shape[0] <= self.max_seqs
             and PagedAttention.is_decode(batch)
             and batch.num_tokens == batch.slots.numel()
         )
 
     @torch.no_grad()
-    def __call__(self, batch: FlatBatch) -> torch.Tensor:
-        """The sampled rows' logits [samples, padded vocab], as `ShiftModel.forward` returns them."""
+    def __call__(self, batch: FlatBatch, mode: Mode, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's logits block (`logits.logits_block`: `rows` its hidden rows), as
+        `ShiftModel.forward` returns it."""
         self.steps += 1
         group = batch.chunks[0]
         bias = group.bias(self.dtype)
-        return self.run(
-            batch.token_ids,
-            batch.positions,
-            batch.slots,
-            group.block_index,
-            bias,
-            batch.sample_rows,
-            group.window,
-        )
+        args = (batch.token_ids, batch.positions, batch.slots, group.block_index, bias, rows, group.window)
+        return self.run(*args, mode=mode)
 
-    def run(self, ids, positions, slots, block_index, bias, rows, window: int) -> torch.Tensor:
-        """The compiled step on these tensors (`decode_step`'s arguments): logits of `rows`."""
-        storage, head = self.cache.storage, self.head
+    def run(
+        self, ids, positions, slots, block_index, bias, rows, window: int, mode: Mode = Mode.TP
+    ) -> torch.Tensor:
+        """The compiled step of `mode` on these tensors (`decode_step`'s arguments): logits of `rows`."""
+        storage, head, full_tp, ulysses = self.cache.storage, self.head, self.full_tp, None
+        if self.graph_mode(mode) is Mode.SP_TP:
+            head, full_tp, ulysses = self.model.head_weight, None, self.ulysses
         flex_block = self.cache.block_size if self.cache.flex else 0
         return self._fn(
             self.model,
@@ -220,9 +240,25 @@ class CompiledDecode:
             window,
             storage,
             head,
-            self.full_tp,
+            full_tp,
             flex_block,
+            ulysses,
         )
+
+    def _warm_up_steps(self) -> list[tuple[Mode, int]]:
+        """(mode, batch) of each graph `warm_up` compiles: batches 1 to `max_seqs` (or 1 and a dynamic
+        one), then in SP x TP the multiples of sp (or one dynamic batch of 2 x sp)."""
+        sizes = [1, 2] if self.dynamic_batch else list(range(1, self.max_seqs + 1))
+        steps = [(Mode.TP, seqs) for seqs in sizes if seqs <= self.max_seqs]
+        if self.ulysses is not None:
+            sp = self.ulysses[1]
+            multiples = (
+                [2 * sp]
+                if self.dynamic_batch and 2 * sp <= self.max_seqs
+                else range(sp, self.max_seqs + 1, sp)
+            )
+            steps += [(Mode.SP_TP, seqs) for seqs in multiples]
+        return steps
 
     @torch.no_grad()
     def warm_up(self) -> bool:
@@ -238,30 +274,27 @@ class CompiledDecode:
                 "--enforce-eager skips this)",
                 self.max_seqs,
             )
-        sizes = range(1, min(self.max_seqs, 2) + 1) if self.dynamic_batch else range(1, self.max_seqs + 1)
-        for seqs in sizes:
+        for mode, seqs in self._warm_up_steps():
             start = time.perf_counter()
-            rows = torch.arange(seqs, device=device)
+            dynamic = self.dynamic_batch and seqs > 1
+            ids = torch.zeros(seqs, dtype=torch.long, device=device)
+            slots = torch.arange(seqs, device=device)
             blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence
             bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.dtype, device=device)
-            args = (
-                torch.zeros_like(rows),
-                torch.zeros_like(rows),
-                rows,
-                blocks,
-                bias,
-                rows.clone(),
-                window,
-            )
+            ulysses = self.graph_mode(mode) is Mode.SP_TP
+            rows = torch.arange(seqs // self.ulysses[1] if ulysses else seqs, device=device)
+            args = (ids, ids.clone(), slots, blocks, bias, rows, window)
             # every context length in one graph per batch size (unbacked: one block, i.e. a size of 1,
             # is not specialized into a graph of its own)
             torch._dynamo.decorators.mark_unbacked(blocks, 0)
             torch._dynamo.decorators.mark_unbacked(bias, 3)
-            if self.dynamic_batch and seqs > 1:  # every batch of 2+ in this graph (1 is specialized)
-                for tensor in (*args[:3], bias, args[5]):
-                    torch._dynamo.mark_dynamic(tensor, 0, min=2, max=MAX_BATCH)
+            if dynamic:  # every batch of 2+ in this graph (1 is specialized); in SP x TP every multiple of sp
+                low = self.ulysses[1] if ulysses else 2
+                for tensor in (*args[:3], bias):
+                    torch._dynamo.mark_dynamic(tensor, 0, min=low, max=MAX_BATCH)
+                torch._dynamo.mark_dynamic(rows, 0, min=1 if ulysses else 2, max=MAX_BATCH)
             try:
-                self.run(*args)
+                self.run(*args, mode=mode)
             except Exception as err:  # noqa: BLE001 - inductor, or tracing on an untried platform
                 log.warning(
                     "the compiled decode step could not be built (%s: %s); decoding eagerly",
@@ -271,9 +304,12 @@ class CompiledDecode:
                 self.cache.storage.zero_()
                 return False
             if announce:
-                what = f"2-{self.max_seqs}" if self.dynamic_batch and seqs > 1 else str(seqs)
+                what = f"{seqs if ulysses else 2}-{self.max_seqs}" if dynamic else str(seqs)
                 log.info(
-                    "compiled the decode step of %s sequence(s) in %.1f s", what, time.perf_counter() - start
+                    "compiled the %s decode step of %s sequence(s) in %.1f s",
+                    mode.name if self.full_tp is not None else "",
+                    what,
+                    time.perf_counter() - start,
                 )
         self.cache.storage.zero_()
         return True

@@ -132,7 +132,7 @@ class ModelRunner:
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
         # CUDA graphs (and their scratch block) only where the compiled step they replay will exist
-        graphs = compile_decode and mesh.device.type == "cuda" and mesh.shift.size == 1
+        graphs = compile_decode and mesh.device.type == "cuda"
         # not for a mixture of experts: a replay runs no Python, so the router's counts per expert
         # (/metrics, the step log) would not be taken
         graphs = graphs and CompiledDecode.supports(model) and not config.is_moe
@@ -248,6 +248,8 @@ class ModelRunner:
             pending = self._share_pending(pending, where.numel())
             index = (where.to(device, non_blocking=True),)
             batch = replace(batch, token_ids=batch.token_ids.index_put(index, pending))
+        if self.shift_model.graphs is not None:  # SP x TP decodes: padded to their graph's batch
+            batch = self.shift_model.graphs.padded(batch, mode)
         mine = self.shift_model.forward(batch, mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column
             return mine

@@ -92,8 +92,17 @@ class ShiftModel:
         compiled = compiled and compile_usable(
             "true", model.head_weight.device, "the compiled decode step", "--enforce-eager silences this"
         )
+        # SP x TP decodes compiled too where the modes differ (several ranks), for dense models (a mixture
+        # of experts' dispatch over ep is an uneven all-to-all whose counts are read on the host); on
+        # CUDA only: the CPU compiles the latency case, and SP x TP is the throughput mode, whose
+        # batches run oneDNN's faster GEMMs eagerly (a graph no step would use costs a compile at start)
+        self.ulysses = (mesh.coords.sp, sp) if mesh.shift.size > 1 and not config.is_moe else None
         self.compiled = (
-            CompiledDecode(model, cache, max_seqs, cuda, self.full_tp, self.head_view) if compiled else None
+            CompiledDecode(
+                model, cache, max_seqs, cuda, self.full_tp, self.head_view, self.ulysses if cuda else None
+            )
+            if compiled
+            else None
         )
         if compile_mixed is None:
             compile_mixed = compile_decode and cuda
@@ -119,10 +128,10 @@ class ShiftModel:
     @torch.no_grad()
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
-        if self.graphs is not None and self.graphs.applies(batch):  # one rank: the block is every logit
-            return self.graphs(batch)  # (never for a mixture of experts: runner.py)
+        if self.graphs is not None and self.graphs.applies(batch, mode):  # (never for a mixture of experts)
+            return self.graphs(batch, mode, self._hidden_rows(batch, mode))
         if self.compiled is not None and self.compiled.applies(batch, mode):
-            out = self.compiled(batch)
+            out = self.compiled(batch, mode, self._hidden_rows(batch, mode))
         elif self.compiled_mixed is not None and self.compiled_mixed.applies(batch, mode):
             out = self.compiled_mixed(batch)
         else:
@@ -130,6 +139,12 @@ class ShiftModel:
         if self.moe_layers:  # the routers' counts of this step (compiled: set by the graph's side effects)
             self.expert_rows = self._expert_rows(mode)
         return out
+
+    def _hidden_rows(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
+        """The rows of this rank's hidden states whose logits it computes (`logits.logits_block`)."""
+        if mode is Mode.TP or self.mesh.shift.size == 1:
+            return batch.sample_rows  # every sampled row (no device read)
+        return logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp).hidden_rows
 
     def _expert_rows(self, mode: Mode) -> torch.Tensor:
         """(token, choice) rows routed to each expert this step, summed over the MoE layers: every rank
