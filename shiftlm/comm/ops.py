@@ -99,6 +99,14 @@ def _(x, group, scatter_dim, gather_dim):
     return x.new_empty(shape)
 
 
+# Every rank must run every collective, including one whose result this rank ends up not using (a
+# rank with no sampled row in an SP x TP step): never dead code to inductor, as PyTorch marks its
+# functional collectives' waits. Without this, a rank whose graph dropped the last layer's sums
+# paired its next collective with another rank's sum (wrong logits, then a hang).
+for _op in (_traced_all_reduce, _traced_all_gather, _traced_reduce_scatter, _traced_all_to_all):
+    torch.fx.node.has_side_effect(_op._opoverload)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     group: CommGroup,

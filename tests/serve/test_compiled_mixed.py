@@ -87,6 +87,8 @@ def test_compiled_mixed_steps_equal_the_eager_step(tmp_path, family):
 
 
 def mixed_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
+    from torch._dynamo.utils import counters
+
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
@@ -94,19 +96,25 @@ def mixed_vs_eager_on_ranks(model_dir: str, tp: int, sp: int) -> dict:
     mesh = Mesh(ParallelConfig(tp=tp, sp=sp))
     eager = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=BLOCK)
     compiled = ModelRunner.load(model_dir, mesh, num_blocks=32, block_size=BLOCK, compile_mixed=True)
-    worst = 0.0
-    for mode in Mode:  # SP x TP steps stay eager
+    graphs, worst = counters["stats"]["unique_graphs"], 0.0
+    # SP x TP's steps (padded to a multiple of sp: 5 tokens -> 6) through graphs of their own
+    for mode in Mode:
         worst = max(worst, _worst(eager, compiled, mixed_steps(mode), lambda r, plan: r.run_step(plan)))
     same_cache = torch.allclose(compiled.cache.storage, eager.cache.storage, rtol=1e-5, atol=1e-6)
-    return dict(worst=worst, steps=compiled.shift_model.compiled_mixed.steps, same_cache=same_cache)
+    compiles = counters["stats"]["unique_graphs"] - graphs
+    steps = compiled.shift_model.compiled_mixed.steps
+    return dict(worst=worst, steps=steps, same_cache=same_cache, compiles=compiles)
 
 
 @pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)])
-def test_compiled_full_tp_mixed_steps_on_two_ranks_equal_the_eager_step(ranks, tmp_path, tp, sp):
+def test_compiled_mixed_steps_of_both_modes_on_two_ranks_equal_the_eager_step(ranks, tmp_path, tp, sp):
+    """Full TP and SP x TP (Ulysses all-to-alls in the graph, each sp rank its slice of the padded
+    batch) on 2 gloo ranks: prefill, chunked prefill beside decodes, a stream group, a decode."""
     model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
     results = ranks.run(tp * sp, mixed_vs_eager_on_ranks, str(model_dir), tp, sp)
     assert results[0]["worst"] <= 1e-5, results[0]
-    assert [r["steps"] for r in results] == [5, 5]  # the full-TP steps, on both ranks
+    assert [r["steps"] for r in results] == [10, 10]  # every step of both modes, on both ranks
+    assert [r["compiles"] for r in results] == [0, 0]  # 3-12 tokens: the warm-up's graphs
     assert all(r["same_cache"] for r in results)
 
 

@@ -18,7 +18,7 @@ from shiftlm.model.attention import FullTP
 from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
-from shiftlm.serve.worker.compiled_step import MAX_BATCH
+from shiftlm.serve.worker.compiled_step import MAX_BATCH, sp_slice
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,11 @@ class StepAttention:
 
 
 def mixed_step(model: Transformer, ids, positions, rows, storage, head, full_tp):
-    """This rank's block of the sampled rows' logits of any step in full TP (prefill chunks, decode
-    rows, both): the model's own layers with the `PLAIN` ops and `StepAttention`, its final norm and
-    `head` (what `torch.compile` traces, the token count a symbolic size)."""
+    """This rank's block of the sampled rows' logits of any step (prefill chunks, decode rows, both):
+    the model's own layers with the `PLAIN` ops and `StepAttention`, its final norm and `head` (what
+    `torch.compile` traces, the token count a symbolic size). `ids`, `positions`: the tokens this
+    rank embeds, every row in full TP (over the shift group where `full_tp` is given), its slice of
+    the (padded) batch in SP x TP (`compiled_step.sp_slice`)."""
     hidden = model.hidden_states(ids[None], positions[None], StepAttention(storage), full_tp, PLAIN)[0]
     return F.linear(model.model.norm(hidden[rows], PLAIN), head)
 
@@ -66,52 +68,69 @@ class CompiledMixed:
     groups; decodes where no `CompiledDecode` runs) as one compiled graph
     for every token count (issue 34 item 2: "mixed prefill steps run compiled without graphs"): on
     CUDA the ~15 elementwise kernels a layer runs eagerly (norms, RoPE, SwiGLU, residual adds) fuse into
-    a few around the GEMMs and the attention op. One rank, or full TP over the shift group (the sums
-    traced, as `CompiledDecode`'s); SP x TP steps and MoE models stay eager."""
+    a few around the GEMMs and the attention op. One rank, or a shift group of several: full TP, and
+    SP x TP where `ulysses` is given (a graph per mode, as `CompiledDecode`'s); MoE models stay eager."""
 
-    def __init__(self, model: Transformer, cache: PagedKVCache, full_tp: FullTP | None = None, head=None):
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedKVCache,
+        full_tp: FullTP | None = None,
+        head=None,
+        ulysses: tuple[int, int] | None = None,
+    ):
         self.model, self.cache = model, cache
         self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
         self.head = model.head_weight if head is None else head
+        self.ulysses = ulysses if self.full_tp is not None else None
         # its own code object (see CompiledDecode)
         fn = types.FunctionType(mixed_step.__code__.replace(), mixed_step.__globals__, "mixed_step")
         self._fn = torch.compile(fn, fullgraph=True)
         self.steps = 0
 
+    def graph_mode(self, mode: Mode) -> Mode | None:
+        """The graph a step of `mode` runs (`CompiledDecode.graph_mode`); None: it runs eagerly."""
+        if self.full_tp is None:
+            return Mode.TP
+        return mode if mode is Mode.TP or self.ulysses is not None else None
+
     def applies(self, batch: FlatBatch, mode: Mode) -> bool:
-        """Any step without padding rows, in full TP where the shift group has several ranks."""
-        return (mode is Mode.TP or self.full_tp is None) and batch.num_tokens == batch.slots.numel()
+        """Any step of a mode with a graph (full TP's have no padding rows; SP x TP's may)."""
+        return self.graph_mode(mode) is not None
 
     @torch.no_grad()
-    def __call__(self, batch: FlatBatch) -> torch.Tensor:
-        """The sampled rows' logits [samples, padded vocab], as `ShiftModel.forward` returns them."""
+    def __call__(self, batch: FlatBatch, mode: Mode, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's logits block (`rows`: its hidden rows, `logits.logits_block`), as
+        `ShiftModel.forward` returns it."""
         self.steps += 1
-        storage = self.cache.storage
+        storage, head, full_tp = self.cache.storage, self.head, self.full_tp
+        ids, positions = batch.token_ids, batch.positions
+        if self.graph_mode(mode) is Mode.SP_TP:
+            head, full_tp = self.model.head_weight, None
+            ids, positions = sp_slice((ids, positions), *self.ulysses)
         _STEPS[storage.data_ptr()] = PagedAttention(self.cache, batch)
         try:
-            return self._fn(
-                self.model,
-                batch.token_ids,
-                batch.positions,
-                batch.sample_rows,
-                storage,
-                self.head,
-                self.full_tp,
-            )
+            return self._fn(self.model, ids, positions, rows, storage, head, full_tp)
         finally:
             del _STEPS[storage.data_ptr()]
 
     @torch.no_grad()
-    def warm_up(self, batch: FlatBatch) -> bool:
-        """Compile now, one graph for every token count (>= 2) and sampled-row count, on `batch` (a
-        step the caller made up over block 0), then zero the cache. False (after one warning line) where
-        inductor fails to build: the caller then runs those steps eagerly."""
+    def warm_up(self, steps: list[tuple[Mode, FlatBatch, torch.Tensor]]) -> bool:
+        """Compile now, one graph per (mode, batch, hidden rows) of `steps` (steps the caller made up
+        over block 0: full TP's, and SP x TP's where the modes differ), then zero the cache. Full TP's
+        step of 2 tokens compiles the graph of every token count from 2 (and any sampled-row count);
+        SP x TP's steps of sp and 2 x sp tokens (slices of 1 and 2 rows) the graph of a 1-row slice
+        (a size of 1 is specialized) and, the slice's length changing, dynamo's graph of every length
+        from 2. False (after one warning line) where inductor fails to build: the caller then runs
+        those steps eagerly."""
         start = time.perf_counter()
-        torch._dynamo.mark_dynamic(batch.token_ids, 0, min=2, max=MAX_BATCH)
-        torch._dynamo.mark_dynamic(batch.positions, 0, min=2, max=MAX_BATCH)
-        torch._dynamo.decorators.mark_unbacked(batch.sample_rows, 0)
         try:
-            self(batch)
+            for mode, batch, rows in steps:
+                if self.graph_mode(mode) is Mode.TP:  # SP x TP: slices of 1 then 2, made dynamic by dynamo
+                    torch._dynamo.mark_dynamic(batch.token_ids, 0, min=2, max=MAX_BATCH)
+                    torch._dynamo.mark_dynamic(batch.positions, 0, min=2, max=MAX_BATCH)
+                torch._dynamo.decorators.mark_unbacked(rows, 0)
+                self(batch, mode, rows)
         except Exception as err:  # noqa: BLE001 - inductor, or tracing on an untried platform
             log.warning(
                 "the compiled mixed step could not be built (%s: %s); running it eagerly",

@@ -113,6 +113,7 @@ class DecodeAttention:
 def decode_step(
     model: Transformer,
     ids,
+    where,
     positions,
     slots,
     block_index,
@@ -123,24 +124,28 @@ def decode_step(
     head,
     full_tp,
     flex_block,
-    ulysses,
 ):
     """This rank's block of the sampled rows' logits [rows, its vocab columns] of a decode step: the
     model's own layers with the `PLAIN` ops and `DecodeAttention` (in full TP over the shift group
-    where `full_tp` is given), then its final norm and `head` (what `torch.compile` traces).
-    `ulysses` = (sp rank, sp size): SP x TP, where this rank embeds and projects its contiguous slice
-    of the batch and the layers' Ulysses all-to-alls bring every row to attention (`rows` are then
-    rows of the slice). `flex_block`: the cache's block size where attention runs FlexAttention (its
-    block mask is made here, once for every layer), else 0."""
+    where `full_tp` is given), then its final norm and `head` (what `torch.compile` traces). `ids` and
+    `where` are the tokens this rank embeds and their positions: every row in full TP, its slice of
+    the batch in SP x TP (`sp_slice`; the layers' Ulysses all-to-alls bring every row to attention,
+    which reads `positions`, `slots` and the tables of all of them). `flex_block`: the cache's block
+    size where attention runs FlexAttention (its block mask is made here, once for every layer),
+    else 0."""
     flex = flex_plan(block_index, positions, window, flex_block, storage.shape[2]) if flex_block else []
     backend = DecodeAttention(storage, slots, block_index, bias, positions, window, flex)
-    mine, where = ids, positions
-    if ulysses is not None:
-        rank, size = ulysses
-        per_rank = ids.shape[0] // size
-        mine, where = ids.narrow(0, rank * per_rank, per_rank), positions.narrow(0, rank * per_rank, per_rank)
-    hidden = model.hidden_states(mine[None], where[None], backend, full_tp, PLAIN)[0]
+    hidden = model.hidden_states(ids[None], where[None], backend, full_tp, PLAIN)[0]
     return F.linear(model.model.norm(hidden[rows], PLAIN), head)
+
+
+def sp_slice(tensors, rank: int, size: int) -> tuple[torch.Tensor, ...]:
+    """Sp rank `rank`'s contiguous slice of each (a batch of a multiple of `size` rows), as fresh
+    tensors: what its graph embeds in SP x TP. Sliced outside the graph, so dynamo sees the slice's
+    length as a size of its own (no floor division its guards cannot reason about) and no storage
+    offset that differs by rank."""
+    per_rank = tensors[0].shape[0] // size
+    return tuple(t.narrow(0, rank * per_rank, per_rank).clone() for t in tensors)
 
 
 class CompiledDecode:
@@ -225,39 +230,24 @@ class CompiledDecode:
         self, ids, positions, slots, block_index, bias, rows, window: int, mode: Mode = Mode.TP
     ) -> torch.Tensor:
         """The compiled step of `mode` on these tensors (`decode_step`'s arguments): logits of `rows`."""
-        storage, head, full_tp, ulysses = self.cache.storage, self.head, self.full_tp, None
+        storage, head, full_tp, mine, where = self.cache.storage, self.head, self.full_tp, ids, positions
         if self.graph_mode(mode) is Mode.SP_TP:
-            head, full_tp, ulysses = self.model.head_weight, None, self.ulysses
+            head, full_tp = self.model.head_weight, None
+            mine, where = sp_slice((ids, positions), *self.ulysses)
         flex_block = self.cache.block_size if self.cache.flex else 0
-        return self._fn(
-            self.model,
-            ids,
-            positions,
-            slots,
-            block_index,
-            bias,
-            rows,
-            window,
-            storage,
-            head,
-            full_tp,
-            flex_block,
-            ulysses,
-        )
+        args = (mine, where, positions, slots, block_index, bias, rows, window, storage, head, full_tp)
+        return self._fn(self.model, *args, flex_block)
 
     def _warm_up_steps(self) -> list[tuple[Mode, int]]:
         """(mode, batch) of each graph `warm_up` compiles: batches 1 to `max_seqs` (or 1 and a dynamic
-        one), then in SP x TP the multiples of sp (or one dynamic batch of 2 x sp)."""
+        one of 2 and up), then in SP x TP the multiples of sp (or sp, one row a rank, and a dynamic one
+        of 2 x sp and up: dynamo's guards rule out a slice of one row from a dynamic graph)."""
         sizes = [1, 2] if self.dynamic_batch else list(range(1, self.max_seqs + 1))
         steps = [(Mode.TP, seqs) for seqs in sizes if seqs <= self.max_seqs]
         if self.ulysses is not None:
             sp = self.ulysses[1]
-            multiples = (
-                [2 * sp]
-                if self.dynamic_batch and 2 * sp <= self.max_seqs
-                else range(sp, self.max_seqs + 1, sp)
-            )
-            steps += [(Mode.SP_TP, seqs) for seqs in multiples]
+            multiples = [sp, 2 * sp] if self.dynamic_batch else range(sp, self.max_seqs + 1, sp)
+            steps += [(Mode.SP_TP, seqs) for seqs in multiples if seqs <= self.max_seqs]
         return steps
 
     @torch.no_grad()
@@ -276,23 +266,25 @@ class CompiledDecode:
             )
         for mode, seqs in self._warm_up_steps():
             start = time.perf_counter()
-            dynamic = self.dynamic_batch and seqs > 1
+            ulysses = self.graph_mode(mode) is Mode.SP_TP
+            dynamic = self.dynamic_batch and seqs > (self.ulysses[1] if ulysses else 1)
             ids = torch.zeros(seqs, dtype=torch.long, device=device)
             slots = torch.arange(seqs, device=device)
             blocks = torch.zeros(2 * seqs, dtype=torch.long, device=device)  # 2 blocks a sequence
             bias = torch.zeros(seqs, 1, 1, 2 * self.cache.block_size, dtype=self.dtype, device=device)
-            ulysses = self.graph_mode(mode) is Mode.SP_TP
             rows = torch.arange(seqs // self.ulysses[1] if ulysses else seqs, device=device)
             args = (ids, ids.clone(), slots, blocks, bias, rows, window)
             # every context length in one graph per batch size (unbacked: one block, i.e. a size of 1,
             # is not specialized into a graph of its own)
             torch._dynamo.decorators.mark_unbacked(blocks, 0)
             torch._dynamo.decorators.mark_unbacked(bias, 3)
-            if dynamic:  # every batch of 2+ in this graph (1 is specialized); in SP x TP every multiple of sp
-                low = self.ulysses[1] if ulysses else 2
+            if dynamic:  # every batch from this one up in this graph (1, and sp in SP x TP, are specialized)
                 for tensor in (*args[:3], bias):
-                    torch._dynamo.mark_dynamic(tensor, 0, min=low, max=MAX_BATCH)
-                torch._dynamo.mark_dynamic(rows, 0, min=1 if ulysses else 2, max=MAX_BATCH)
+                    torch._dynamo.mark_dynamic(tensor, 0, min=seqs, max=MAX_BATCH)
+                if ulysses:  # the rows of this rank's slice that are sampled: any count
+                    torch._dynamo.decorators.mark_unbacked(rows, 0)
+                else:
+                    torch._dynamo.mark_dynamic(rows, 0, min=2, max=MAX_BATCH)
             try:
                 self.run(*args, mode=mode)
             except Exception as err:  # noqa: BLE001 - inductor, or tracing on an untried platform
@@ -304,7 +296,7 @@ class CompiledDecode:
                 self.cache.storage.zero_()
                 return False
             if announce:
-                what = f"{seqs if ulysses else 2}-{self.max_seqs}" if dynamic else str(seqs)
+                what = f"{seqs}-{self.max_seqs}" if dynamic else str(seqs)
                 log.info(
                     "compiled the %s decode step of %s sequence(s) in %.1f s",
                     mode.name if self.full_tp is not None else "",

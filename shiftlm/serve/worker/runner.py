@@ -31,12 +31,12 @@ from shiftlm.errors import ConfigError
 from shiftlm.mesh import Mesh
 from shiftlm.model import build_model
 from shiftlm.model.sharding import kv_heads_of_block
-from shiftlm.serve.plan import PENDING, StepPlan
+from shiftlm.serve.plan import PENDING, Mode, StepPlan
 from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
 from shiftlm.serve.worker.logits import gather_logits
-from shiftlm.serve.worker.paged_attention import PagedKVCache
+from shiftlm.serve.worker.paged_attention import FlatBatch, PagedKVCache
 from shiftlm.serve.worker.plan_codec import (
     HEADER,
     STOP_CHUNKS,
@@ -160,9 +160,8 @@ class ModelRunner:
         )
         if shift_model.compiled is not None and not shift_model.compiled.warm_up():
             shift_model.compiled = None  # it could not build (warned): every step runs eagerly
-        if shift_model.compiled_mixed is not None and not shift_model.compiled_mixed.warm_up(
-            _prefill_over_block_0(cache, config).to(mesh.device)
-        ):
+        mixed = shift_model.compiled_mixed
+        if mixed is not None and not mixed.warm_up(_warm_up_steps(shift_model, mixed.graph_mode)):
             shift_model.compiled_mixed = None
         if shift_model.compiled is not None and graphs:
             tokens = max_model_len or config.max_position_embeddings  # the longest context a step can have
@@ -272,16 +271,30 @@ class ModelRunner:
         return tokens
 
 
-def _prefill_over_block_0(cache: PagedKVCache, config: ModelConfig):
-    """A made-up step for warm-ups: a 2-token prompt written to block 0 (and 1), its last row sampled."""
-    from shiftlm.serve.plan import Mode, ScheduledChunk
+def _prefill_over_block_0(
+    cache: PagedKVCache, config: ModelConfig, mode: Mode = Mode.TP, sp: int = 1, tokens: int = 2
+):
+    """A made-up step for warm-ups: a prompt of `tokens` written from block 0 on, its last row sampled."""
+    from shiftlm.serve.plan import ScheduledChunk
 
-    blocks = (0,) if cache.block_size >= 2 else (0, 1)
-    chunk = ScheduledChunk(0, (0, 0), 0, blocks, True)
+    blocks = tuple(range(-(-tokens // cache.block_size)))
+    chunk = ScheduledChunk(0, (0,) * tokens, 0, blocks, True)
     tables = BlockTables(max_blocks_per_seq=len(blocks), device="cpu")
     return decode_plan(
-        encode_plan(StepPlan(0, Mode.TP, (chunk,))), tables, cache.block_size, 1, config.sliding_window
+        encode_plan(StepPlan(0, mode, (chunk,))), tables, cache.block_size, sp, config.sliding_window
     )[2]
+
+
+def _warm_up_steps(shift_model: ShiftModel, graph_mode) -> list[tuple[Mode, FlatBatch, torch.Tensor]]:
+    """(mode, made-up step, its hidden rows) for each mode `graph_mode` gives a graph of its own."""
+    cache, config, mesh = shift_model.cache, shift_model.config, shift_model.mesh
+    sp, steps = mesh.config.sp, []
+    sizes = {Mode.TP: (2,), Mode.SP_TP: (sp, 2 * sp) if sp > 1 else (2,)}  # see CompiledMixed.warm_up
+    for mode in (Mode.TP, Mode.SP_TP):
+        for tokens in sizes[mode] if graph_mode(mode) is mode else ():
+            batch = _prefill_over_block_0(cache, config, mode, sp, tokens).to(mesh.device)
+            steps.append((mode, batch, shift_model.hidden_rows(batch, mode)))
+    return steps
 
 
 def _blocks_from_memory(

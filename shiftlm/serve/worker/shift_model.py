@@ -115,7 +115,9 @@ class ShiftModel:
                 "true", model.head_weight.device, "the compiled mixed step", "--enforce-eager silences this"
             )
         )
-        self.compiled_mixed = CompiledMixed(model, cache, self.full_tp, self.head_view) if mixed else None
+        self.compiled_mixed = (
+            CompiledMixed(model, cache, self.full_tp, self.head_view, self.ulysses) if mixed else None
+        )
         # decode steps replayed from CUDA graphs over the compiled step (decode_graphs.py; the runner
         # captures them after the compiles)
         self.graphs: DecodeGraphs | None = None
@@ -129,18 +131,18 @@ class ShiftModel:
     def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
         if self.graphs is not None and self.graphs.applies(batch, mode):  # (never for a mixture of experts)
-            return self.graphs(batch, mode, self._hidden_rows(batch, mode))
+            return self.graphs(batch, mode, self.hidden_rows(batch, mode))
         if self.compiled is not None and self.compiled.applies(batch, mode):
-            out = self.compiled(batch, mode, self._hidden_rows(batch, mode))
+            out = self.compiled(batch, mode, self.hidden_rows(batch, mode))
         elif self.compiled_mixed is not None and self.compiled_mixed.applies(batch, mode):
-            out = self.compiled_mixed(batch)
+            out = self.compiled_mixed(batch, mode, self.hidden_rows(batch, mode))
         else:
             out = self._forward(batch, mode)
         if self.moe_layers:  # the routers' counts of this step (compiled: set by the graph's side effects)
             self.expert_rows = self._expert_rows(mode)
         return out
 
-    def _hidden_rows(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
+    def hidden_rows(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
         """The rows of this rank's hidden states whose logits it computes (`logits.logits_block`)."""
         if mode is Mode.TP or self.mesh.shift.size == 1:
             return batch.sample_rows  # every sampled row (no device read)
