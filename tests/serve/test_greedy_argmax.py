@@ -46,7 +46,8 @@ def test_the_ranks_maxima_pick_torch_argmax_ties_nan_and_padding_included(
     tops = []
     for rank_sp in range(sp):
         for rank_tp in range(tp):
-            block = logits_block(batch, mode, Coords(0, 0, rank_sp, rank_tp), sp, vocab_per_tp)
+            coords = Coords(0, 0, rank_sp, rank_tp)
+            block = logits_block(batch.sample_rows, batch.token_ids.numel(), mode, coords, sp, vocab_per_tp)
             columns = slice(block.vocab_start, block.vocab_start + block.vocab_len)
             packed = pack_max(logits[block.sample_index, columns], block.vocab_start, vocab)
             assert packed.dtype == dtype and packed.element_size() * packed.shape[-1] == 16

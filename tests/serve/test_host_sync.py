@@ -230,3 +230,51 @@ def test_sampling_copies_to_the_device_without_waiting_for_it(monkeypatch):
     )
     draw_rows(logits, rows, eos_ids={0})  # the planted synchronous copies are seen
     assert blocking and all(b == "torch.tensor(device=meta)" for b in blocking)
+
+
+def _two_rank_step_syncs(model_dir: str) -> list[str]:
+    """On this rank (sp2): the syncing ops recorded inside the forward and the logits gather of decode
+    steps in both modes (one greedy row that travels as its argmax, one sampled row sent whole)."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker import runner as runner_module
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    runner = ModelRunner.load(model_dir, Mesh(ParallelConfig(sp=2)), num_blocks=16, block_size=4)
+    recorder = SyncRecorder()
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            recorder.inside = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                recorder.inside = False
+
+        return call
+
+    runner.shift_model.forward = recorded(runner.shift_model.forward)
+    gather = runner_module.gather_logits
+    runner_module.gather_logits = recorded(gather)
+    tolist = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda tensor: (
+        (recorder.found.append("tolist") if recorder.inside else None) or tolist(tensor)
+    )
+    try:
+        prefill, decode = _decode_plans()
+        runner.run_step(prefill)
+        greedy = replace(decode.chunks[0], argmax_only=True)
+        with recorder:
+            for mode in Mode:
+                runner.run_step(replace(decode, mode=mode, chunks=(greedy, decode.chunks[1])))
+    finally:
+        runner_module.gather_logits, torch.Tensor.tolist = gather, tolist
+    return recorder.found
+
+
+def test_a_two_rank_step_reads_nothing_back_in_the_forward_or_the_logits_gather(ranks, tmp_path):
+    """Shift Parallelism (sp2, both modes): which rank computes and sends which logits, and the
+    gather's sizes, come from the host's copy of the plan (`logits.LogitsLayout`), so the forward and
+    the gather read nothing from the device: a GPU's host never waits there for the step."""
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    assert ranks.run(2, _two_rank_step_syncs, str(model_dir)) == [[], []]

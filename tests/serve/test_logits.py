@@ -36,7 +36,8 @@ def test_the_ranks_blocks_tile_the_sampled_logits_exactly_once(
     owners = torch.zeros(batch.sample_rows.numel(), vocab_per_tp * tp, dtype=torch.long)
     for rank_sp in range(sp):
         for rank_tp in range(tp):
-            block = logits_block(batch, mode, Coords(0, 0, rank_sp, rank_tp), sp, vocab_per_tp)
+            coords = Coords(0, 0, rank_sp, rank_tp)
+            block = logits_block(batch.sample_rows, batch.token_ids.numel(), mode, coords, sp, vocab_per_tp)
             owners[block.sample_index, block.vocab_start : block.vocab_start + block.vocab_len] += 1
             # the rows the rank reads from its own hidden states are the sampled rows it owns
             first_row = rank_sp * per_rank if mode is Mode.SP_TP else 0

@@ -23,7 +23,6 @@ from shiftlm.comm import shm
 from shiftlm.comm.wait import run_blocking
 from shiftlm.mesh import Coords, Mesh, coords_of
 from shiftlm.serve.plan import Mode
-from shiftlm.serve.worker.paged_attention import FlatBatch
 
 
 @dataclass(frozen=True)
@@ -44,53 +43,102 @@ def full_tp_vocab_part(sp: int, sp_size: int, vocab_per_tp: int) -> tuple[int, i
 
 
 def logits_block(
-    batch: FlatBatch, mode: Mode, coords: Coords, sp_size: int, vocab_per_tp: int
+    sample_rows: torch.Tensor, tokens: int, mode: Mode, coords: Coords, sp_size: int, vocab_per_tp: int
 ) -> LogitsBlock:
-    """The block rank `coords` owns in this step; every rank can compute every rank's block."""
+    """The block rank `coords` owns in a step of `tokens` rows (padding included) whose sampled rows
+    are `sample_rows`; every rank can compute every rank's block. On the host's copy of the rows
+    (`LogitsLayout`), the SP x TP split (a `nonzero`) reads nothing back from the device."""
     if mode is Mode.SP_TP:
-        per_rank = batch.token_ids.numel() // sp_size
-        local_rows = batch.sample_rows - coords.sp * per_rank
+        per_rank = tokens // sp_size
+        local_rows = sample_rows - coords.sp * per_rank
         index = ((local_rows >= 0) & (local_rows < per_rank)).nonzero().flatten()
         return LogitsBlock(index, local_rows[index], coords.tp * vocab_per_tp, vocab_per_tp)
     start, length = full_tp_vocab_part(coords.sp, sp_size, vocab_per_tp)
-    every_row = torch.arange(batch.sample_rows.numel(), device=batch.sample_rows.device)
-    return LogitsBlock(every_row, batch.sample_rows, coords.tp * vocab_per_tp + start, length)
+    every_row = torch.arange(sample_rows.numel(), device=sample_rows.device)
+    return LogitsBlock(every_row, sample_rows, coords.tp * vocab_per_tp + start, length)
+
+
+@dataclass(frozen=True)
+class LogitsLayout:
+    """How a step's sampled logits come back to rank 0, worked out on the host from the plan before
+    the step runs: every rank's block, which of its rows travel whole and which as their argmax only,
+    and the gather's padded sizes. So neither the forward (`hidden_rows`) nor the gather reads the
+    device (on a GPU each read would make the host wait for the step)."""
+
+    blocks: tuple[LogitsBlock, ...]  # every shift-group rank's, in group order (host tensors)
+    whole: tuple[torch.Tensor, ...]  # per block: its rows sent whole (positions in the block)
+    tops: tuple[torch.Tensor, ...]  # per block: its rows sent as (max, argmax) (positions in the block)
+    rows: int  # the gather's whole rows per rank (the most of any block)
+    top_rows: int  # its argmax rows per rank
+    columns: int  # its columns per whole row
+    picked: torch.Tensor  # the sampled rows that need only their argmax
+    samples: int  # the step's sampled rows
+    me: int  # this rank's block
+
+
+def logits_layout(
+    sample_rows: torch.Tensor,
+    sample_argmax: torch.Tensor | None,
+    tokens: int,
+    mode: Mode,
+    mesh: Mesh,
+    vocab_per_tp: int,
+) -> LogitsLayout:
+    """The layout of a step of `tokens` rows; `sample_rows` and `sample_argmax` on the host.
+
+    Rows flagged `sample_argmax` (greedy, nothing else of the logits used) travel as each rank's
+    (max, argmax) over its columns instead of the columns (unless no row is flagged)."""
+    group = mesh.shift
+    blocks = tuple(
+        logits_block(sample_rows, tokens, mode, coords_of(mesh.config, rank), mesh.config.sp, vocab_per_tp)
+        for rank in group.ranks
+    )
+    argmax = sample_argmax if sample_argmax is not None and bool(sample_argmax.any()) else None
+    flags = [
+        torch.zeros(block.sample_index.numel(), dtype=torch.bool)
+        if argmax is None
+        else argmax[block.sample_index]
+        for block in blocks
+    ]
+    whole = tuple((~flag).nonzero().flatten() for flag in flags)
+    tops = tuple(flag.nonzero().flatten() for flag in flags)
+    picked = argmax.nonzero().flatten() if argmax is not None else torch.zeros(0, dtype=torch.long)
+    return LogitsLayout(
+        blocks=blocks,
+        whole=whole,
+        tops=tops,
+        rows=max(index.numel() for index in whole),
+        top_rows=max(index.numel() for index in tops),
+        columns=max(block.vocab_len for block in blocks),
+        picked=picked,
+        samples=sample_rows.numel(),
+        me=group.ranks.index(mesh.rank),
+    )
 
 
 def gather_logits(
-    mine: torch.Tensor, batch: FlatBatch, mode: Mode, mesh: Mesh, vocab_per_tp: int, vocab_size: int
+    mine: torch.Tensor, layout: LogitsLayout, mesh: Mesh, vocab_per_tp: int, vocab_size: int
 ) -> torch.Tensor | None:
     """On the shift group's first rank: the [samples, padded_vocab] logits; None elsewhere.
 
-    Rows flagged `batch.sample_argmax` (greedy, nothing else of the logits used) travel as each rank's
-    (max, argmax) over its columns instead of the columns: rank 0 picks the best and returns the row
-    with everything but that maximum at -inf, which is what the sampler's argmax reads. Both kinds go
-    in one gather (full rows first, then 16 bytes per argmax row)."""
-    group = mesh.shift
-    blocks = [
-        logits_block(batch, mode, coords_of(mesh.config, rank), mesh.config.sp, vocab_per_tp)
-        for rank in group.ranks
-    ]
-    samples = batch.sample_rows.numel()
-    argmax = batch.sample_argmax
-    if argmax is None or not bool(argmax.any()):
-        argmax = None  # every row whole (sampled steps, one-rank-per-row layouts): the gather as before
-    splits = [None if argmax is None else argmax[block.sample_index] for block in blocks]
-    tops_per_block = [0 if split is None else int(split.sum()) for split in splits]
-    rows = max(block.sample_index.numel() - n for block, n in zip(blocks, tops_per_block))
-    top_rows = max(tops_per_block)
-    columns = max(block.vocab_len for block in blocks)
-    me = group.ranks.index(mesh.rank)
-    full = mine.new_zeros(rows, columns)
+    Whole rows go in one gather with the argmax rows (full rows first, then 16 bytes per argmax row);
+    rank 0 picks each argmax row's best and returns the row with everything but that maximum at -inf,
+    which is what the sampler's argmax reads. Every size comes from `layout`: no device read."""
+    group, device = mesh.shift, mine.device
+    me, rows, top_rows = layout.me, layout.rows, layout.top_rows
+    whole_mine, tops_mine = (_on(t[me], device) for t in (layout.whole, layout.tops))
+    full = mine.new_zeros(rows, layout.columns)
     if rows:
-        mine_full = mine if splits[me] is None else mine[~splits[me]]
-        full[: mine_full.shape[0], : mine.shape[1]] = mine_full
+        sent = mine if top_rows == 0 else mine.index_select(0, whole_mine)
+        full[: layout.whole[me].numel(), : mine.shape[1]] = sent
     top = mine.new_zeros(top_rows, PACKED_ROW // mine.element_size())
     if top_rows:
-        top[: tops_per_block[me]] = pack_max(mine[splits[me]], blocks[me].vocab_start, vocab_size)
+        top[: layout.tops[me].numel()] = pack_max(
+            mine.index_select(0, tops_mine), layout.blocks[me].vocab_start, vocab_size
+        )
     padded = torch.cat((full.flatten(), top.flatten())) if top_rows else full.flatten()
     is_root = mesh.rank == group.ranks[0]
-    parts = [torch.empty_like(padded) for _ in blocks] if is_root else None
+    parts = [torch.empty_like(padded) for _ in layout.blocks] if is_root else None
     if group.size == 1:
         parts = [padded]
     elif (local := shm.channel(group)) is not None:  # ranks of one host (comm/shm.py)
@@ -99,22 +147,27 @@ def gather_logits(
         run_blocking(dist.gather, padded, parts, dst=group.ranks[0], group=group.pg)
     if not is_root:
         return None
-    logits = mine.new_empty(samples, vocab_per_tp * mesh.config.tp)
+    logits = mine.new_empty(layout.samples, vocab_per_tp * mesh.config.tp)
     tops = []
-    for block, split, part in zip(blocks, splits, parts):
+    for block, whole, top_index, part in zip(layout.blocks, layout.whole, layout.tops, parts):
         if rows:
             columns = slice(block.vocab_start, block.vocab_start + block.vocab_len)
-            index = block.sample_index if split is None else block.sample_index[~split]
-            logits[index, columns] = part[: full.numel()].view(full.shape)[: index.numel(), : block.vocab_len]
+            index = _on(block.sample_index[whole], device)
+            logits[index, columns] = part[: full.numel()].view(full.shape)[: whole.numel(), : block.vocab_len]
         if top_rows:
-            index = block.sample_index[split]
-            tops.append((block.vocab_start, index, part[full.numel() :].view(top.shape)[: index.numel()]))
+            index = _on(block.sample_index[top_index], device)
+            tops.append((block.vocab_start, index, part[full.numel() :].view(top.shape)[: top_index.numel()]))
     if top_rows:
-        picked = argmax.nonzero().flatten()
-        value, column = best_of(tops, samples, mine.device)
+        picked = _on(layout.picked, device)
+        value, column = best_of(tops, logits.shape[0], device)
         logits.index_fill_(0, picked, float("-inf"))
         logits[picked, column[picked]] = value[picked].to(logits.dtype)
     return logits
+
+
+def _on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on `device` (an asynchronous copy; the same tensor on the CPU)."""
+    return index.to(device, non_blocking=True)
 
 
 PACKED_ROW = 16  # bytes of one argmax row: its max as float64 and the column as int64

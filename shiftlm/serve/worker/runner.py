@@ -35,7 +35,7 @@ from shiftlm.serve.plan import PENDING, Mode, StepPlan
 from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
-from shiftlm.serve.worker.logits import gather_logits
+from shiftlm.serve.worker.logits import gather_logits, logits_block, logits_layout
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedKVCache
 from shiftlm.serve.worker.plan_codec import (
     HEADER,
@@ -242,6 +242,7 @@ class ModelRunner:
         )
         device = self.mesh.device
         where = (batch.token_ids == PENDING).nonzero().flatten()  # on the host: no read
+        host = batch
         batch = batch.to(device)
         if where.numel():  # the previous step's draws, still on the device
             pending = self._share_pending(pending, where.numel())
@@ -249,11 +250,16 @@ class ModelRunner:
             batch = replace(batch, token_ids=batch.token_ids.index_put(index, pending))
         if self.shift_model.graphs is not None:  # SP x TP decodes: padded to their graph's batch
             batch = self.shift_model.graphs.padded(batch, mode)
-        mine = self.shift_model.forward(batch, mode)
         if self.mesh.shift.size == 1:  # one rank owns every row and column
-            return mine
-        vocab = self.model_config.vocab_size
-        return gather_logits(mine, batch, mode, self.mesh, self.shift_model.vocab_per_tp, vocab)
+            return self.shift_model.forward(batch, mode, batch.sample_rows)
+        # which rank computes and sends which logits: from the host's copy of the plan (no device read)
+        vocab_per_tp = self.shift_model.vocab_per_tp
+        tokens = batch.token_ids.shape[0]
+        layout = logits_layout(host.sample_rows, host.sample_argmax, tokens, mode, self.mesh, vocab_per_tp)
+        rows = layout.blocks[layout.me].hidden_rows
+        rows = batch.sample_rows if mode is Mode.TP else rows.to(device, non_blocking=True)
+        mine = self.shift_model.forward(batch, mode, rows)
+        return gather_logits(mine, layout, self.mesh, vocab_per_tp, self.model_config.vocab_size)
 
     def _share_pending(self, pending: torch.Tensor | None, count: int) -> torch.Tensor:
         """Rank 0's pending tokens (the draws it has not read) on every rank's device: one broadcast
@@ -292,8 +298,10 @@ def _warm_up_steps(shift_model: ShiftModel, graph_mode) -> list[tuple[Mode, Flat
     sizes = {Mode.TP: (2,), Mode.SP_TP: (sp, 2 * sp) if sp > 1 else (2,)}  # see CompiledMixed.warm_up
     for mode in (Mode.TP, Mode.SP_TP):
         for tokens in sizes[mode] if graph_mode(mode) is mode else ():
-            batch = _prefill_over_block_0(cache, config, mode, sp, tokens).to(mesh.device)
-            steps.append((mode, batch, shift_model.hidden_rows(batch, mode)))
+            batch = _prefill_over_block_0(cache, config, mode, sp, tokens)
+            rows = batch.token_ids.shape[0]
+            block = logits_block(batch.sample_rows, rows, mode, mesh.coords, sp, shift_model.vocab_per_tp)
+            steps.append((mode, batch.to(mesh.device), block.hidden_rows.to(mesh.device)))
     return steps
 
 

@@ -31,7 +31,7 @@ from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.compiled_mixed import CompiledMixed
 from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
-from shiftlm.serve.worker.logits import full_tp_vocab_part, logits_block
+from shiftlm.serve.worker.logits import full_tp_vocab_part
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
 FULL_EMBEDDING_BYTES = 512 * 2**20  # a larger table stays vocab-parallel (one all-reduce per step)
@@ -128,25 +128,20 @@ class ShiftModel:
         self.expert_rows: torch.Tensor | None = None
 
     @torch.no_grad()
-    def forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
-        """The logits block this rank owns (`logits.logits_block`): [its sampled rows, its vocab columns]."""
+    def forward(self, batch: FlatBatch, mode: Mode, rows: torch.Tensor) -> torch.Tensor:
+        """The logits block this rank owns (`logits.logits_block`: `rows` are its hidden rows, on the
+        device): [its sampled rows, its vocab columns]."""
         if self.graphs is not None and self.graphs.applies(batch, mode):  # (never for a mixture of experts)
-            return self.graphs(batch, mode, self.hidden_rows(batch, mode))
+            return self.graphs(batch, mode, rows)
         if self.compiled is not None and self.compiled.applies(batch, mode):
-            out = self.compiled(batch, mode, self.hidden_rows(batch, mode))
+            out = self.compiled(batch, mode, rows)
         elif self.compiled_mixed is not None and self.compiled_mixed.applies(batch, mode):
-            out = self.compiled_mixed(batch, mode, self.hidden_rows(batch, mode))
+            out = self.compiled_mixed(batch, mode, rows)
         else:
-            out = self._forward(batch, mode)
+            out = self._forward(batch, mode, rows)
         if self.moe_layers:  # the routers' counts of this step (compiled: set by the graph's side effects)
             self.expert_rows = self._expert_rows(mode)
         return out
-
-    def hidden_rows(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
-        """The rows of this rank's hidden states whose logits it computes (`logits.logits_block`)."""
-        if mode is Mode.TP or self.mesh.shift.size == 1:
-            return batch.sample_rows  # every sampled row (no device read)
-        return logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp).hidden_rows
 
     def _expert_rows(self, mode: Mode) -> torch.Tensor:
         """(token, choice) rows routed to each expert this step, summed over the MoE layers: every rank
@@ -157,7 +152,7 @@ class ShiftModel:
             rows = all_reduce(rows, self.mesh.sp)  # collective: every rank runs the same step
         return rows
 
-    def _forward(self, batch: FlatBatch, mode: Mode) -> torch.Tensor:
+    def _forward(self, batch: FlatBatch, mode: Mode, rows: torch.Tensor) -> torch.Tensor:
         token_ids, positions = batch.token_ids, batch.positions
         if mode is Mode.SP_TP and self.mesh.sp.size > 1:  # Ulysses: my contiguous slice of the tokens
             per_rank = token_ids.numel() // self.mesh.sp.size
@@ -168,9 +163,8 @@ class ShiftModel:
         backend = PagedAttention(self.cache, batch)
         ops = self.ops
         hidden = self.model.hidden_states(token_ids[None], positions[None], backend, full_tp, ops)[0]
-        block = logits_block(batch, mode, self.mesh.coords, self.mesh.config.sp, self.vocab_per_tp)
         head = self.model.head_weight if mode is Mode.SP_TP else self.head_view
-        return ops.linear(self.model.model.norm(hidden[block.hidden_rows], ops), head)
+        return ops.linear(self.model.model.norm(hidden[rows], ops), head)
 
 
 def _linear_groups(model: Transformer, layers: int = 4) -> list[list[tuple[torch.Tensor, ...]]]:
