@@ -386,32 +386,3 @@ def optimizer_time(
     Fused mixed-precision Adam reads fp32 master/m/v and the grad and writes them and the bf16 copy
     (~30 bytes); Megatron-LM's fp16 optimizer makes more passes (`Layout.optimizer_bytes`)."""
     return bytes_per_param * local_params / (hardware.hbm_bandwidth * efficiency.memory)
-
-
-def eager_llama_pointwise_bytes(model: ModelConfig, dtype_bytes: int = 2) -> float:
-    """HBM bytes per token per layer that an eager (uncompiled) PyTorch Llama block's pointwise ops
-    move in its forward beyond the fused kernels `forward_ops` lists (22 bytes per hidden unit for
-    two fused norms and two residual adds, 6 per FFN unit for a fused SwiGLU). Counted op by op from
-    torchtitan's block as its December 2024 benchmarks ran it (torchtitan 9dec370,
-    torchtitan/models/norms.py `RMSNorm`, torchtitan/models/llama/model.py), each op reading its
-    inputs and writing its output once, with `w` = `dtype_bytes` and fp32 = 4:
-    - `RMSNorm` (x2): `x.float()` (w + 4), `pow(2)` (4 + 4), `mean(-1)` (4), `x * rsqrt` (4 + 4),
-      `type_as` (4 + w), `* weight` (w + w): 36 bytes per hidden unit each at bf16;
-    - residual adds (x2): `h = x + attn` reads two, writes one: 3w each;
-    - `apply_rotary_emb` on q and k: `.float()` (w + 4), complex multiply (4 + 4), `type_as` (4 + w):
-      20 bytes per q and k unit at bf16;
-    - `repeat_kv` of k and v where heads > kv heads: `expand().reshape()` copies (read kv, write q);
-    - SwiGLU `silu(w1 x) * w3 x`: silu (w + w), mul (2w + w): 5w per FFN unit against the fused 6
-      bytes (3w) of `forward_ops`.
-    The SDPA output's `transpose(1, 2).contiguous()` is a view of the flash kernel's (b, s, h, d)
-    output and copies nothing. torch.compile fuses all of this to about `forward_ops`' kernels."""
-    w, h, f = dtype_bytes, model.hidden_size, model.intermediate_size
-    q, kv = model.num_heads * model.head_dim, model.kv_dim
-    norm = (w + 4) + 8 + 4 + 8 + (4 + w) + 2 * w
-    eager = 2 * norm * h + 2 * 3 * w * h  # norms and residual adds
-    eager += (w + 4 + 8 + 4 + w) * (q + kv)  # RoPE on q and k
-    if model.num_kv_heads < model.num_heads:
-        eager += 2 * w * (kv + q)  # repeat_kv of keys and values
-    fused = 22 * h + (6 if model.gated_mlp else 4) * f  # forward_ops' norms+residuals, activation
-    gate = 5 * w if model.gated_mlp else 2 * w  # silu(w1 x) * w3 x, or one activation
-    return eager + gate * f - fused

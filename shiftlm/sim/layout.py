@@ -53,7 +53,7 @@ class Layout(ParallelConfig):
     optimizer_bytes: float = 30.0
     # HBM bytes per token per layer of the forward's pointwise ops that run unfused beyond the fused
     # kernels `costs.forward_ops` lists (an eager framework's casts, decomposed norms, RoPE and
-    # repeat_kv copies: `costs.eager_llama_pointwise_bytes`); twice that in the backward and once
+    # repeat_kv copies: `eager_llama_pointwise_bytes`); twice that in the backward and once
     # more where the recompute replays the pointwise ops ("full", "op"). 0: fused kernels only
     pointwise_bytes: float = 0.0
     # HBM bytes per (unsharded) parameter that ZeRO-3's gathers and reduce-scatters copy outside the
@@ -120,3 +120,32 @@ def group_placement(layout: Layout, axis: str, gpus_per_node: int) -> tuple[int,
         return 1, 1
     per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
     return per_node, size // per_node
+
+
+def eager_llama_pointwise_bytes(model: ModelConfig, dtype_bytes: int = 2) -> float:
+    """HBM bytes per token per layer that an eager (uncompiled) PyTorch Llama block's pointwise ops
+    move in its forward beyond the fused kernels `forward_ops` lists (22 bytes per hidden unit for
+    two fused norms and two residual adds, 6 per FFN unit for a fused SwiGLU). Counted op by op from
+    torchtitan's block as its December 2024 benchmarks ran it (torchtitan 9dec370,
+    torchtitan/models/norms.py `RMSNorm`, torchtitan/models/llama/model.py), each op reading its
+    inputs and writing its output once, with `w` = `dtype_bytes` and fp32 = 4:
+    - `RMSNorm` (x2): `x.float()` (w + 4), `pow(2)` (4 + 4), `mean(-1)` (4), `x * rsqrt` (4 + 4),
+      `type_as` (4 + w), `* weight` (w + w): 36 bytes per hidden unit each at bf16;
+    - residual adds (x2): `h = x + attn` reads two, writes one: 3w each;
+    - `apply_rotary_emb` on q and k: `.float()` (w + 4), complex multiply (4 + 4), `type_as` (4 + w):
+      20 bytes per q and k unit at bf16;
+    - `repeat_kv` of k and v where heads > kv heads: `expand().reshape()` copies (read kv, write q);
+    - SwiGLU `silu(w1 x) * w3 x`: silu (w + w), mul (2w + w): 5w per FFN unit against the fused 6
+      bytes (3w) of `forward_ops`.
+    The SDPA output's `transpose(1, 2).contiguous()` is a view of the flash kernel's (b, s, h, d)
+    output and copies nothing. torch.compile fuses all of this to about `forward_ops`' kernels."""
+    w, h, f = dtype_bytes, model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.kv_dim
+    norm = (w + 4) + 8 + 4 + 8 + (4 + w) + 2 * w
+    eager = 2 * norm * h + 2 * 3 * w * h  # norms and residual adds
+    eager += (w + 4 + 8 + 4 + w) * (q + kv)  # RoPE on q and k
+    if model.num_kv_heads < model.num_heads:
+        eager += 2 * w * (kv + q)  # repeat_kv of keys and values
+    fused = 22 * h + (6 if model.gated_mlp else 4) * f  # forward_ops' norms+residuals, activation
+    gate = 5 * w if model.gated_mlp else 2 * w  # silu(w1 x) * w3 x, or one activation
+    return eager + gate * f - fused

@@ -27,8 +27,7 @@ from pathlib import Path
 from shiftlm.data import MEASURED_DIR
 from shiftlm.hardware import CATALOG, GIB, GIGA, Hardware, power_capped, with_links
 from shiftlm.presets import PRESETS, ModelConfig, gpt_style
-from shiftlm.sim.costs import eager_llama_pointwise_bytes
-from shiftlm.sim.layout import MEGATRON_ORDER, Layout
+from shiftlm.sim.layout import MEGATRON_ORDER, Layout, eager_llama_pointwise_bytes
 
 H100 = CATALOG["h100-sxm"]
 LLM_FOUNDRY = "llm-foundry"  # MosaicML's Composer + FSDP + MPT (triton attention) stack

@@ -16,7 +16,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from shiftlm.config import ModelConfig
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: allocated on its GPU, or resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
 def throughput(

@@ -39,7 +39,7 @@ from shiftlm.train.deterministic import CanonicalNorm
 from shiftlm.train.flat import FlatParameters
 from shiftlm.train.grad_shards import ShardedGrads
 from shiftlm.train.grad_sync import GradSync
-from shiftlm.train.metrics import RunLog, StepRecord, throughput
+from shiftlm.train.metrics import RunLog, StepRecord, peak_memory_gb, throughput
 from shiftlm.train.moe import unit_groups, unit_labels_with_experts
 from shiftlm.train.optim import clip_coefficient, learning_rate
 from shiftlm.train.pipeline import StageKey, stage_keys
@@ -310,7 +310,7 @@ class Trainer(RunCheckpoints):
                         tokens_per_s=tokens_per_s,
                         tflops_per_device=achieved / 1e12,
                         mfu=mfu,
-                        memory_gb=_memory_gb(device),
+                        memory_gb=peak_memory_gb(device),
                         step_time_s=elapsed,
                         eta_s=(time.perf_counter() - started) / done * (cfg.steps - step - 1),
                         val_loss=val_loss,
@@ -388,15 +388,6 @@ class Trainer(RunCheckpoints):
         local = sum(int((batch[1] != -100).sum()) for batch in micro_batches)
         total = torch.tensor([local], dtype=torch.float64, device=self.mesh.device)
         return int(all_reduce(total, self.mesh.dp).item())
-
-
-def _memory_gb(device: torch.device) -> float:
-    """Peak memory of this process: allocated on its GPU, or resident set size on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
 def train(config: TrainConfig, stop_after: int | None = None, quiet: bool = False) -> TrainResult:

@@ -162,7 +162,7 @@ def test_eager_llama_pointwise_bytes_count_torchtitans_ops():
     2 x 6 in its residual adds, 20 per q and k unit in its fp32 complex RoPE, 4 per q and k unit in
     repeat_kv's copies, 10 per FFN unit in its unfused SwiGLU: beyond the fused kernels'
     22 per hidden and 6 per FFN unit that is 106 bytes per hidden unit for Llama 3 8B."""
-    from shiftlm.sim.costs import eager_llama_pointwise_bytes
+    from shiftlm.sim.layout import eager_llama_pointwise_bytes
 
     llama = PRESETS["llama3-8b"]
     h, f, kv = llama.hidden_size, llama.intermediate_size, llama.kv_dim
