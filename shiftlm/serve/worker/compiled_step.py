@@ -240,8 +240,8 @@ class CompiledDecode:
 
     def _warm_up_steps(self) -> list[tuple[Mode, int]]:
         """(mode, batch) of each graph `warm_up` compiles: batches 1 to `max_seqs` (or 1 and a dynamic
-        one of 2 and up), then in SP x TP the multiples of sp (or sp, one row a rank, and a dynamic one
-        of 2 x sp and up: dynamo's guards rule out a slice of one row from a dynamic graph)."""
+        one of 2 and up), then in SP x TP the multiples of sp (or sp, a one-row slice a rank, which
+        dynamo specializes as it does a size of 1, and a dynamic one of 2 x sp and up)."""
         sizes = [1, 2] if self.dynamic_batch else list(range(1, self.max_seqs + 1))
         steps = [(Mode.TP, seqs) for seqs in sizes if seqs <= self.max_seqs]
         if self.ulysses is not None:

@@ -95,14 +95,18 @@ def logits_layout(
     )
     argmax = sample_argmax if sample_argmax is not None and bool(sample_argmax.any()) else None
     flags = [
-        torch.zeros(block.sample_index.numel(), dtype=torch.bool)
+        torch.zeros(block.sample_index.numel(), dtype=torch.bool, device=sample_rows.device)
         if argmax is None
         else argmax[block.sample_index]
         for block in blocks
     ]
     whole = tuple((~flag).nonzero().flatten() for flag in flags)
     tops = tuple(flag.nonzero().flatten() for flag in flags)
-    picked = argmax.nonzero().flatten() if argmax is not None else torch.zeros(0, dtype=torch.long)
+    picked = (
+        argmax.nonzero().flatten()
+        if argmax is not None
+        else torch.zeros(0, dtype=torch.long, device=sample_rows.device)
+    )
     return LogitsLayout(
         blocks=blocks,
         whole=whole,
