@@ -18,7 +18,7 @@ from shiftlm.model.attention import FullTP
 from shiftlm.model.ops import PLAIN
 from shiftlm.model.transformer import Transformer
 from shiftlm.serve.plan import Mode
-from shiftlm.serve.worker.compiled_step import MAX_BATCH, sp_slice
+from shiftlm.serve.worker.compiled_step import MAX_BATCH, ShiftModeSteps
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention, PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def mixed_step(model: Transformer, ids, positions, rows, storage, head, full_tp)
     return F.linear(model.model.norm(hidden[rows], PLAIN), head)
 
 
-class CompiledMixed:
+class CompiledMixed(ShiftModeSteps):
     """Every step the decode path does not take (prefill chunks, alone or with decode rows; stream
     groups; decodes where no `CompiledDecode` runs) as one compiled graph
     for every token count (issue 34 item 2: "mixed prefill steps run compiled without graphs"): on
@@ -79,20 +79,12 @@ class CompiledMixed:
         head=None,
         ulysses: tuple[int, int] | None = None,
     ):
-        self.model, self.cache = model, cache
-        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
-        self.head = model.head_weight if head is None else head
-        self.ulysses = ulysses if self.full_tp is not None else None
+        super().__init__(model, full_tp, head, ulysses)
+        self.cache = cache
         # its own code object (see CompiledDecode)
         fn = types.FunctionType(mixed_step.__code__.replace(), mixed_step.__globals__, "mixed_step")
         self._fn = torch.compile(fn, fullgraph=True)
         self.steps = 0
-
-    def graph_mode(self, mode: Mode) -> Mode | None:
-        """The graph a step of `mode` runs (`CompiledDecode.graph_mode`); None: it runs eagerly."""
-        if self.full_tp is None:
-            return Mode.TP
-        return mode if mode is Mode.TP or self.ulysses is not None else None
 
     def applies(self, batch: FlatBatch, mode: Mode) -> bool:
         """Any step of a mode with a graph (full TP's have no padding rows; SP x TP's may)."""
@@ -103,11 +95,8 @@ class CompiledMixed:
         """This rank's logits block (`rows`: its hidden rows, `logits.logits_block`), as
         `ShiftModel.forward` returns it."""
         self.steps += 1
-        storage, head, full_tp = self.cache.storage, self.head, self.full_tp
-        ids, positions = batch.token_ids, batch.positions
-        if self.graph_mode(mode) is Mode.SP_TP:
-            head, full_tp = self.model.head_weight, None
-            ids, positions = sp_slice((ids, positions), *self.ulysses)
+        storage = self.cache.storage
+        ids, positions, head, full_tp = self.mode_inputs(mode, batch.token_ids, batch.positions)
         _STEPS[storage.data_ptr()] = PagedAttention(self.cache, batch)
         try:
             return self._fn(self.model, ids, positions, rows, storage, head, full_tp)

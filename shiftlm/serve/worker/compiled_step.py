@@ -148,7 +148,39 @@ def sp_slice(tensors, rank: int, size: int) -> tuple[torch.Tensor, ...]:
     return tuple(t.narrow(0, rank * per_rank, per_rank).clone() for t in tensors)
 
 
-class CompiledDecode:
+class ShiftModeSteps:
+    """What a compiled step runs with in each shift mode (`CompiledDecode`, `CompiledMixed`): on one
+    rank both modes are one computation (full TP's graph); over several, full TP's graph takes every
+    row, the sums over the shift group and the LM head rows `head`, and SP x TP's (where `ulysses` =
+    (sp rank, sp size) is given) this rank's slice of the rows and its TP shard's whole head."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        full_tp: FullTP | None,
+        head: torch.Tensor | None,
+        ulysses: tuple[int, int] | None,
+    ):
+        self.model = model
+        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
+        self.head = model.head_weight if head is None else head
+        self.ulysses = ulysses if self.full_tp is not None else None
+
+    def graph_mode(self, mode: Mode) -> Mode | None:
+        """The graph a step of `mode` runs: its own mode where the modes differ (several ranks), TP's
+        on one rank (the same computation); None where that mode has no compiled step."""
+        if self.full_tp is None:
+            return Mode.TP
+        return mode if mode is Mode.TP or self.ulysses is not None else None
+
+    def mode_inputs(self, mode: Mode, ids: torch.Tensor, positions: torch.Tensor):
+        """(token ids and positions this rank embeds, its LM head rows, full TP or None) of a step."""
+        if self.graph_mode(mode) is Mode.SP_TP:
+            return (*sp_slice((ids, positions), *self.ulysses), self.model.head_weight, None)
+        return ids, positions, self.head, self.full_tp
+
+
+class CompiledDecode(ShiftModeSteps):
     """The compiled decode step of one rank's model and cache; `applies(batch)` says when to use it."""
 
     def __init__(
@@ -173,11 +205,8 @@ class CompiledDecode:
         `ulysses` = (sp rank, sp size) where the shift group has several ranks and the model is dense:
         SP x TP decode steps run compiled too (a graph of their own, the TP shard's whole head), else
         they run the eager step."""
-        self.model, self.cache, self.max_seqs, self.dynamic_batch = model, cache, max_seqs, dynamic_batch
-        self.full_tp = None if full_tp is None or full_tp.group.size == 1 else full_tp
-        self.head = model.head_weight if head is None else head
-        # the shift modes run different graphs only where the group has several ranks
-        self.ulysses = ulysses if self.full_tp is not None else None
+        super().__init__(model, full_tp, head, ulysses)
+        self.cache, self.max_seqs, self.dynamic_batch = cache, max_seqs, dynamic_batch
         self.dtype = model.model.norm.weight.dtype
         _CACHES[cache.storage.data_ptr()] = cache
         # a code object of its own per model: dynamo keeps at most 8 graphs per code object, so models
@@ -199,13 +228,6 @@ class CompiledDecode:
             return dtype == torch.bfloat16
         return device == "cuda" or dtype == torch.float32
 
-    def graph_mode(self, mode: Mode) -> Mode | None:
-        """The graph a step of `mode` runs: its own mode where the modes differ (several ranks), TP's
-        on one rank (the same computation); None where that mode has no compiled step."""
-        if self.full_tp is None:
-            return Mode.TP
-        return mode if mode is Mode.TP or self.ulysses is not None else None
-
     def applies(self, batch: FlatBatch, mode: Mode) -> bool:
         """A pure decode step of at most `max_seqs` sequences (PagedAttention's lean path: row i is
         sequence i, one query each; in SP x TP no padding rows), in a mode with a compiled step."""
@@ -213,7 +235,6 @@ class CompiledDecode:
             self.graph_mode(mode) is not None
             and batch.token_ids.shape[0] <= self.max_seqs
             and PagedAttention.is_decode(batch)
-            and batch.num_tokens == batch.slots.numel()
         )
 
     @torch.no_grad()
@@ -230,10 +251,8 @@ class CompiledDecode:
         self, ids, positions, slots, block_index, bias, rows, window: int, mode: Mode = Mode.TP
     ) -> torch.Tensor:
         """The compiled step of `mode` on these tensors (`decode_step`'s arguments): logits of `rows`."""
-        storage, head, full_tp, mine, where = self.cache.storage, self.head, self.full_tp, ids, positions
-        if self.graph_mode(mode) is Mode.SP_TP:
-            head, full_tp = self.model.head_weight, None
-            mine, where = sp_slice((ids, positions), *self.ulysses)
+        storage = self.cache.storage
+        mine, where, head, full_tp = self.mode_inputs(mode, ids, positions)
         flex_block = self.cache.block_size if self.cache.flex else 0
         args = (mine, where, positions, slots, block_index, bias, rows, window, storage, head, full_tp)
         return self._fn(self.model, *args, flex_block)

@@ -37,7 +37,7 @@ import torch
 
 from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.compiled_step import CompiledDecode
-from shiftlm.serve.worker.paged_attention import FlatBatch
+from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,6 @@ class DecodeGraphs:
         if compiled.ulysses is not None:  # SP x TP's own graphs: batches of whole sp slices
             sp = compiled.ulysses[1]
             self.sizes[Mode.SP_TP] = sorted({-(-size // sp) * sp for size in self.sizes[Mode.TP]})
-            self.sp = sp
         self.buckets = context_buckets(max_blocks)
         # the shapes that get a graph: at most the cache's blocks gathered per layer. FlexAttention reads
         # each sequence's own blocks in place, whatever the table's width: one bucket, the longest
@@ -101,7 +100,7 @@ class DecodeGraphs:
     def applies(self, batch: FlatBatch, mode: Mode) -> bool:
         """A pure decode step whose padded shape has a graph (on the CPU: would have one)."""
         mode = self.compiled.graph_mode(mode)
-        seqs = _decode_rows(batch)
+        seqs = PagedAttention.decode_rows(batch)
         if mode not in self.sizes or not 0 < seqs <= self.sizes[mode][-1]:
             return False
         context = batch.chunks[0].block_index.numel() // seqs
@@ -112,7 +111,7 @@ class DecodeGraphs:
         rank's slice is then the graph's, and the logits gather reads the same rows); else as is."""
         if self.compiled.graph_mode(mode) is not Mode.SP_TP or not self.applies(batch, mode):
             return batch
-        seqs = _decode_rows(batch)
+        seqs = PagedAttention.decode_rows(batch)
         context = batch.chunks[0].block_index.numel() // seqs
         size, _ = self._shape(Mode.SP_TP, seqs, context)
         extra = size - batch.token_ids.shape[0]
@@ -132,7 +131,7 @@ class DecodeGraphs:
 
     def _rows(self, mode: Mode, size: int) -> int:
         """The hidden rows a graph of `size` sequences computes logits for on this rank."""
-        return size // self.sp if mode is Mode.SP_TP else size
+        return size // self.compiled.ulysses[1] if mode is Mode.SP_TP else size
 
     def _buffers(self, size: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables [size * blocks], additive mask [size, 1, 1, blocks * block_size]) of one shape:
@@ -160,7 +159,7 @@ class DecodeGraphs:
         `ShiftModel.forward` returns it."""
         self.steps += 1
         mode = self.compiled.graph_mode(mode)
-        seqs, group = _decode_rows(batch), batch.chunks[0]
+        seqs, group = PagedAttention.decode_rows(batch), batch.chunks[0]
         context = group.block_index.numel() // seqs
         size, blocks = self._shape(mode, seqs, context)
         tables, bias = self._buffers(size, blocks)
@@ -217,13 +216,3 @@ class DecodeGraphs:
             self.buckets,
             time.perf_counter() - start,
         )
-
-
-def _decode_rows(batch: FlatBatch) -> int:
-    """The sequences of a pure decode step (one query each, row i is sequence i; padding rows may
-    follow, as SP x TP's batches have), else 0."""
-    groups = batch.chunks
-    if len(groups) != 1 or groups[0].query_valid is not None or groups[0].rotation is not None:
-        return 0
-    rows = groups[0].query_rows
-    return rows.shape[0] if rows.shape[1] == 1 and rows.shape[0] == batch.num_tokens else 0

@@ -130,15 +130,14 @@ def gather_logits(
     which is what the sampler's argmax reads. Every size comes from `layout`: no device read."""
     group, device = mesh.shift, mine.device
     me, rows, top_rows = layout.me, layout.rows, layout.top_rows
-    whole_mine, tops_mine = (_on(t[me], device) for t in (layout.whole, layout.tops))
     full = mine.new_zeros(rows, layout.columns)
-    if rows:
-        sent = mine if top_rows == 0 else mine.index_select(0, whole_mine)
+    if rows:  # every row of mine travels whole unless some row of the step is an argmax row
+        sent = mine if top_rows == 0 else mine.index_select(0, _on(layout.whole[me], device))
         full[: layout.whole[me].numel(), : mine.shape[1]] = sent
     top = mine.new_zeros(top_rows, PACKED_ROW // mine.element_size())
     if top_rows:
         top[: layout.tops[me].numel()] = pack_max(
-            mine.index_select(0, tops_mine), layout.blocks[me].vocab_start, vocab_size
+            mine.index_select(0, _on(layout.tops[me], device)), layout.blocks[me].vocab_start, vocab_size
         )
     padded = torch.cat((full.flatten(), top.flatten())) if top_rows else full.flatten()
     is_root = mesh.rank == group.ranks[0]

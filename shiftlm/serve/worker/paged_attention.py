@@ -204,16 +204,19 @@ class PagedAttention:
         self._decode = self.is_decode(batch)
 
     @staticmethod
-    def is_decode(batch: FlatBatch) -> bool:
-        """A pure decode step (row i is sequence i, one query each): the lean path, decided once per step."""
+    def decode_rows(batch: FlatBatch) -> int:
+        """The sequences of a pure decode step (row i is sequence i, one query each; SP x TP's padding
+        rows may follow), else 0."""
         groups = batch.chunks
-        return (
-            len(groups) == 1
-            and groups[0].query_valid is None
-            and groups[0].query_rows.shape[1] == 1
-            and groups[0].query_rows.shape[0] == batch.slots.numel()
-            and groups[0].rotation is None
-        )
+        if len(groups) != 1 or groups[0].query_valid is not None or groups[0].rotation is not None:
+            return 0
+        rows = groups[0].query_rows
+        return rows.shape[0] if rows.shape[1] == 1 and rows.shape[0] == batch.num_tokens else 0
+
+    @staticmethod
+    def is_decode(batch: FlatBatch) -> bool:
+        """A pure decode step without padding rows: the lean path, decided once per step."""
+        return 0 < PagedAttention.decode_rows(batch) == batch.slots.numel()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [1, N, Hq, D], k/v: [1, N, Hkv, D] of this rank's head block -> [1, N, Hq, D]."""
