@@ -231,13 +231,16 @@ def all_to_all(tensor: torch.Tensor, group: CommGroup, scatter_dim: int, gather_
     if _tracing():
         return _traced_all_to_all(tensor, group.key, scatter_dim, gather_dim)
     record = _enter("all_to_all", group, tensor)
-    inputs = [c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)]
     local = shm.channel(group)
     if local is not None:
-        outputs = local.all_to_all(inputs)
+        outputs = local.all_to_all([c.contiguous() for c in tensor.chunk(group.size, dim=scatter_dim)])
     else:
-        outputs = [torch.empty_like(inputs[0]) for _ in range(group.size)]
-        run_blocking(dist.all_to_all, outputs, inputs, group=group.pg)
+        # one buffer, equal splits on dim 0: all_to_all_single, which gloo has on every torch we
+        # support (its list all_to_all only from 2.12) and NCCL runs as one grouped call
+        send = torch.stack(tensor.chunk(group.size, dim=scatter_dim))
+        received = torch.empty_like(send)
+        run_blocking(dist.all_to_all_single, received, send, group=group.pg)
+        outputs = received.unbind(0)
     ledger.exit(record)
     return torch.cat(outputs, dim=gather_dim)
 
