@@ -112,7 +112,7 @@ def all_reduce(
     if in_place and not tensor.is_contiguous():
         raise ValueError("all_reduce(in_place=True) needs a contiguous tensor")
     if _tracing() and group.size > 1:
-        if async_op or in_place or op != dist.ReduceOp.SUM:
+        if async_op or in_place or op is not dist.ReduceOp.SUM:
             raise NotImplementedError("a traced all_reduce is a synchronous, out-of-place sum")
         return _traced_all_reduce(tensor, group.key)
     out = tensor if in_place or group.size == 1 else tensor.contiguous().clone()
