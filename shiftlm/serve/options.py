@@ -126,6 +126,10 @@ class ServeOptions:
         device, backend = self.engine_device(under_torchrun)
         dtype = self.torch_dtype(device.type)
         check_dtype(device, getattr(torch, dtype))
+        if self.attention_backend == "flex":
+            from shiftlm.serve.worker.flex_decode import check_flex
+
+            check_flex(device)
         num_blocks, activations = self._kv_blocks(config, parallel, device, dtype)
         from shiftlm.serve.engine.tokenizer import load_tokenizer
 

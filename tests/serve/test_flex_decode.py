@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shiftlm.serve.worker.flex_decode import flex_decode, flex_plan
+from shiftlm.errors import ConfigError
+from shiftlm.serve.worker.flex_decode import check_flex, flex_decode, flex_plan
 from shiftlm.tools.tiny import make_tiny_checkpoint
 
-from .test_decode_graphs import plans
+from .test_decode_graphs import cpu_flex, plans
 
 
 def _reference(q, k_slots, v_slots, tables, positions, window, block):
@@ -26,6 +27,7 @@ def _reference(q, k_slots, v_slots, tables, positions, window, block):
     return torch.cat(out)
 
 
+@cpu_flex
 @pytest.mark.parametrize(
     ("positions", "window", "dtype"),
     [
@@ -50,6 +52,7 @@ def test_flex_decode_reads_each_sequences_blocks_in_place(positions, window, dty
     assert float((got - want).abs().max() / want.abs().max()) <= tolerance
 
 
+@cpu_flex
 def test_a_cache_of_one_block_is_read_too():
     """The mask keeps room for two partial blocks even where the cache has fewer."""
     torch.manual_seed(0)
@@ -60,6 +63,7 @@ def test_a_cache_of_one_block_is_read_too():
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
 
+@cpu_flex
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral"])  # mistral: a sliding window of 6 tokens
 def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family):
     from shiftlm.mesh import Mesh
@@ -86,3 +90,15 @@ def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family):
     # another attention kernel)
     flex, sdpa = runners["flex"].cache.storage, runners["sdpa"].cache.storage
     assert torch.equal(flex != 0, sdpa != 0) and torch.allclose(flex, sdpa, rtol=1e-5, atol=1e-6)
+
+
+def test_flex_on_a_torch_with_a_broken_cpu_kernel_is_refused_in_one_line(monkeypatch):
+    """torch 2.11's CPU FlexAttention kernel overruns the heap (the process aborts): refused with the
+    fix named; CUDA, and the CPU on a torch from 2.13, are not."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ConfigError, match=r"needs torch>=2\.13 .*--attention-backend auto") as err:
+        check_flex("cpu")
+    assert "\n" not in str(err.value)
+    check_flex(torch.device("cuda"))
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    check_flex("cpu")

@@ -29,6 +29,25 @@ import types
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from shiftlm.errors import ConfigError
+
+# inductor's CPU FlexAttention kernel for a mask without its Q-block view overruns the heap before
+# torch 2.13 (2.11: "corrupted size vs. prev_size", the process aborts); CUDA's Triton kernel is fine
+CPU_FLEX_SINCE = (2, 13)
+
+
+def check_flex(device: torch.device | str) -> None:
+    """Refuse `--attention-backend flex` where this torch's kernel for it is known to be broken."""
+    if (
+        torch.device(device).type == "cpu"
+        and torch.torch_version.TorchVersion(torch.__version__) < CPU_FLEX_SINCE
+    ):
+        raise ConfigError(
+            f"--attention-backend flex on the CPU needs torch>={'.'.join(map(str, CPU_FLEX_SINCE))} "
+            f"(this is {torch.__version__}, whose CPU FlexAttention kernel corrupts memory): upgrade "
+            "torch, or use --attention-backend auto"
+        )
+
 
 def flex_plan(
     block_index: torch.Tensor, positions: torch.Tensor, window: int, block_size: int, slots: int

@@ -35,6 +35,7 @@ from shiftlm.serve.plan import PENDING, Mode, StepPlan
 from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.compiled_step import CompiledDecode
 from shiftlm.serve.worker.decode_graphs import DecodeGraphs
+from shiftlm.serve.worker.flex_decode import check_flex
 from shiftlm.serve.worker.logits import gather_logits, logits_block, logits_layout
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedKVCache
 from shiftlm.serve.worker.plan_codec import (
@@ -325,6 +326,8 @@ def _blocks_from_memory(
 
 def _attention_kernel(backend: str, device: torch.device):
     """The CPU paged-attention kernel module the backend asks for, or None (gather + SDPA)."""
+    if backend == "flex":
+        check_flex(device)
     if backend in ("sdpa", "flex") or torch.device(device).type != "cpu":
         if backend == "cpu-kernel":
             raise ConfigError(f"--attention-backend cpu-kernel runs on CPU only, not on {device}: use auto")
