@@ -7,7 +7,6 @@ GPU, run by `python bench/gpu.py --phase cuda_tests` on a lent one."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
@@ -102,26 +101,11 @@ def test_a_decode_step_forward_never_waits_for_the_gpu(tmp_path, path):
 def test_drawing_a_step_waits_for_the_gpu_once():
     """Every parameter the API accepts, mixed in one step: exactly one synchronising operation, the
     read of the tokens and logprobs (`Draw.result`)."""
-    from shiftlm.serve.engine.sampling import SampleRow, make_generator, sample_rows
-    from shiftlm.serve.engine.sequence import SamplingParams
+    from shiftlm.serve.engine.sampling import sample_rows
 
-    torch.manual_seed(0)
-    logits = torch.randn(7, 50, device="cuda")
-    logits[6] = float("-inf")
-    params = [
-        SamplingParams(temperature=0),
-        SamplingParams(temperature=0.8, top_k=5, logprobs=3),
-        SamplingParams(temperature=1.0, top_p=0.9, seed=7),
-        SamplingParams(temperature=1.2, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
-        SamplingParams(temperature=0.7, logit_bias=((3, 5.0), (9, -100.0)), min_tokens=4, logprobs=0),
-        SamplingParams(temperature=1.0, seed=3, top_k=10, top_p=0.5),
-        SamplingParams(temperature=1.0),
-    ]
-    rows = [
-        SampleRow(i, p, make_generator(p, 0), prompt_ids=(1, 2, 3), output_ids=(4, 4))
-        for i, p in enumerate(params)
-    ]
-    rows[3] = replace(rows[3], pending=torch.tensor([7], device="cuda"))
+    from .test_host_sync import mixed_step
+
+    logits, rows = mixed_step(torch.device("cuda"))
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -143,16 +143,14 @@ def test_the_plan_is_decoded_on_the_host_and_every_tensor_moves_to_the_device():
         assert [path for path, t in moved if t.device.type != "meta"] == []
 
 
-def test_sampling_a_step_reads_the_device_once(monkeypatch):
-    """A step mixing every parameter the API accepts (greedy, temperature, top-k/p, penalties, logit
-    bias, min_tokens, logprobs, seeds, a row with no finite logit) reads back to the host once: the
-    tokens and logprobs together. Without a GPU the reads are counted: `.tolist()` calls and the ops
-    that read a value or size by data (`SyncRecorder`)."""
-    from shiftlm.serve.engine.sampling import SampleRow, make_generator, sample_rows
+def mixed_step(device: torch.device):
+    """(logits [7, 50], rows) of a step mixing every parameter the API accepts: greedy, temperature,
+    top-k/p, penalties, logit bias, min_tokens, logprobs, seeds, a row with no finite logit (row 6)."""
+    from shiftlm.serve.engine.sampling import SampleRow, make_generator
     from shiftlm.serve.engine.sequence import SamplingParams
 
     torch.manual_seed(0)
-    logits = torch.randn(7, 50)
+    logits = torch.randn(7, 50, device=device)
     logits[6] = float("-inf")  # no finite probability: keeps its argmax
     params = [
         SamplingParams(temperature=0),
@@ -167,7 +165,18 @@ def test_sampling_a_step_reads_the_device_once(monkeypatch):
         SampleRow(i, p, make_generator(p, 0), prompt_ids=(1, 2, 3), output_ids=(4, 4))
         for i, p in enumerate(params)
     ]
-    rows[3] = replace(rows[3], pending=torch.tensor([7]))  # a token the step running ahead drew
+    rows[3] = replace(rows[3], pending=torch.tensor([7], device=device))  # a token the step ahead drew
+    return logits, rows
+
+
+def test_sampling_a_step_reads_the_device_once(monkeypatch):
+    """A step mixing every parameter the API accepts (greedy, temperature, top-k/p, penalties, logit
+    bias, min_tokens, logprobs, seeds, a row with no finite logit) reads back to the host once: the
+    tokens and logprobs together. Without a GPU the reads are counted: `.tolist()` calls and the ops
+    that read a value or size by data (`SyncRecorder`)."""
+    from shiftlm.serve.engine.sampling import sample_rows
+
+    logits, rows = mixed_step(torch.device("cpu"))
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (reads.append("tolist"), tolist(t))[1])
