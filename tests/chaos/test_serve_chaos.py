@@ -31,6 +31,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _args(model_dir: Path, *extra: str) -> list[str]:
     layout = ["--sp", "2", "--device", "cpu"]  # 2 gloo ranks, GPUs visible or not
+    # eager steps: these faults (dead ranks, bad bodies, signals) do not depend on how a step runs, and
+    # each start saves the decode step's compiles (~10 s here); the default server runs in
+    # test_live_server.py and test_hostile_load.py
+    layout += ["--enforce-eager"]
     return [str(model_dir), *layout, "--served-model-name", NAME, "--log-interval", "0", *extra]
 
 

@@ -128,18 +128,24 @@ def test_compiled_two_rank_layouts_match_eager_one_rank(ranks, tmp_path, eager_l
         assert losses[0][step] == pytest.approx(reference, rel=1e-5), f"step {step}"
 
 
+MOE = ["--model.name=micro-moe"]
+
+
+@pytest.fixture(scope="module")
+def eager_moe_losses(ranks, tmp_path_factory) -> dict[int, float]:
+    return ranks.run(1, train_losses, [*MOE, "--train.compile=false"], str(tmp_path_factory.mktemp("moe")))[0]
+
+
 @pytest.mark.parametrize("layout", [[], ["--parallel.dp=2", "--parallel.ep=2"]], ids=["one_rank", "dp2_ep2"])
-def test_compiled_moe_blocks_with_the_aux_loss_match_eager(ranks, tmp_path, layout):
+def test_compiled_moe_blocks_with_the_aux_loss_match_eager(ranks, tmp_path, eager_moe_losses, layout):
     """A mixture of experts (micro-moe: the router, top-k dispatch, grouped expert GEMMs, the
     load-balancing loss in the training loss) in compiled blocks, on one rank and at ep2 x dp2: the
     losses of one eager rank (data-dependent routing sizes split a block into graphs; no fullgraph)."""
-    moe = ["--model.name=micro-moe"]
-    eager = ranks.run(1, train_losses, [*moe, "--train.compile=false"], str(tmp_path / "eager"))[0]
     compiled = ranks.run(
-        1 + bool(layout), train_losses, [*moe, "--train.compile=true", *layout], str(tmp_path / "c")
+        1 + bool(layout), train_losses, [*MOE, "--train.compile=true", *layout], str(tmp_path / "c")
     )
     assert list(compiled[0]) == list(range(1, STEPS + 1))
-    for step, reference in eager.items():
+    for step, reference in eager_moe_losses.items():
         assert compiled[0][step] == pytest.approx(reference, rel=1e-5), f"step {step}"
 
 
