@@ -38,6 +38,18 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def phase_limits(phases: dict[str, int]) -> dict[str, int]:
+    """`phases` with the limits of SHIFTLM_GPU_LIMITS="name=seconds,..." (bench/gpu_session.sh fits a
+    short GPU loan with it); the phases' own processes inherit it."""
+    for item in filter(None, os.environ.get("SHIFTLM_GPU_LIMITS", "").split(",")):
+        name, _, seconds = item.partition("=")
+        if name in phases:
+            phases[name] = int(seconds)
+    return phases
+
+
 PHASES = {
     "env": 60,
     "cuda_tests": 300,
@@ -48,7 +60,8 @@ PHASES = {
     "calibrate": 150,
     "serve": 220,
     "serve_step": 120,
-}  # seconds each
+}  # seconds each (SHIFTLM_GPU_LIMITS overrides them: phase_limits)
+PHASES = phase_limits(PHASES)
 # TinyLlama-1.1B's shape (Zhang et al. 2024)
 MODEL_1B = dict(
     vocab_size=32000,

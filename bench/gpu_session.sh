@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# A lent GPU's 15 minutes for the GPU issues (serving: 34, training: 31), as two commands that each end
+# inside one 10-minute call, the must-show numbers first; every phase writes its JSON under OUT as it ends.
+#
+#   bash bench/gpu_session.sh serve OUT   # env + GEMM rate, the cuda-marked tests, decode steps of 1 and
+#                                         # 64 sequences @ 512 (eager / compiled / flex / transformers
+#                                         # compiled), the offline batch against generate_batch (~9 min)
+#   bash bench/gpu_session.sh train OUT   # gpu_train.py (eager / compiled / transformers eager and
+#                                         # compiled), calibrate + simulate train --gpu this, torchrun train
+#   bash bench/gpu_session.sh smoke OUT   # both on the CPU with tiny shapes: checks this script here
+#
+# The GPU image has torch 2.11, transformers and the test tools but not the serving stack: the wheels of
+# bench/gpu_wheels.txt (its header says how to fetch them into ./.whl, which git ignores) are installed
+# first where present, and carried with the checkout. shiftlm runs from this checkout, not installed.
+set -uo pipefail
+part=${1:?usage: gpu_session.sh serve|train|smoke OUT}
+out=${2:?usage: gpu_session.sh serve|train|smoke OUT}
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" >/dev/null && [ "$part" != smoke ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+mkdir -p "$out"
+status=0
+serve() {
+    SHIFTLM_GPU_LIMITS=env=45,cuda_tests=170 $python bench/gpu.py --phase env --phase cuda_tests --out "$out" "$@" || status=1
+    SHIFTLM_GPU_LIMITS=decode=200,offline=150 $python bench/gpu_serve.py --quick --phase decode --phase offline \
+        --out "$out" "$@" || status=1
+}
+train() {
+    SHIFTLM_GPU_LIMITS=train_compile=330,calibrate=120,train=110 $python bench/gpu.py --phase train_compile \
+        --phase calibrate --phase train --out "$out" "$@" || status=1
+}
+case $part in
+    serve) serve ;;
+    train) train ;;
+    smoke) serve --smoke && train --smoke ;;
+    *) echo "gpu_session.sh: the part is serve, train or smoke, not $part" >&2; exit 2 ;;
+esac
+ls -l "$out"
+exit $status
