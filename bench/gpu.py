@@ -45,7 +45,9 @@ def phase_limits(phases: dict[str, int]) -> dict[str, int]:
     short GPU loan with it); the phases' own processes inherit it."""
     for item in filter(None, os.environ.get("SHIFTLM_GPU_LIMITS", "").split(",")):
         name, _, seconds = item.partition("=")
-        if name in phases:
+        if not seconds.isdigit():
+            raise SystemExit(f"SHIFTLM_GPU_LIMITS: {item!r} is not name=seconds (e.g. decode=200)")
+        if name in phases:  # a name of the other script's phases (gpu.py / gpu_serve.py share it)
             phases[name] = int(seconds)
     return phases
 
