@@ -52,18 +52,19 @@ def phase_limits(phases: dict[str, int]) -> dict[str, int]:
     return phases
 
 
-PHASES = {
-    "env": 60,
-    "cuda_tests": 300,
-    "verify": 200,
-    "train_ab": 170,
-    "train": 150,
-    "train_compile": 540,
-    "calibrate": 150,
-    "serve": 220,
-    "serve_step": 120,
-}  # seconds each (SHIFTLM_GPU_LIMITS overrides them: phase_limits)
-PHASES = phase_limits(PHASES)
+PHASES = phase_limits(
+    {
+        "env": 60,
+        "cuda_tests": 300,
+        "verify": 200,
+        "train_ab": 170,
+        "train": 150,
+        "train_compile": 540,
+        "calibrate": 150,
+        "serve": 220,
+        "serve_step": 120,
+    }
+)  # seconds each (SHIFTLM_GPU_LIMITS overrides them)
 # TinyLlama-1.1B's shape (Zhang et al. 2024)
 MODEL_1B = dict(
     vocab_size=32000,

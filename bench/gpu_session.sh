@@ -16,13 +16,13 @@ set -uo pipefail
 part=${1:?usage: gpu_session.sh serve|train|smoke OUT}
 out=${2:?usage: gpu_session.sh serve|train|smoke OUT}
 cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null && [ "$part" != smoke ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python=${PYTHON:-python3}
 mkdir -p "$out"
 status=0
 serve() {

@@ -10,15 +10,12 @@ import pytest
 import torch
 
 from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
-from shiftlm.serve.worker.flex_decode import CPU_FLEX_SINCE
+from shiftlm.serve.worker.flex_decode import flex_refusal
 from shiftlm.tools.tiny import make_tiny_checkpoint
 
 BLOCK, BLOCKS = 4, 64
-# FlexAttention on the CPU: only on a torch whose CPU kernel for it works (check_flex refuses older)
-cpu_flex = pytest.mark.skipif(
-    torch.torch_version.TorchVersion(torch.__version__) < CPU_FLEX_SINCE,
-    reason=f"torch {torch.__version__}'s CPU FlexAttention kernel is broken (shiftlm refuses it)",
-)
+# FlexAttention on the CPU: only where shiftlm runs it (flex_refusal says why not)
+cpu_flex = pytest.mark.skipif(flex_refusal("cpu") is not None, reason=str(flex_refusal("cpu")))
 
 
 def test_capture_sizes_are_vllms():

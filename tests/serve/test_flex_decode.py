@@ -92,13 +92,23 @@ def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family):
     assert torch.equal(flex != 0, sdpa != 0) and torch.allclose(flex, sdpa, rtol=1e-5, atol=1e-6)
 
 
-def test_flex_on_a_torch_with_a_broken_cpu_kernel_is_refused_in_one_line(monkeypatch):
+def test_flex_on_a_torch_with_a_broken_cpu_kernel_is_refused_in_one_line(tmp_path, monkeypatch):
     """torch 2.11's CPU FlexAttention kernel overruns the heap (the process aborts): refused with the
-    fix named; CUDA, and the CPU on a torch from 2.13, are not."""
+    fix named, by the runner before it builds the model; CUDA, and the CPU on a torch from 2.13, are not."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker import runner
+
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     with pytest.raises(ConfigError, match=r"needs torch>=2\.13 .*--attention-backend auto") as err:
         check_flex("cpu")
     assert "\n" not in str(err.value)
+    monkeypatch.setattr(runner, "build_model", lambda *a, **k: pytest.fail("built the model first"))
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    with pytest.raises(ConfigError, match="needs torch>=2.13"):
+        runner.ModelRunner.load(
+            model_dir, Mesh(ParallelConfig(), device="cpu"), 16, 4, attention_backend="flex"
+        )
     check_flex(torch.device("cuda"))
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     check_flex("cpu")

@@ -36,17 +36,26 @@ from shiftlm.errors import ConfigError
 CPU_FLEX_SINCE = (2, 13)
 
 
-def check_flex(device: torch.device | str) -> None:
-    """Refuse `--attention-backend flex` where this torch's kernel for it is known to be broken."""
+def flex_refusal(device: torch.device | str) -> str | None:
+    """Why `--attention-backend flex` cannot run on `device` with this torch (its kernel is known to be
+    broken there), as one line naming the fix; None where it runs."""
     if (
-        torch.device(device).type == "cpu"
-        and torch.torch_version.TorchVersion(torch.__version__) < CPU_FLEX_SINCE
+        torch.device(device).type != "cpu"
+        or torch.torch_version.TorchVersion(torch.__version__) >= CPU_FLEX_SINCE
     ):
-        raise ConfigError(
-            f"--attention-backend flex on the CPU needs torch>={'.'.join(map(str, CPU_FLEX_SINCE))} "
-            f"(this is {torch.__version__}, whose CPU FlexAttention kernel corrupts memory): upgrade "
-            "torch, or use --attention-backend auto"
-        )
+        return None
+    return (
+        f"--attention-backend flex on the CPU needs torch>={'.'.join(map(str, CPU_FLEX_SINCE))} "
+        f"(this is {torch.__version__}, whose CPU FlexAttention kernel corrupts memory): upgrade "
+        "torch, or use --attention-backend auto"
+    )
+
+
+def check_flex(device: torch.device | str) -> None:
+    """Raise `flex_refusal`'s line as a ConfigError where there is one."""
+    refusal = flex_refusal(device)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def flex_plan(

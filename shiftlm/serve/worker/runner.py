@@ -128,6 +128,8 @@ class ModelRunner:
         backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if backend == "flex":  # before any weight is read
+            check_flex(mesh.device)
         config = model_config or ModelConfig.from_hf(model_dir)
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
@@ -326,8 +328,6 @@ def _blocks_from_memory(
 
 def _attention_kernel(backend: str, device: torch.device):
     """The CPU paged-attention kernel module the backend asks for, or None (gather + SDPA)."""
-    if backend == "flex":
-        check_flex(device)
     if backend in ("sdpa", "flex") or torch.device(device).type != "cpu":
         if backend == "cpu-kernel":
             raise ConfigError(f"--attention-backend cpu-kernel runs on CPU only, not on {device}: use auto")
