@@ -15,6 +15,10 @@
 set -uo pipefail
 part=${1:?usage: gpu_session.sh serve|train|smoke OUT}
 out=${2:?usage: gpu_session.sh serve|train|smoke OUT}
+case $part in
+    serve | train | smoke) ;;
+    *) echo "gpu_session.sh: the part is serve, train or smoke, not $part" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" >/dev/null && [ "$part" != smoke ]; then
@@ -38,7 +42,6 @@ case $part in
     serve) serve ;;
     train) train ;;
     smoke) serve --smoke && train --smoke ;;
-    *) echo "gpu_session.sh: the part is serve, train or smoke, not $part" >&2; exit 2 ;;
 esac
 ls -l "$out"
 exit $status
