@@ -263,8 +263,24 @@ class ServeOptions:
             raise ConfigError(f"--spin-wait {self.spin_wait} must be in [0, 1] seconds (0: never poll)")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError("--max-connections must be >= 1")
-        if self.max_pending < 1:
-            raise ConfigError("--max-pending must be >= 1")
+        for name in ("max_pending", "max_num_seqs", "max_tokens_per_step", "block_size"):
+            if getattr(self, name) < 1:
+                flag = f"--{name.replace('_', '-')}"  # vLLM's name for the step's budget:
+                flag = "--max-num-batched-tokens" if name == "max_tokens_per_step" else flag
+                raise ConfigError(f"{flag} {getattr(self, name)} must be >= 1")
+        if self.shift_threshold != "auto" and not (
+            isinstance(self.shift_threshold, int) and self.shift_threshold >= 0
+        ):
+            raise ConfigError(
+                f"--shift-threshold {self.shift_threshold!r} must be a token count >= 0 or auto"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} must be in [0, 65535] (0: a free port, printed)")
+        for name in ("log_interval", "shutdown_timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 0")
+        if self.timeout_keep_alive <= 0:
+            raise ConfigError(f"--timeout-keep-alive {self.timeout_keep_alive} must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:

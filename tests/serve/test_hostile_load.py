@@ -275,7 +275,7 @@ def test_sigterm_with_slow_and_stalled_clients_keeps_the_shutdown_promise(model_
     "flags,code,message",
     [
         (["--kv-cache-dtype", "fp8"], 2, "--kv-cache-dtype 'fp8' is not supported"),
-        (["--max-pending", "0"], 2, "--max-pending must be >= 1"),
+        (["--max-pending", "0"], 2, "--max-pending 0 must be >= 1"),
     ],
     ids=["kv-cache-dtype", "max-pending"],
 )

@@ -72,3 +72,28 @@ def test_a_gpu_cache_too_small_for_one_sequence_is_refused_before_any_rank_start
     setup = ServeOptions(str(model_dir)).resolve()
     assert setup.runner.num_blocks is None and setup.scheduler is None
     assert setup.with_kv_blocks(1000).scheduler.num_blocks == 1000
+
+
+@pytest.mark.parametrize(
+    "option,value,words",
+    [
+        ("max_num_seqs", 0, "--max-num-seqs 0 must be >= 1"),
+        ("max_tokens_per_step", 0, "--max-num-batched-tokens 0 must be >= 1"),
+        ("block_size", 0, "--block-size 0 must be >= 1"),
+        ("max_pending", -1, "--max-pending -1 must be >= 1"),
+        ("shift_threshold", -3, "--shift-threshold -3 must be a token count >= 0 or auto"),
+        ("port", 99999, "--port 99999 must be in [0, 65535]"),
+        ("log_interval", -1.0, "--log-interval -1.0 must be >= 0"),
+        ("shutdown_timeout", -1.0, "--shutdown-timeout -1.0 must be >= 0"),
+        ("timeout_keep_alive", 0.0, "--timeout-keep-alive 0.0 must be > 0"),
+    ],
+)
+def test_every_numeric_serve_option_is_checked_before_the_checkpoint(option, value, words):
+    """A zero or negative limit was accepted: with `--max-num-seqs 0` or `--max-num-batched-tokens 0`
+    a server started and every request waited for ever (`LLM.generate` never returned);
+    `--block-size 0` failed later, in the scheduler's own ValueError.
+    Each is one line naming the flag and its range, raised before the checkpoint is even read (the
+    model path here does not exist) and for `LLM(...)`'s keywords alike (same options)."""
+    with pytest.raises(ConfigError) as refused:
+        ServeOptions("/no/such/model", **{option: value}).resolve()
+    assert str(refused.value) == words or str(refused.value).startswith(words), str(refused.value)
