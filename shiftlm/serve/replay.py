@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shiftlm.errors import ConfigError
 from shiftlm.serve.trace import TraceRequest, load_trace, scale_trace, synthetic_prompt
 
 
@@ -159,9 +160,20 @@ def steps_so_far(url: str) -> int:
 
 
 def first_model(url: str) -> str:
+    """The first model a server lists; a server that cannot be reached or answers otherwise is one
+    line naming the URL and the fix (ConfigError), not an httpx traceback."""
     import httpx
 
-    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no answer'}"
+        raise ConfigError(
+            f"no OpenAI server answers GET {url}/v1/models ({reason}); start one (shiftlm serve --model DIR), "
+            "or fix --url, or pass --model DIR to start one here"
+        ) from None
 
 
 def bench_url(
@@ -194,6 +206,8 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def run_bench(args: argparse.Namespace) -> int:
     from shiftlm.serve.local_server import local_server
 
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
     requests = scale_trace(
         load_trace(args.trace),
         args.start,

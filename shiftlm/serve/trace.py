@@ -82,6 +82,15 @@ def scale_trace(
     requests/s on average), and lengths clipped to [1, max]."""
     if time_scale <= 0 or (rate is not None and rate <= 0):
         raise ValueError("--time-scale and --rate must be positive")
+    for flag, value in (
+        ("--max-requests", max_requests),
+        ("--max-input", max_input),
+        ("--max-output", max_output),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1 (leave it out for no limit)")
+    if start < 0:
+        raise ValueError(f"--start {start} must be >= 0 (the trace's first row)")
     chosen = requests[start : start + max_requests if max_requests else None]
     if not chosen:
         raise ValueError(f"the trace has no requests from row {start}; lower --start")

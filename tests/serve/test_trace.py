@@ -1,5 +1,8 @@
 import gzip
 import json
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +65,33 @@ def test_summary_counts_goodput_only_for_requests_within_both_slos():
     assert summary["goodput"] == 0.5  # only `fast`, over 2 s
     assert summary["output_token_throughput"] == (5 + 5 + 3) / 2.0
     assert summary["ttft"]["p50_ms"] == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(max_requests=0), "--max-requests 0 must be >= 1"),
+        (dict(max_input=0), "--max-input 0 must be >= 1"),
+        (dict(max_output=-2), "--max-output -2 must be >= 1"),
+        (dict(start=-1), "--start -1 must be >= 0"),
+    ],
+)
+def test_a_limit_below_one_is_refused_not_read_as_no_limit(kwargs, words):
+    """0 was read as "no limit" (`--max-requests 0` replayed the whole trace, `--max-input 0`
+    clipped nothing), and a negative --start sliced from the trace's end."""
+    with pytest.raises(ValueError, match=words):
+        scale_trace(load_trace(AZURE_CODE), **kwargs)
+
+
+def test_bench_serve_against_no_server_is_one_line(tmp_path):
+    """An httpx.ConnectError traceback (29 lines) when nothing listened at --url; now one line naming
+    the URL and the fixes, exit 2."""
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    command = [sys.executable, "-m", "shiftlm.cli", "bench", "serve", "--trace", "azure_code", "--url", url]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert f"no OpenAI server answers GET {url}/v1/models (ConnectError" in line, line
+    assert "shiftlm serve --model DIR" in line and "--url" in line
