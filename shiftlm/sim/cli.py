@@ -164,6 +164,9 @@ def _plan_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.planner import plan_training, train_config_toml
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
+    for name in ("gpus", "seq", "global_batch", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     efficiency = flags.efficiency_for(args, hardware)
     if not args.json:  # the search simulates thousands of layouts: seconds, more on big clusters
         print(

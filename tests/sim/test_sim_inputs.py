@@ -132,6 +132,36 @@ def test_serve_tp_that_does_not_divide_the_heads_is_refused(capsys):
     assert code == 2 and "use sp*tp in [1, 2, 4, 8, 16, 32, 64]" in err and err.count("\n") == 1
 
 
+SERVE = ["--model", "llama3-8b", "--gpu", "h100", "--trace", "azure_code", "--max-requests", "5"]
+PLAN_TRAIN = ["plan", "train", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--seq", "4096"]
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["simulate", "serve", *SERVE, "--gpus", "0", "--mode", "tp"], "--gpus 0 must be >= 1"),
+        (["plan", "serve", *SERVE, "--gpus", "0"], "--gpus 0 must be >= 1"),
+        (["plan", "serve", *SERVE, "--gpus", "8", "--max-num-seqs", "0"], "--max-num-seqs 0 must be >= 1"),
+        (["simulate", "serve", *SERVE, "--gpus", "8", "--mode", "tp", "--tp", "-2"], "--tp -2 must be >= 1"),
+        ([*PLAN_TRAIN, "--global-batch", "0"], "--global-batch 0 must be >= 1"),
+    ],
+    ids=[
+        "simulate-serve-gpus",
+        "plan-serve-gpus",
+        "plan-serve-seqs",
+        "simulate-serve-tp",
+        "plan-global-batch",
+    ],
+)
+def test_counts_below_one_are_one_line_naming_the_flag(argv, words, capsys, tmp_path, monkeypatch):
+    """--gpus 0 was "math domain error" (simulate serve, plan serve); plan train --global-batch 0
+    planned a 0.01 s step and wrote its train.toml."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and words in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def _strict(text: str):
     def refuse(constant: str):
         raise AssertionError(f"non-standard JSON constant {constant}")
