@@ -362,3 +362,13 @@ def test_every_command_errors_with_one_prefix(capsys, tmp_path, argv, prefix):
     assert main(argv) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(prefix), line
+
+
+def test_quickstart_into_a_path_it_cannot_write_is_one_line(tmp_path, capsys):
+    """The rank launcher's traceback (RankFailure ... FileNotFoundError) when --out could not be made;
+    now one line before any rank starts, exit 2."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["quickstart", "--out", str(blocker / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {blocker / 'run'} cannot be written (Not a directory)" in err, err

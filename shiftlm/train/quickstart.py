@@ -12,10 +12,13 @@ used run directory).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import torch
+
+from shiftlm.errors import ConfigError
 
 PROMPTS = ["def ", "import os\n", "class ", '    """Return the']
 
@@ -97,6 +100,7 @@ def quickstart(out: Path, steps: int | None = None, quiet: bool = False, overwri
 
     started = time.perf_counter()
     steps = steps or 200
+    _check_writable(out)
     resumed = previous_run(out, steps, overwrite)
     config = quickstart_config(out, steps, overwrite)
     if not quiet:
@@ -134,6 +138,20 @@ def quickstart(out: Path, steps: int | None = None, quiet: bool = False, overwri
             print("-" * 60 + "\n" + text)
         print("-" * 60)
     return {**result, "hf_dir": str(hf_dir), "samples": texts, "seconds": time.perf_counter() - started}
+
+
+def _check_writable(out: Path) -> None:
+    """--out made (or found) and written to here, before any rank starts: a rank that cannot write it
+    failed with the rank launcher's traceback."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".quickstart-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"--out {out} cannot be written ({err.strerror or err}): choose a directory you can write"
+        ) from None
 
 
 def next_steps(result: dict) -> str:
