@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(error_line(prog, str(err)), file=sys.stderr)
         return err.exit_code
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as err:
-        what = str(err) if err.filename is None else f"{err.strerror}: {err.filename}: check the path"
+    except OSError as err:  # a path the user named (missing, a file in the way, not allowed, ...)
+        if err.filename is None:
+            raise
+        what = f"{err.strerror}: {err.filename}: check the path"
         print(error_line(prog, what), file=sys.stderr)
         return 3
     except KeyboardInterrupt:

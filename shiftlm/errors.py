@@ -48,6 +48,25 @@ class RunDirError(ConfigError):
     exit_code = 6
 
 
+def check_writable_dir(path, flag: str) -> None:
+    """Make the directory `path` (a flag's output directory) and write a file in it now, before any
+    long work: a path under a file, or one this user cannot write, is one line naming `flag`."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".shiftlm-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        reason = "it is a file" if path.is_file() else err.strerror or str(err)
+        raise ConfigError(
+            f"{flag} {path} cannot be written ({reason}): choose a directory you can write"
+        ) from None
+
+
 # What the `shiftlm` command exits with (documented in docs/training.md, "Errors and exit codes").
 def error_line(command: str, message: str) -> str:
     """Every command's user error, one line: `shiftlm COMMAND: error: <what is wrong>: <the fix>`."""

@@ -273,11 +273,15 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     import torch
 
+    from shiftlm.errors import check_writable_dir
     from shiftlm.hardware import DEFAULT_PROFILE, save_profile
     from shiftlm.sim.calibrate import calibrate
     from shiftlm.sim.calibrate_device import calibrate_device
 
     out = args.out or DEFAULT_PROFILE
+    check_writable_dir(out.parent, "--out's directory")  # before minutes of measuring
+    if args.engine_out is not None:
+        check_writable_dir(args.engine_out.parent, "--engine-out's directory")
     if args.serve_model is not None and not (args.serve_model / "config.json").exists():
         raise ValueError(
             f"--serve-model {args.serve_model} has no config.json; pass an HF checkpoint directory"

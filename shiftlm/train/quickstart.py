@@ -12,13 +12,12 @@ used run directory).
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from shiftlm.errors import ConfigError
+from shiftlm.errors import check_writable_dir
 
 PROMPTS = ["def ", "import os\n", "class ", '    """Return the']
 
@@ -100,7 +99,7 @@ def quickstart(out: Path, steps: int | None = None, quiet: bool = False, overwri
 
     started = time.perf_counter()
     steps = steps or 200
-    _check_writable(out)
+    check_writable_dir(out, "--out")  # before any rank starts: a rank failing on it printed a traceback
     resumed = previous_run(out, steps, overwrite)
     config = quickstart_config(out, steps, overwrite)
     if not quiet:
@@ -138,20 +137,6 @@ def quickstart(out: Path, steps: int | None = None, quiet: bool = False, overwri
             print("-" * 60 + "\n" + text)
         print("-" * 60)
     return {**result, "hf_dir": str(hf_dir), "samples": texts, "seconds": time.perf_counter() - started}
-
-
-def _check_writable(out: Path) -> None:
-    """--out made (or found) and written to here, before any rank starts: a rank that cannot write it
-    failed with the rank launcher's traceback."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".quickstart-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(
-            f"--out {out} cannot be written ({err.strerror or err}): choose a directory you can write"
-        ) from None
 
 
 def next_steps(result: dict) -> str:

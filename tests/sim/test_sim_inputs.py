@@ -162,6 +162,18 @@ def test_counts_below_one_are_one_line_naming_the_flag(argv, words, capsys, tmp_
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+def test_calibrate_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
+    """`calibrate --out a-file/x.json` measured for a minute, then printed a FileExistsError traceback."""
+    import shiftlm.sim.calibrate as measuring
+
+    monkeypatch.setattr(measuring, "calibrate", lambda **_: pytest.fail("measured before checking --out"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, _, err = _run(["calibrate", "--out", str(blocker / "x.json")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--out's directory {blocker} cannot be written (it is a file)" in err
+
+
 def _strict(text: str):
     def refuse(constant: str):
         raise AssertionError(f"non-standard JSON constant {constant}")
