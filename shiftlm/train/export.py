@@ -25,7 +25,8 @@ def export_checkpoint(run_dir: Path, out: Path, checkpoint: str | None = None) -
             f"no checkpoint under {run_dir / 'checkpoints'}: train first, or pass --checkpoint"
         )
     if not source.is_dir():
-        raise CheckpointError(f"checkpoint {source} does not exist")
+        what = "is a file, not a checkpoint directory" if source.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint {source} {what}: pass a step_* directory of a run's checkpoints/")
     read_trainer_state(source)  # refuses incomplete or corrupt checkpoints
     model = source / "model"
     if not (model / "config.json").is_file():

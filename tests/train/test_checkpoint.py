@@ -99,6 +99,18 @@ def test_export_without_a_checkpoint_fails_and_writes_nothing(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_export_of_a_checkpoint_that_is_not_a_directory_says_which(tmp_path, kind):
+    """A file given as --checkpoint was reported as not existing."""
+    source = tmp_path / "step_00000001"
+    if kind == "a file":
+        source.write_text("")
+    words = "is a file, not a checkpoint directory" if kind == "a file" else "does not exist"
+    with pytest.raises(CheckpointError, match=words):
+        export_checkpoint(tmp_path, tmp_path / "hf", str(source))
+    assert not (tmp_path / "hf").exists()
+
+
 def test_the_exported_model_gives_the_same_logits_in_transformers(ranks, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
