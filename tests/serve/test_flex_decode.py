@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from shiftlm.errors import ConfigError
+from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
+from shiftlm.serve.worker import paged_attention
 from shiftlm.serve.worker.flex_decode import check_flex, flex_decode, flex_plan
 from shiftlm.tools.tiny import make_tiny_checkpoint
 
@@ -63,9 +65,23 @@ def test_a_cache_of_one_block_is_read_too():
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
 
+def mixed_steps() -> list[StepPlan]:
+    """After `plans()`: decode rows of sequences 0-3 beside a new prompt's 6-token prefill, then the
+    next step's decode rows of all of them beside the rest of that prompt."""
+    lengths = [3 + i for i in range(5)]
+    for batch in (5, 4, 3, 2, 1, 5, 5, 5):
+        for i in range(batch):
+            lengths[i] += 1
+    decodes = tuple(ScheduledChunk(i, (40,), lengths[i], (), True, row=i) for i in range(4))
+    first = StepPlan(9, Mode.TP, (*decodes, ScheduledChunk(5, tuple(range(3, 9)), 0, (20, 21), True, row=5)))
+    decodes = tuple(ScheduledChunk(i, (41,), lengths[i] + 1, (), True, row=i) for i in range(4))
+    rest = ScheduledChunk(5, (9, 10, 11), 6, (22,), True, row=5, first_block=2)
+    return [first, StepPlan(10, Mode.TP, (*decodes, rest))]
+
+
 @cpu_flex
 @pytest.mark.parametrize("family", ["llama-gqa", "mistral"])  # mistral: a sliding window of 6 tokens
-def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family):
+def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family, monkeypatch):
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
@@ -86,6 +102,16 @@ def test_eager_steps_with_flex_equal_gather_and_sdpa(tmp_path, family):
     for plan in plans():  # a prefill of 5 prompts, then decode batches of 1-5 up to 15 tokens
         want, got = runners["sdpa"].execute(plan), runners["flex"].execute(plan)
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, plan.step
+    # mixed steps: their decode rows read the blocks in place with flex too (one call a layer)
+    calls = []
+    monkeypatch.setattr(
+        paged_attention, "flex_decode", lambda *a: calls.append(a[0].shape) or flex_decode(*a)
+    )
+    for plan in mixed_steps():
+        want, got = runners["sdpa"].execute(plan), runners["flex"].execute(plan)
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, plan.step
+    layers = runners["flex"].model_config.num_layers
+    assert calls == [torch.Size([4, *calls[0][1:]])] * (2 * layers), calls
     # the same K/V in the same slots (a later layer's differ in the last bits: its input went through
     # another attention kernel)
     flex, sdpa = runners["flex"].cache.storage, runners["sdpa"].cache.storage

@@ -231,6 +231,11 @@ class PagedAttention:
             if self.cache.kernel is not None and group.query_pos is not None and group.rotation is None:
                 kernel_rows(self.cache, layer, q, out, group)  # reads q's rows, writes out's, no gather
                 continue
+            if self.cache.flex and group.query_pos is not None and group.query_rows.shape[1] == 1:
+                rows = group.query_rows[:, 0]  # a mixed step's decode rows: read in place, as a decode's
+                plan = group.flex_mask(self.cache.block_size, self.cache.storage.shape[2])
+                out[rows] = flex_decode(q[rows], *self.cache.slots(layer), plan, self.cache.block_size)
+                continue
             attended = self._attend(layer, q[group.query_rows], group)  # [S, Q, Hq, D]
             if group.query_valid is None:
                 out[group.query_rows.flatten()] = attended.flatten(0, 1)

@@ -115,7 +115,7 @@ class ModelRunner:
         `attention_backend` (`--attention-backend`): "auto" attends decode rows with the CPU
         paged-attention kernel on CPU where it builds (kernels/cpu.py), "cpu-kernel" insists on
         it, "sdpa" always gathers blocks for SDPA, "flex" attends decode rows with FlexAttention from
-        the blocks in place (flex_decode.py; prefill and mixed steps gather for SDPA).
+        the blocks in place (flex_decode.py; a mixed step's decode rows too; prefill chunks gather for SDPA).
         `gemv_rows`: inputs of up to this many rows run MKL's GEMV rather than oneDNN's packed GEMM
         (and the compiled decode covers those batch sizes); None measures which is faster here
         (`PackedWeights.choose_small_rows`). `model_config`: the checkpoint's, when the caller has
