@@ -136,5 +136,7 @@ def test_flex_on_a_torch_with_a_broken_cpu_kernel_is_refused_in_one_line(tmp_pat
             model_dir, Mesh(ParallelConfig(), device="cpu"), 16, 4, attention_backend="flex"
         )
     check_flex(torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"on CUDA needs --block-size >= 16 .*got 8"):
+        check_flex(torch.device("cuda"), block_size=8)
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     check_flex("cpu")

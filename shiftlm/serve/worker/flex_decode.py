@@ -16,10 +16,11 @@ from which of those two blocks it lies in. `flex_plan` builds these per step fro
 positions with tensor ops only (no host sync: graph-capturable), once for every layer.
 
 The attention itself is compiled (`torch.compile` of `flex_attention`: inductor writes a Triton
-kernel on CUDA and a C++ one on the CPU, where the CPU tests run it). On the CPU one graph per batch
-size, with static shapes: inductor's CPU flex template fails to build with a symbolic batch (torch
-2.13, "cur_qSplitSize6 was not declared"). On CUDA dynamo's default: the second batch size seen
-recompiles the graph with a symbolic batch, which every later size reuses (a server captures ~20).
+kernel on CUDA and a C++ one on the CPU, where the CPU tests run it), one graph per batch size, with
+static shapes: inductor's CPU flex template fails to build with a symbolic batch (torch 2.13,
+"cur_qSplitSize6 was not declared"), and on CUDA a symbolic batch leaves the flex-decoding kernel for
+the main one, whose tiles do not divide a cache block (read in torch's source, not yet run on a GPU).
+Triton's tiles also need a cache block of at least 16 tokens on CUDA (`flex_refusal`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ from shiftlm.errors import ConfigError
 # inductor's CPU FlexAttention kernel for a mask without its Q-block view overruns the heap before
 # torch 2.13 (2.11: "corrupted size vs. prev_size", the process aborts); CUDA's Triton kernel is fine
 CPU_FLEX_SINCE = (2, 13)
+MIN_CUDA_BLOCK = 16  # tl.dot's smallest tile
 
 
-def flex_refusal(device: torch.device | str) -> str | None:
-    """Why `--attention-backend flex` cannot run on `device` with this torch (its kernel is known to be
-    broken there), as one line naming the fix; None where it runs."""
+def flex_refusal(device: torch.device | str, block_size: int = 16) -> str | None:
+    """Why `--attention-backend flex` cannot run on `device` with this torch and KV block size (its
+    kernel is known to be broken there), as one line naming the fix; None where it runs."""
+    if torch.device(device).type == "cuda" and block_size < MIN_CUDA_BLOCK:
+        return (
+            f"--attention-backend flex on CUDA needs --block-size >= {MIN_CUDA_BLOCK} (Triton's tiles), "
+            f"got {block_size}: raise --block-size, or use --attention-backend auto"
+        )
     if (
         torch.device(device).type != "cpu"
         or torch.torch_version.TorchVersion(torch.__version__) >= CPU_FLEX_SINCE
@@ -51,9 +58,9 @@ def flex_refusal(device: torch.device | str) -> str | None:
     )
 
 
-def check_flex(device: torch.device | str) -> None:
+def check_flex(device: torch.device | str, block_size: int = 16) -> None:
     """Raise `flex_refusal`'s line as a ConfigError where there is one."""
-    refusal = flex_refusal(device)
+    refusal = flex_refusal(device, block_size)
     if refusal is not None:
         raise ConfigError(refusal)
 
@@ -100,7 +107,7 @@ def _attend(
         partial_ids,
         full,
         full_ids,
-        BLOCK_SIZE=(1, block_size),
+        BLOCK_SIZE=(Q_BLOCK, block_size),
         mask_mod=mask_mod,
         seq_lengths=(1, k.shape[2]),
         compute_q_blocks=False,
@@ -108,6 +115,9 @@ def _attend(
     return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+# the mask's query block: one query per sequence fits in one; Triton's flex kernels need it divisible
+# by their query tile (16 in the decoding kernel, up to 128 in the main one), or no config builds
+Q_BLOCK = 128
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -116,12 +126,13 @@ def flex_decode(
 ) -> torch.Tensor:
     """One query per sequence, q [S, Hq, D], over the cache's K/V of one layer [slots, Hkv, D] under
     `plan` (`flex_plan`) -> [S, Hq, D]. Each compiled function is a code object of its own (dynamo
-    keeps at most 8 graphs per code object): per batch size on the CPU, per cache shape on CUDA."""
-    cpu = q.device.type == "cpu"
-    key = (q.shape if cpu else q.shape[1:], q.dtype, q.device, k_slots.shape, block_size)
+    keeps at most 8 graphs per code object), one per batch size and cache shape: static shapes, so
+    that on CUDA inductor picks its flex-decoding kernel (a symbolic batch takes the main kernel,
+    whose 128-wide KV tiles do not divide a cache block)."""
+    key = (q.shape, q.dtype, q.device, k_slots.shape, block_size)
     fn = _COMPILED.get(key)
     if fn is None:
         code = types.FunctionType(_attend.__code__.replace(), _attend.__globals__, "flex_decode")
-        fn = _COMPILED[key] = torch.compile(code, fullgraph=True, dynamic=False if cpu else None)
+        fn = _COMPILED[key] = torch.compile(code, fullgraph=True, dynamic=False)
     k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (k_slots, v_slots))
     return fn(q.unsqueeze(2), k, v, *plan, block_size).squeeze(2)

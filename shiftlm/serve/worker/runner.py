@@ -129,7 +129,7 @@ class ModelRunner:
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
         if backend == "flex":  # before any weight is read
-            check_flex(mesh.device)
+            check_flex(mesh.device, block_size)
         config = model_config or ModelConfig.from_hf(model_dir)
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
