@@ -194,7 +194,11 @@ class DecodeGraphs:
             return
         start = time.perf_counter()
         if not self.cache.flex:  # the gather buffers at their largest: no graph's memory moves
-            self.cache.reserve_gather(max(size * blocks for _, size, blocks in self.shapes))
+            # kept here: an eager step's larger gather later replaces the cache's buffer, and without
+            # this reference the graphs would gather into freed memory
+            self._gather_buffer = self.cache.reserve_gather(
+                max(size * blocks for _, size, blocks in self.shapes)
+            )
         pool = torch.cuda.graph_pool_handle()
         # largest first (the rest reuse its pool), in the same order on every rank of the group
         for mode, size, blocks in sorted(

@@ -175,12 +175,14 @@ class PagedKVCache:
         torch.index_select(v_blocks, 0, block_index, out=v_rows)
         return k, v
 
-    def reserve_gather(self, rows: int) -> None:
-        """Grow the gather buffers to hold `rows` blocks now (CUDA graphs: never again after capture)."""
+    def reserve_gather(self, rows: int) -> torch.Tensor:
+        """Grow the gather buffers to hold `rows` blocks now; returns them (CUDA graphs captured over
+        them keep a reference: a larger gather later replaces the cache's)."""
         width = self.block_size * self.storage.shape[3] * self.storage.shape[4]
         if rows * width > self._gathered.shape[1]:
             self._gathered = self._gathered.new_empty((2, rows * width))
             self._views = None
+        return self._gathered
 
     def _make_views(self, rows: int, seqs: int) -> tuple[torch.Tensor, ...]:
         kv_heads, head_dim = self.storage.shape[3:]
