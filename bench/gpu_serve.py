@@ -111,7 +111,7 @@ def phase_decode(out: Path) -> dict:
             continue
         try:
             _decode_variant(
-                rows, meta, name, compiled, backend, model_dir, device, dtype, config, contexts, batches
+                rows, meta, name, compiled, backend, model_dir, device, dtype, config, contexts, batches, out
             )
         except Exception as err:  # noqa: BLE001 - one variant's failure must not lose the others' numbers
             errors[name] = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
@@ -129,9 +129,10 @@ def phase_decode(out: Path) -> dict:
 
 
 def _decode_variant(
-    rows, meta, name, compiled, backend, model_dir, device, dtype, config, contexts, batches
+    rows, meta, name, compiled, backend, model_dir, device, dtype, config, contexts, batches, out
 ) -> None:
-    """One runner's decode step times, into `rows` (keyed by context and batch) as `{name}_ms`."""
+    """One runner's decode step times, into `rows` (keyed by context and batch) as `{name}_ms`; every
+    row also lands in OUT/gpu_serve_decode.partial.json at once (a phase killed at its limit keeps it)."""
     import torch
 
     from shiftlm.mesh import Mesh
@@ -186,6 +187,8 @@ def _decode_variant(
             row[f"{name}_load_s"] = load_s
             row[f"{name}_ran_compiled"] = _fast_steps(runner) > compiled_steps
             print(json.dumps(row), flush=True)
+            partial = dict(device=device_name(), dtype=str(dtype), **meta, rows=list(rows.values()))
+            (out / "gpu_serve_decode.partial.json").write_text(json.dumps(partial, indent=2) + "\n")
 
 
 def _fast_steps(runner) -> int:
