@@ -102,6 +102,29 @@ def test_a_decode_step_reads_nothing_back_inside_the_layers(tmp_path, monkeypatc
     assert recorder.found == (["_local_scalar_dense"] if backend == "planted" else [])
 
 
+def test_a_step_of_unequal_prefill_chunks_reads_nothing_back_inside_the_layers(tmp_path):
+    """Chunks of 7 and 3 tokens (the shorter padded) through gather + SDPA: their padded query rows
+    were dropped with a boolean index, which on a GPU waits for it (nonzero), twice a layer; now by
+    indices made on the host with the plan."""
+    from shiftlm.mesh import Mesh
+    from shiftlm.parallel import ParallelConfig
+    from shiftlm.serve.worker.runner import ModelRunner
+
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    runner = ModelRunner.load(
+        model_dir, Mesh(ParallelConfig()), num_blocks=16, block_size=4, attention_backend="sdpa"
+    )
+    layers = list(runner.shift_model.model.model.layers.values())
+    recorder = SyncRecorder()
+    layers[0].register_forward_pre_hook(lambda *_: setattr(recorder, "inside", True))
+    layers[-1].register_forward_hook(lambda *_: setattr(recorder, "inside", False))
+    prefill, _ = _decode_plans()
+    with recorder:
+        logits = runner.run_step(prefill)
+    assert logits.shape[0] == 2 and recorder.inside is False
+    assert recorder.found == []
+
+
 def _tensors(value, path="batch"):
     """Every tensor inside a (nested) dataclass, with its path."""
     import dataclasses

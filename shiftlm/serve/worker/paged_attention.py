@@ -43,6 +43,13 @@ class AttentionGroup:
     window: int = 0
     # every chunk starts at position 0 and no window cuts it: SDPA's own causal mask (is_causal) applies
     from_start: bool = False
+    # where query_valid is True, as flat indices into [S * Q]: made where the group is made (on the
+    # host, from the plan), since a boolean index on a GPU waits for it (nonzero), twice a layer
+    valid_index: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.query_valid is not None and self.valid_index is None:
+            self.valid_index = self.query_valid.flatten().nonzero().flatten()
 
     def to(self, device: torch.device) -> AttentionGroup:
         """This group's tensors on `device` (the plan is decoded on the host: `FlatBatch.to`)."""
@@ -55,6 +62,7 @@ class AttentionGroup:
             _folded={},
             rotation=None if self.rotation is None else self.rotation.to(device),
             query_pos=_to(self.query_pos, device),
+            valid_index=_to(self.valid_index, device),
         )
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
@@ -242,7 +250,8 @@ class PagedAttention:
             if group.query_valid is None:
                 out[group.query_rows.flatten()] = attended.flatten(0, 1)
             else:
-                out[group.query_rows[group.query_valid]] = attended[group.query_valid]
+                keep = group.valid_index
+                out[group.query_rows.flatten()[keep]] = attended.flatten(0, 1)[keep]
         return out.unsqueeze(0)
 
     def _context(self, layer: int, seqs: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
