@@ -163,7 +163,8 @@ def run_variant(args: argparse.Namespace) -> dict:
     import torch
 
     device = torch.device(args.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # set_device refuses a device without an index ("cuda")
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     name = args.variant
     data = batches(args.vocab, args.batch, args.seq, args.warmup + args.steps)
