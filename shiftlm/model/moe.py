@@ -149,15 +149,11 @@ def grouped_swiglu(
     return _per_expert_swiglu(x, rows, gate, up, down)
 
 
-# Eager even inside a compiled block: traced, the loop over `rows.tolist()` specialised each expert's
-# graph on its row count (0, 1, then dynamic), 4 recompiles a layer; a compiled micro-moe block took
-# 80 s to warm up on 2 cores, and a real run would reach dynamo's recompile limit. The GEMMs are
-# whole ops either way; what compiles is the rest of the block around them.
+# eager inside compiled blocks: traced, the loop specialised each expert's graph on its row count
 @torch.compiler.disable
 def _per_expert_swiglu(x, rows, gate, up, down) -> torch.Tensor:
-    parts = []
-    for e, part in enumerate(x.split(rows.tolist(), dim=0)):
-        parts.append(F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e]))
+    groups = enumerate(x.split(rows.tolist(), dim=0))
+    parts = [F.linear(F.silu(F.linear(p, gate[e])) * F.linear(p, up[e]), down[e]) for e, p in groups]
     return torch.cat(parts, dim=0) if parts else x.new_zeros(0, down.shape[1])
 
 

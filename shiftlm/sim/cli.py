@@ -25,9 +25,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.train import simulate_step
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
-    for name in ("tp", "pp", "sp", "cp", "ep", "micro_batch", "seq", "gpus"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    flags.require_counts(args, "tp", "pp", "sp", "cp", "ep", "micro_batch", "seq", "gpus")
     from shiftlm.pipeline.schedules import SCHEDULES
 
     if args.pp > 1 and args.schedule not in SCHEDULES:
@@ -164,9 +162,7 @@ def _plan_train(args: argparse.Namespace) -> int:
     from shiftlm.sim.planner import plan_training, train_config_toml
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
-    for name in ("gpus", "seq", "global_batch", "top"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    flags.require_counts(args, "gpus", "seq", "global_batch", "top")
     efficiency = flags.efficiency_for(args, hardware)
     if not args.json:  # the search simulates thousands of layouts: seconds, more on big clusters
         print(

@@ -47,6 +47,13 @@ def add_hardware_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def require_counts(args: argparse.Namespace, *names: str) -> None:
+    """Each of these flags is a count of at least one (one line naming the flag otherwise)."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+
+
 def model_from(args: argparse.Namespace):
     """--model (a preset or a config.json), or GPT dims from --hidden, --layers and --heads."""
     from shiftlm.presets import gpt_style, resolve_model

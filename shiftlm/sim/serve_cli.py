@@ -67,9 +67,7 @@ def _inputs(args: argparse.Namespace):
         setup = EngineProfile.load(args.engine_profile).apply(setup)
     if args.rate_scale <= 0 or args.max_requests < 1:
         raise ValueError("--rate-scale must be > 0 and --max-requests >= 1")
-    for name in ("gpus", "max_num_seqs", "max_tokens_per_step"):
-        if getattr(args, name) < 1:  # --gpus 0 was a "math domain error"
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    flags.require_counts(args, "gpus", "max_num_seqs", "max_tokens_per_step")  # --gpus 0: "math domain error"
     if getattr(args, "tp", 0) < 0:
         raise ValueError(f"--tp {args.tp} must be >= 1 (or 0: the least that fits)")
     try:
