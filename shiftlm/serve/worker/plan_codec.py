@@ -59,15 +59,30 @@ class BlockTables:
     """Every running sequence's block table as rows of one tensor, updated in place from plan deltas.
     Entries past a sequence's own blocks hold stale but valid block ids: the attention mask hides them."""
 
-    def __init__(self, max_blocks_per_seq: int, rows: int = 64, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        max_blocks_per_seq: int,
+        rows: int = 64,
+        device: torch.device | str | None = None,
+        num_blocks: int | None = None,
+    ):
+        """`max_blocks_per_seq`: the table's first width (a sequence of max_model_len tokens); a stream
+        group, whose streams share one row, may hold more, and the table widens for it. `num_blocks`:
+        the cache's blocks (default `max_blocks_per_seq`), which stream tags are indexed by."""
         self.table = torch.zeros(rows, max_blocks_per_seq, dtype=torch.long, device=device)
+        self.num_blocks = num_blocks or max_blocks_per_seq
         self.tags: torch.Tensor | None = None  # [slots, 2] (stream, position) of stream-group tokens
 
     def update(self, rows: torch.Tensor, first: torch.Tensor, counts: torch.Tensor, blocks: torch.Tensor):
         """Write `blocks` (grouped per chunk, counts[i] of them) at table[rows[i], first[i] + j]."""
-        if int(rows.max()) >= self.table.shape[0]:  # more rows than ever before: grow (metadata only)
-            grown = self.table.new_zeros(2 * int(rows.max()) + 1, self.table.shape[1])
-            grown[: self.table.shape[0]] = self.table
+        height, width = self.table.shape
+        if int(rows.max()) >= height:  # more rows than ever before: grow (metadata only)
+            height = 2 * int(rows.max()) + 1
+        if blocks.numel() and (needed := int((first + counts).max())) > width:
+            width = max(needed, min(2 * width, self.num_blocks))  # a stream group's row: widen
+        if (height, width) != tuple(self.table.shape):
+            grown = self.table.new_zeros(height, width)
+            grown[: self.table.shape[0], : self.table.shape[1]] = self.table
             self.table = grown
         if blocks.numel() == 0:
             return

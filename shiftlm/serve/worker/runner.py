@@ -59,7 +59,12 @@ class ModelRunner:
     """Executes step plans on every rank of one shift group (dp = pp = 1)."""
 
     def __init__(
-        self, model_config: ModelConfig, shift_model: ShiftModel, mesh: Mesh, shm_collectives: bool = True
+        self,
+        model_config: ModelConfig,
+        shift_model: ShiftModel,
+        mesh: Mesh,
+        shm_collectives: bool = True,
+        max_model_len: int | None = None,
     ):
         self.model_config = model_config
         self.shift_model = shift_model
@@ -68,7 +73,12 @@ class ModelRunner:
         # rank 0, mixture-of-experts models: called after each step with its rows per expert
         self.on_expert_rows: Callable[[list[float]], None] | None = None
         # plans are decoded on the host (`_run`): the tables live there, the batch goes to the device
-        self.tables = BlockTables(max_blocks_per_seq=self.cache.num_blocks, device="cpu")
+        # as wide as the longest sequence, not the cache (~340k blocks of an H200 x rows x 8 bytes)
+        cache = self.cache
+        width = min(
+            cache.num_blocks, -(-(max_model_len or model_config.max_position_embeddings) // cache.block_size)
+        )
+        self.tables = BlockTables(width, device="cpu", num_blocks=cache.num_blocks)
         self._inv_freq = shift_model.model.inv_freq.detach().cpu()  # stream groups' query rotation
         group = mesh.shift
         # new_group is collective: every rank builds the runner, in the same order. The plan's group
@@ -173,7 +183,7 @@ class ModelRunner:
                 shift_model.compiled, min(max_num_seqs, num_blocks), longest, True
             )
             shift_model.graphs.capture_all()
-        return cls(config, shift_model, mesh, shm_collectives)
+        return cls(config, shift_model, mesh, shm_collectives, max_model_len)
 
     runs_ahead = True  # `execute` takes a plan's PENDING tokens from the device (async scheduling)
 

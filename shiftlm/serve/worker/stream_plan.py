@@ -34,7 +34,7 @@ def tag_tokens(
     stream (PROMPT for untagged rows) and RoPE position."""
     tags = tags.view(-1, 2)
     if tables.tags is None:
-        tables.tags = tables.table.new_zeros(tables.table.shape[1] * block_size, 2)
+        tables.tags = tables.table.new_zeros(tables.num_blocks * block_size, 2)
     tables.tags[slots[tagged]] = tags
     streams = torch.full_like(positions, PROMPT)
     streams[tagged] = tags[:, 0]
