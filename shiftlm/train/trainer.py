@@ -253,7 +253,8 @@ class Trainer(RunCheckpoints):
         self.stragglers = straggler_watch(self.config, self.mesh, Path(self.config.log.dir) / "ledgers")
         fault = faults.inject_from_env()
         # SIGINT/SIGTERM end the run at the next step boundary, with a checkpoint (train/stopping.py)
-        self.boundary = StepBoundary(self.config.checkpoint.every_s, self.mesh.device)
+        stuck_s = self.config.monitor.watchdog_s if watchdog is not None else 0.0
+        self.boundary = StepBoundary(self.config.checkpoint.every_s, self.mesh.device, stuck_s)
         try:
             with self.boundary:
                 return self._run(stop_after)

@@ -83,3 +83,55 @@ def test_a_checkpoint_is_written_every_every_s_seconds(capsys, tmp_path):
 
     assert run("0", tmp_path / "off") == ["step_00000003"]  # only the last step
     assert run("1e-9", tmp_path / "on") == ["step_00000002", "step_00000003"]  # every step (keep = 2)
+
+
+_STUCK_RANK = """
+import sys, time, datetime, torch, torch.distributed as dist
+from shiftlm.train.stopping import StepBoundary
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=90))
+dist.barrier()
+if rank == 1:
+    time.sleep(120)  # never enters the step's collective
+with StepBoundary(0.0, torch.device("cpu"), stuck_s=2.0):
+    print("in the step", flush=True)
+    dist.all_reduce(torch.ones(1))  # blocks in gloo's C++ wait: no Python handler runs here
+"""
+
+
+def test_a_signalled_rank_blocked_in_a_collective_exits_after_the_watchdogs_limit(tmp_path):
+    """torchrun tears a failed job down with SIGTERM and kills only after 30 s: a rank blocked in a
+    collective whose peer hangs never reaches the step boundary, so it leaves `stuck_s` after the
+    signal, with 143 and a line saying why, not when gloo's 90 s timeout or the launcher's kill ends it."""
+    from shiftlm.launch import free_port
+
+    script = tmp_path / "stuck.py"
+    script.write_text(_STUCK_RANK)
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert procs[0].stdout.readline().strip() == "in the step"
+        time.sleep(0.5)  # inside all_reduce
+        signalled = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        code = procs[0].wait(timeout=60)
+        waited = time.monotonic() - signalled
+        stderr = procs[0].stderr.read()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert code == 143, stderr
+    assert 2.0 <= waited < 15, waited
+    assert "SIGTERM: no step boundary 2 s (monitor.watchdog_s) after the signal" in stderr
