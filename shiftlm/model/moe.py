@@ -110,11 +110,10 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     dtypes = (torch.float32, torch.bfloat16) if x.device.type == "cpu" else (torch.bfloat16,)
-    dtype_ok = x.dtype in dtypes
     aligned = all(
         w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights
     )
-    return dtype_ok and aligned and all(w.dtype == x.dtype for w in weights)
+    return x.dtype in dtypes and aligned and all(w.dtype == x.dtype for w in weights)
 
 
 def expert_counts(choice: torch.Tensor, experts: int) -> torch.Tensor:
@@ -149,9 +148,10 @@ def grouped_swiglu(
     return _per_expert_swiglu(x, rows, gate, up, down)
 
 
-# eager inside compiled blocks: traced, the loop specialised each expert's graph on its row count
-@torch.compiler.disable
 def _per_expert_swiglu(x, rows, gate, up, down) -> torch.Tensor:
+    # eager in compiled blocks (traced, it specialised per row count); no decorator: it imports dynamo (1.2 s)
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_per_expert_swiglu)(x, rows, gate, up, down)
     groups = enumerate(x.split(rows.tolist(), dim=0))
     parts = [F.linear(F.silu(F.linear(p, gate[e])) * F.linear(p, up[e]), down[e]) for e, p in groups]
     return torch.cat(parts, dim=0) if parts else x.new_zeros(0, down.shape[1])
