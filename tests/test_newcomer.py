@@ -372,3 +372,14 @@ def test_quickstart_into_a_path_it_cannot_write_is_one_line(tmp_path, capsys):
     assert main(["quickstart", "--out", str(blocker / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--out {blocker / 'run'} cannot be written (Not a directory)" in err, err
+
+
+def test_an_eager_process_never_imports_the_compiler():
+    """torch._dynamo costs 1.2 s of import in every rank, server and CLI process; only compiling needs
+    it (a `@torch.compiler.disable` decorator at import time pulled it in)."""
+    modules = (
+        "shiftlm.cli, shiftlm.train.trainer, shiftlm.train.elastic, shiftlm.serve.server, shiftlm.sim.cli"
+    )
+    code = f"import sys, {modules}; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
