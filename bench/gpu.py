@@ -13,10 +13,11 @@ Phases (each a subprocess with its own time limit, so one failure leaves the oth
   the same torch AdamW step, shiftlm and transformers (eager, no torch.compile) alternating step by
   step in one process: tokens/s, MFU against the catalog's peak (`hardware.device_peak_flops`), peak
   memory, and which SDPA kernel ran (profiler kernel names).
-- train: `torchrun --nproc-per-node 1 -m shiftlm train` on that model (the user's command): its own
-  tokens/s, MFU and memory per step from metrics.jsonl.
-- train_compile: bench/gpu_train.py (shiftlm eager / compiled against transformers eager / compiled,
-  one process each, interleaved rounds) on that model; its JSON lands beside the others.
+- train: `torchrun --nproc-per-node 1 -m shiftlm train` on that model at 4 x 2048 (the user's
+  command, its default `train.compile`): its own tokens/s, MFU and memory per step from metrics.jsonl.
+- train_compile: bench/gpu_train.py (shiftlm compiled / eager against transformers compiled / eager,
+  one process each) on that model's checkpoint, inside the phase's limit; its JSON lands beside the
+  others.
 - calibrate: `shiftlm calibrate` on the GPU, then `shiftlm simulate train --gpu this` for the same run.
 - serve: `shiftlm serve` on one GPU: greedy completions in fp32 equal transformers' `generate` on the
   same GPU; then `shiftlm bench serve` replays the Azure conversation trace against the ~1.1B model in
@@ -28,8 +29,11 @@ Phases (each a subprocess with its own time limit, so one failure leaves the oth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,13 +108,62 @@ def work_dir() -> Path:
     return path
 
 
+def run_group(
+    command: list[str], timeout: float, capture: bool = True, **popen
+) -> tuple[int | str, str, str]:
+    """`command` in a session of its own: (its return code, or "timeout" past `timeout` seconds; its
+    stdout and stderr, "" uncaptured). On a timeout its whole tree is killed, so nothing of it keeps
+    the GPU's memory from what runs next; what it printed before is kept."""
+    pipe = subprocess.PIPE if capture else None
+    with subprocess.Popen(
+        command, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **popen
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            kill_tree(process.pid)
+            stdout, stderr = process.communicate(timeout=30)
+            code = "timeout"
+    return code, stdout or "", stderr or ""
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process group of `pid` and those of its descendants: torchrun (and gpu_train.py)
+    start their workers in sessions of their own, out of the group. Stopped first, the tree cannot
+    grow between the look in /proc and the kill."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for group in _tree_groups(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+
+
+def _tree_groups(pid: int) -> set[int]:
+    """The process groups of `pid` and of its descendants (from /proc/*/stat: ppid, pgrp)."""
+    children: dict[int, list[int]] = {}
+    groups = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[1:3]  # after the name: state ppid pgrp
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(ppid), []).append(int(stat.parent.name))
+        groups[int(stat.parent.name)] = int(pgrp)
+    found, todo = {pid}, [pid]  # pid's own group is pid (start_new_session)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(groups[child])
+            todo.append(child)
+    return found
+
+
 def checkpoint(path: Path, shape: dict, tokenizer: bool = True) -> Path:
     """A random-weight Llama written by transformers (made on the GPU: a 1.1B init on the CPU is slow)."""
+    if (path / "config.json").exists():
+        return path
     import torch
     import transformers as tf
 
-    if (path / "config.json").exists():
-        return path
     config = tf.LlamaConfig(**shape)
     torch.manual_seed(0)
     with torch.device(DEVICE):
@@ -123,6 +176,14 @@ def checkpoint(path: Path, shape: dict, tokenizer: bool = True) -> Path:
     del model
     torch.cuda.empty_cache()
     return path
+
+
+def config_json(path: Path, shape: dict) -> Path:
+    """`shape`'s config.json alone (what `simulate train --model` reads): no weights to write."""
+    import transformers as tf
+
+    tf.LlamaConfig(**shape).save_pretrained(path)
+    return path / "config.json"
 
 
 def phase_env(out: Path) -> dict:
@@ -166,7 +227,7 @@ def _sync() -> None:
 
 
 def _verify(args: list[str]) -> dict:
-    result = subprocess.run(
+    returncode, stdout, stderr = run_group(
         [
             sys.executable,
             "-m",
@@ -181,13 +242,11 @@ def _verify(args: list[str]) -> dict:
             "--json",
             *args,
         ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        120,
     )
-    if result.returncode not in (0, 1) or not result.stdout.strip():
-        return {"args": args, "returncode": result.returncode, "stderr": result.stderr[-3000:]}
-    report = json.loads(result.stdout)
+    if returncode not in (0, 1) or not stdout.strip():
+        return {"args": args, "returncode": returncode, "stderr": stderr[-3000:]}
+    report = json.loads(stdout)
     report["args"] = args
     return report
 
@@ -198,14 +257,8 @@ def phase_cuda_tests(out: Path) -> dict:
     import torch
 
     command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rA", "tests"]
-    try:
-        run = subprocess.run(
-            command, capture_output=True, text=True, timeout=PHASES["cuda_tests"] - 10, cwd=ROOT
-        )
-        stdout, returncode = run.stdout, run.returncode
-    except subprocess.TimeoutExpired as err:  # keep what ran: which tests passed before the limit
-        stdout, returncode = err.stdout or "", "timeout"
-        stdout = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+    # on a timeout too, what ran: which tests passed before the limit
+    returncode, stdout, _ = run_group(command, PHASES["cuda_tests"] - 10, cwd=ROOT)
     lines = stdout.strip().splitlines()
     return {
         "device": "cpu" if SMOKE else torch.cuda.get_device_name(0),
@@ -333,9 +386,15 @@ def phase_train_ab(out: Path, steps: int = 8, batch: int = 4, seq: int = 2048) -
     return result
 
 
-def phase_train(out: Path, steps: int = 12) -> dict:
+def phase_train(out: Path, steps: int = 15) -> dict:
+    """The user's command on the 1.1B model at 4 x 2048 (micro and global batch 4), `train.compile` at
+    its default (auto: compiled decoder layers on CUDA). The trainer always saves at its last step
+    (~13 GB: fp32 weights and AdamW moments; no setting turns that off), after that step's line in
+    metrics.jsonl: a limit hit during the save loses no measurement."""
+    started = time.monotonic()
     path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
     run_dir = work_dir() / "train-run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier run's metrics are no result of this one
     command = [
         sys.executable,
         "-m",
@@ -348,8 +407,8 @@ def phase_train(out: Path, steps: int = 12) -> dict:
         f"--model.name={path}",
         f"--train.seq_len={64 if SMOKE else 2048}",
         "--train.micro_batch=4",
-        "--train.global_batch=8",
-        f"--train.steps={3 if SMOKE else steps}",
+        "--train.global_batch=4",
+        f"--train.steps={5 if SMOKE else steps}",
         f"--train.device={DEVICE}",
         "--optim.warmup_steps=2",
         f"--log.dir={run_dir}",
@@ -357,35 +416,52 @@ def phase_train(out: Path, steps: int = 12) -> dict:
         "--checkpoint.resume=false",
         "--checkpoint.overwrite=true",
     ]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=PHASES["train"] - 10)
-    wall = time.perf_counter() - started
+    launched = time.monotonic()
+    # 10 s of the phase's limit for this process's start and for reading back what the run wrote
+    returncode, stdout, stderr = run_group(command, PHASES["train"] - 10 - (launched - started))
+    wall = time.monotonic() - launched
     metrics = []
     metrics_file = run_dir / "metrics.jsonl"
-    if metrics_file.exists():
+    if metrics_file.exists():  # written step by step: a timeout keeps the steps before it
         metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    steady = metrics[3:]  # the first steps build the compiled layers and the fused AdamW
+    measured = {  # mfu and memory_gb are null on the CPU
+        key: [m[key] for m in steady if m.get(key) is not None]
+        for key in ("tokens_per_s", "mfu", "step_time_s", "memory_gb")
+    }
     return {
         "command": " ".join(command[1:]),
-        "returncode": result.returncode,
+        "train_compile": "auto (the default): compiled decoder layers on CUDA, eager on the CPU",
+        "returncode": returncode,
         "wall_s": round(wall, 1),
-        "stdout_tail": result.stdout[-4000:],
-        "stderr_tail": result.stderr[-4000:],
+        "median_after_3_steps": {key: statistics.median(v) if v else None for key, v in measured.items()},
+        "stdout_tail": stdout[-4000:],
+        "stderr_tail": stderr[-4000:],
         "metrics": metrics,
     }
 
 
 def phase_train_compile(out: Path) -> dict:
-    """bench/gpu_train.py in a subprocess (its variants are processes of their own)."""
+    """bench/gpu_train.py in a subprocess (its variants are processes of their own), one round on
+    phase_train's checkpoint (one 4.4 GB write for both), its --deadline inside this phase's limit;
+    the detail JSON it wrote after each variant is read back however it ended."""
+    started = time.monotonic()
+    path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
+    # 15 s for this process's start and its own end; gpu_train gets 10 s past its deadline to write
+    left = PHASES["train_compile"] - 15 - (time.monotonic() - started)
+    detail = out / "gpu_train_compile_detail.json"
+    detail.unlink(missing_ok=True)  # an earlier run's is no result of this one
     command = [sys.executable, str(ROOT / "bench" / "gpu_train.py"), f"--device={DEVICE}"]
-    command += ["--tiny"] if SMOKE else ["--rounds=2", "--steps=6", "--timeout=150"]
-    command += [f"--out={out / 'gpu_train_compile_detail.json'}", f"--work={work_dir() / 'gpu_train'}"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=PHASES["train_compile"] - 10)
-    summary = json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else None
+    command += ["--tiny"] if SMOKE else ["--steps=10", "--timeout=150"]
+    command += [f"--checkpoint={path}", "--rounds=1", f"--deadline={left - 10:.0f}"]
+    command += [f"--out={detail}"]
+    returncode, stdout, stderr = run_group(command, left)
     return {
         "command": " ".join(command[1:]),
-        "returncode": run.returncode,
-        "result": summary,
-        "stderr_tail": run.stderr[-3000:],
+        "returncode": returncode,
+        "result": json.loads(detail.read_text()) if detail.exists() else None,
+        "stdout_tail": stdout[-3000:],
+        "stderr_tail": stderr[-3000:],
     }
 
 
@@ -397,7 +473,7 @@ def phase_calibrate(out: Path) -> dict:
     result = {"calibrate_returncode": run.returncode, "calibrate_stderr_tail": run.stderr[-3000:]}
     if run.returncode == 0:
         result["profile"] = json.loads(run.stdout.strip().splitlines()[-1])
-        model = checkpoint(work_dir() / "llama-1b", MODEL_1B) / "config.json"
+        model = config_json(work_dir() / "llama-1b-config", MODEL_1B)
         simulate = [
             sys.executable,
             "-m",
@@ -508,13 +584,13 @@ def phase_serve(out: Path) -> dict:
         "--json",
     ]
     started = time.perf_counter()
-    run = subprocess.run(command, capture_output=True, text=True, timeout=150)
+    returncode, stdout, stderr = run_group(command, 150)
     result["replay"] = {
         "command": " ".join(command[3:]),
-        "returncode": run.returncode,
+        "returncode": returncode,
         "wall_s": round(time.perf_counter() - started, 1),
-        "summary": json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else None,
-        "stderr_tail": run.stderr[-3000:],
+        "summary": json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else None,
+        "stderr_tail": stderr[-3000:],
     }
     return result
 
@@ -622,13 +698,9 @@ def main() -> int:
     failed = []
     for name in phases:
         print(f"== {name} (limit {PHASES[name]} s)", flush=True)
-        try:
-            code = subprocess.run(
-                [sys.executable, __file__, "--in-process", "--phase", name, "--out", str(out)],
-                timeout=PHASES[name],
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = 124
+        command = [sys.executable, __file__, "--in-process", "--phase", name, "--out", str(out)]
+        code, _, _ = run_group(command, PHASES[name], capture=False)
+        if code == "timeout":
             print(f"== {name}: over its {PHASES[name]} s limit", flush=True)
         if code:
             failed.append(name)

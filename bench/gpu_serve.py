@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from gpu import phase_limits  # noqa: E402 - bench/gpu.py, found through the path above
+from gpu import phase_limits, run_group  # noqa: E402 - bench/gpu.py, found through the path above
 
 PHASES = phase_limits({"decode": 420, "offline": 300, "server": 240})  # seconds each
 SMOKE = os.environ.get("SHIFTLM_GPU_SMOKE") == "1"  # bench/gpu.py's switch: its small shapes, on the CPU
@@ -399,11 +399,10 @@ def main() -> int:
     for name in phases:
         print(f"== {name} (limit {PHASES[name]} s)", flush=True)
         command = [sys.executable, __file__, "--in-process", "--phase", name, "--out", str(out)]
-        try:
-            code = max(code, subprocess.run(command, timeout=PHASES[name]).returncode)
-        except subprocess.TimeoutExpired:
+        returncode, _, _ = run_group(command, PHASES[name], capture=False)  # killed whole past its limit
+        if returncode == "timeout":
             print(f"== {name}: over its {PHASES[name]} s limit", flush=True)
-            code = 1
+        code = max(code, 1 if returncode == "timeout" else returncode)
     return code
 
 

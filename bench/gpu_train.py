@@ -11,30 +11,38 @@ eps 1e-8, global-norm clip 1.0; bf16 autocast over fp32 weights and moments on C
 - hf_eager / hf_compiled: `LlamaForCausalLM` (SDPA attention) + `torch.optim.AdamW(foreach=True)`,
   the loss on its logits, plain / `torch.compile(model)`.
 Each variant runs in a process of its own (alone on the device: peak memory is its own), in rounds
-whose order alternates (A B C D, then D C B A, ...) so drift in clocks or load spreads over all four.
+whose order alternates (A B C D, then D C B A, ...) so drift in clocks or load spreads over all four;
+the first round runs them in the order that matters most (shiftlm compiled, transformers compiled,
+shiftlm eager, transformers eager) and --deadline bounds the whole run (a variant that would not fit
+is not started, one that runs past it is killed), so a short GPU loan gets the first ones.
 Per variant: the first step's time (compilation included), the median of the timed steps over all
 rounds, tokens/s, MFU (the project's FLOPs per token, `ModelConfig.flops_per_token`, against the
 catalog's bf16 peak of the device, `hardware.device_peak_flops`), peak memory (CUDA's allocator peak;
 on the CPU the process's peak RSS) and the losses (the same first loss on all four: same weights
-and batch). JSON into bench/results/gpu/gpu_train_<device>.json.
+and batch). JSON into bench/results/gpu/gpu_train_<device>.json, rewritten after every variant's
+process: a kill keeps what was measured before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gpu import MODEL_1B  # TinyLlama-1.1B's shape, the one the GPU checks use
+from gpu import MODEL_1B, run_group  # TinyLlama-1.1B's shape, the one the GPU checks use
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("shiftlm_eager", "shiftlm_compiled", "hf_eager", "hf_compiled")
+VARIANTS = ("shiftlm_compiled", "hf_compiled", "shiftlm_eager", "hf_eager")  # most wanted first
+# seconds a variant's process is assumed to need before it has run once (start, imports, the weights'
+# load, a few steps): with less left of --deadline it is not started
+MIN_VARIANT_S = 20.0
 MODEL_TINY = dict(
     MODEL_1B,
     vocab_size=2048,
@@ -167,7 +175,8 @@ def run_variant(args: argparse.Namespace) -> dict:
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     name = args.variant
-    data = batches(args.vocab, args.batch, args.seq, args.warmup + args.steps)
+    vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
+    data = batches(vocab, args.batch, args.seq, args.warmup + args.steps)
     with tempfile.TemporaryDirectory() as log_dir:
         if name.startswith("shiftlm"):
             step = shiftlm_stepper(
@@ -201,96 +210,8 @@ def device_label(device: str) -> str:
     return "cpu"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer 64-wide Llama (smoke test)")
-    parser.add_argument("--batch", type=int, default=None, help="sequences per step (4; tiny: 2)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (2048; tiny: 64)")
-    parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per variant per round (8; tiny: 2)"
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the variants' order")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant process")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/gpu/...)")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shiftlm-gpu-train")
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
-    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    tiny = args.tiny
-    args.batch = args.batch or (2 if tiny else 4)
-    args.seq = args.seq or (64 if tiny else 2048)
-    args.steps = args.steps or (2 if tiny else 8)
-    if args.variant:  # a worker: one variant, its result as the last line of stdout
-        print(json.dumps(run_variant(args)), flush=True)
-        return 0
-
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    shape = MODEL_TINY if tiny else MODEL_1B
-    import torch
-
-    from shiftlm.config import ModelConfig
-    from shiftlm.hardware import device_peak_flops
-
-    device = args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA device is visible; use --device cpu --tiny for a smoke test")
-        return 2
-    name = device_label(device)
-    work = args.work / ("tiny" if tiny else "1b")
-    checkpoint = write_checkpoint(work / "checkpoint", shape, device)
-    results: dict[str, dict] = {
-        v: {"first_step_s": [], "step_s": [], "losses": [], "peak_memory_gib": 0.0} for v in variants
-    }
-    failures: dict[str, str] = {}
-    for round_index in range(args.rounds):
-        order = variants if round_index % 2 == 0 else variants[::-1]
-        for variant in order:
-            if variant in failures:
-                continue
-            command = [
-                sys.executable,
-                __file__,
-                f"--variant={variant}",
-                f"--checkpoint={checkpoint}",
-                f"--vocab={shape['vocab_size']}",
-                f"--device={device}",
-                f"--batch={args.batch}",
-                f"--seq={args.seq}",
-                f"--steps={args.steps}",
-                f"--warmup={args.warmup}",
-            ]
-            started = time.perf_counter()
-            try:
-                run = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-            except subprocess.TimeoutExpired:
-                failures[variant] = f"over its {args.timeout:.0f} s limit"
-                continue
-            if run.returncode != 0:
-                failures[variant] = run.stderr[-3000:]
-                print(f"round {round_index + 1} {variant}: failed\n{run.stderr[-1500:]}", flush=True)
-                continue
-            one = json.loads(run.stdout.strip().splitlines()[-1])
-            mine = results[variant]
-            mine["first_step_s"].append(one["first_step_s"])
-            mine["step_s"] += one["step_s"]
-            mine["losses"].append(one["losses"])
-            mine["peak_memory_gib"] = max(mine["peak_memory_gib"], one["peak_memory_gib"])
-            print(
-                f"round {round_index + 1} {variant}: first step {one['first_step_s']:.1f} s, median "
-                f"{statistics.median(one['step_s']) * 1e3:.1f} ms, {time.perf_counter() - started:.0f} s",
-                flush=True,
-            )
-    model = ModelConfig.from_hf(checkpoint)
-    flops_per_token = model.flops_per_token(args.seq, causal=True)
-    peak = device_peak_flops(name, "bf16") if device.startswith("cuda") else None
-    tokens = args.batch * args.seq
+def summarize(results: dict, tokens: int, flops_per_token: float, peak: float | None) -> tuple[dict, dict]:
+    """Per variant measured so far: median step, tokens/s, MFU, ...; and the ratios the issue asks for."""
     summary = {}
     for variant, mine in results.items():
         if not mine["step_s"]:
@@ -313,10 +234,87 @@ def main() -> int:
         ratios["shiftlm_compiled_over_eager"] = (
             summary["shiftlm_compiled"]["tokens_per_s"] / summary["shiftlm_eager"]["tokens_per_s"]
         )
+    return summary, ratios
+
+
+def write_json(path: Path, report: dict) -> None:
+    """`report` at `path` through a temporary file: a kill mid-write leaves the previous one whole."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def main() -> int:
+    started = time.monotonic()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer 64-wide Llama (smoke test)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (4; tiny: 2)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (2048; tiny: 64)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per variant per round (8; tiny: 2)"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the variants' order")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset, in order")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per variant process")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=math.inf,
+        help=f"seconds for the whole run (a variant needs what it took before, else {MIN_VARIANT_S:.0f} s)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/gpu/...)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shiftlm-gpu-train")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="the Llama checkpoint (random weights written there if missing; default under --work)",
+    )
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    tiny = args.tiny
+    args.batch = args.batch or (2 if tiny else 4)
+    args.seq = args.seq or (64 if tiny else 2048)
+    args.steps = args.steps or (2 if tiny else 8)
+    if args.variant:  # a worker: one variant on --checkpoint, its result as the last line of stdout
+        print(json.dumps(run_variant(args)), flush=True)
+        return 0
+
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    import torch
+
+    from shiftlm.config import ModelConfig
+    from shiftlm.hardware import device_peak_flops
+
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible; use --device cpu --tiny for a smoke test")
+        return 2
+    name = device_label(device)
+    work = args.work / ("tiny" if tiny else "1b")
+    checkpoint = args.checkpoint or work / "checkpoint"
+    write_checkpoint(checkpoint, MODEL_TINY if tiny else MODEL_1B, device)
+    shape = {k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k in MODEL_1B}
+    model = ModelConfig.from_hf(checkpoint)
+    flops_per_token = model.flops_per_token(args.seq, causal=True)
+    peak = device_peak_flops(name, "bf16") if device.startswith("cuda") else None
+    tokens = args.batch * args.seq
+    results: dict[str, dict] = {
+        v: {"first_step_s": [], "step_s": [], "losses": [], "peak_memory_gib": 0.0} for v in variants
+    }
+    failures: dict[str, str] = {}
+    skipped: list[str] = []
+    took: dict[str, float] = {}  # seconds each variant's process took (its last round)
     report = {
         "device": name,
         "torch": torch.__version__,
         "model": "tiny llama (smoke)" if tiny else "llama 1.1B (TinyLlama's shape), random weights",
+        "checkpoint": str(checkpoint),
         "shape": shape,
         "batch": args.batch,
         "seq_len": args.seq,
@@ -325,17 +323,72 @@ def main() -> int:
         "steps_per_round": args.steps,
         "flops_per_token": flops_per_token,
         "peak_tflops_catalog": peak / 1e12 if peak else None,
-        "summary": summary,
-        "ratios": ratios,
+        "deadline_s": args.deadline if args.deadline < math.inf else None,
+        "summary": {},
+        "ratios": {},
         "runs": results,
         "failures": failures,
+        "skipped": skipped,
+        "process_s": took,
     }
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") + ("_tiny" if tiny else "")
     out = args.out or ROOT / "bench" / "results" / "gpu" / f"gpu_train_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({"out": str(out), "summary": summary, "ratios": ratios, "failures": list(failures)}))
+    write_json(out, report)
+    for round_index in range(args.rounds):
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for variant in order:
+            if variant in failures:
+                continue
+            label = f"round {round_index + 1} {variant}"
+            left = max(started + args.deadline - time.monotonic(), 0.0)
+            need = took.get(variant, MIN_VARIANT_S)
+            if left < need:
+                skipped.append(f"{label}: {left:.0f} s left, it needs ~{need:.0f} s")
+                print(f"{label}: skipped, {left:.0f} s left", flush=True)
+            else:
+                variant_started = time.monotonic()
+                limit = min(args.timeout, left)
+                failure = measure(variant, args, checkpoint, limit, results[variant], label)
+                took[variant] = time.monotonic() - variant_started
+                if failure:
+                    failures[variant] = failure
+            report["summary"], report["ratios"] = summarize(results, tokens, flops_per_token, peak)
+            write_json(out, report)
+    brief = {k: report[k] for k in ("summary", "ratios", "skipped")}
+    print(json.dumps(brief | {"out": str(out), "failures": list(failures)}))
     return 1 if failures else 0
+
+
+def measure(variant: str, args, checkpoint: Path, limit: float, mine: dict, label: str) -> str | None:
+    """`variant` in a worker process of its own, killed whole (inductor's compile workers too) past
+    `limit` seconds; its timings, losses and peak memory added to `mine`. Returns why it failed."""
+    command = [
+        sys.executable,
+        __file__,
+        f"--variant={variant}",
+        f"--checkpoint={checkpoint}",
+        f"--device={args.device}",
+        f"--batch={args.batch}",
+        f"--seq={args.seq}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+    ]
+    code, stdout, stderr = run_group(command, limit, cwd=ROOT)
+    if code == "timeout":
+        print(f"{label}: over its limit of {limit:.0f} s", flush=True)
+        return f"over its limit of {limit:.0f} s"
+    if code != 0:
+        print(f"{label}: failed\n{stderr[-1500:]}", flush=True)
+        return stderr[-3000:]
+    one = json.loads(stdout.strip().splitlines()[-1])
+    mine["first_step_s"].append(one["first_step_s"])
+    mine["step_s"] += one["step_s"]
+    mine["losses"].append(one["losses"])
+    mine["peak_memory_gib"] = max(mine["peak_memory_gib"], one["peak_memory_gib"])
+    median = statistics.median(one["step_s"])
+    print(f"{label}: first step {one['first_step_s']:.1f} s, median {median * 1e3:.1f} ms", flush=True)
+    return None
 
 
 if __name__ == "__main__":
