@@ -26,6 +26,13 @@ ZERO_STAGES = (0, 1, 2, 3)  # the ZeRO stages the trainer implements (a stage th
 LOSS_CHUNK = 1024  # tokens per chunk of the LM head + cross-entropy (train.loss_chunk's default)
 
 
+def compiles_by_default(device_type: str) -> bool:
+    """`train.compile = auto`: compiled decoder blocks on CUDA (where they pay), eager on the CPU
+    (where compiling a model costs more than a short run gains). Read by the trainer
+    (`model/compile.wants_compile`) and by `shiftlm simulate|plan train`'s default mode."""
+    return device_type == "cuda"
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency scaling (`rope_scaling` with `rope_type: llama3`)."""

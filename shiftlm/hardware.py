@@ -86,6 +86,9 @@ class Hardware:
     # seconds); where a cluster has them, `sim.collectives` times an intra-node all-reduce of that
     # group size from them instead of from the link rate (vTrain's testbed, shiftlm/data/README.md)
     allreduce_table: tuple[tuple[int, tuple[float, ...], tuple[float, ...]], ...] = ()
+    # the torch device type a training rank runs on: "cuda" for every catalog GPU (ROCm's too), "cpu"
+    # for a profile `shiftlm calibrate` measured on the CPU (`shiftlm train` does not compile there)
+    device_type: str = "cuda"
 
     def achievable_flops(self, dtype: str) -> float:
         """The fastest a large GEMM runs on this GPU: the datasheet peak x its measured MAMF share
@@ -224,6 +227,8 @@ def load_profile(path: Path) -> Hardware:
             (int(ranks), tuple(sizes), tuple(times))
             for ranks, sizes, times in fields.get("allreduce_table", ())
         )
+        # written before `device_type`: only calibrate's CPU path probes the links (`p2p_latency`)
+        fields.setdefault("device_type", "cpu" if "p2p_latency" in fields.get("extra", {}) else "cuda")
         return Hardware(**fields)
     except (json.JSONDecodeError, TypeError) as err:
         raise ValueError(f"{path} is not a hardware profile ({err}); re-run `shiftlm calibrate`") from err

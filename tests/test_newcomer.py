@@ -113,7 +113,7 @@ def test_plan_train_says_what_it_plans_before_it_plans(capsys, tmp_path):
     argv = ["plan", "train", "--model", "llama3-8b", "--gpus", "16", "--seq", "4096", "--global-batch", "64"]
     assert main([*argv, "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"planning llama3-8b on 16 x h100-sxm (best layout -> {out}) ..."
+    assert lines[0] == f"planning llama3-8b on 16 x h100-sxm, compiled blocks (best layout -> {out}) ..."
     assert lines[-2].startswith("why 1.: the fastest predicted step that fits (")
     assert lines[-1].startswith(f"wrote {out}: the config of 1.") and out.is_file()
     # with --top 1 the reason still compares the pick with its runner-up (it once said "the only

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shiftlm.config import compiles_by_default
 from shiftlm.model import Transformer
 from shiftlm.model.ops import PLAIN
 
@@ -34,10 +35,9 @@ log = logging.getLogger(__name__)
 
 
 def wants_compile(setting: str, device: torch.device) -> bool:
-    """`train.compile`: auto compiles on CUDA (where it pays) and not on the CPU (where compiling a
-    model costs more than a short run gains)."""
+    """`train.compile`: auto compiles where `compiles_by_default` says (CUDA, not the CPU)."""
     if setting == "auto":
-        return device.type == "cuda"
+        return compiles_by_default(device.type)
     return setting == "true"
 
 

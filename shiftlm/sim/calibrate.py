@@ -249,4 +249,5 @@ def calibrate(log: Callable[[str], None] = print) -> Hardware:
             **shm_links,
         },
         gemm_table=table,
+        device_type="cpu",
     )

@@ -86,7 +86,7 @@ def _step_overheads(device, budget: float) -> dict[str, float]:
 
     from shiftlm.config import ModelConfig
     from shiftlm.model import build_model
-    from shiftlm.model.compile import compile_blocks
+    from shiftlm.model.compile import CompiledBlock, compile_blocks
 
     config = ModelConfig(**OVERHEAD_MODEL)
     ids = torch.randint(0, config.vocab_size, (1, 8), device=device)
@@ -101,6 +101,8 @@ def _step_overheads(device, budget: float) -> dict[str, float]:
             model(ids).float().sum().backward()  # PLAIN ops, the compiled blocks' (model/ops.py)
 
         step()  # the compiled blocks build here, outside the timing
+        if name == "compiled" and CompiledBlock.broken is not None:
+            continue  # inductor failed to build after all and the blocks ran eagerly: no compiled time
         result[f"step_overhead_{name}"] = _synced_mean(step, device, 20, budget) / config.num_layers
     return result
 
@@ -160,14 +162,15 @@ def _catalog_entry(device_name: str) -> Hardware | None:
 
 
 def device_profile(
-    measured: dict, device_name: str, memory_bytes: float, devices: int, dtype: str
+    measured: dict, device_name: str, memory_bytes: float, devices: int, dtype: str, device_type: str = "cuda"
 ) -> Hardware:
     """A hardware profile ("this") from `time_device_kernels` on one device: the peak is the forward
     GEMMs' median rate, the attention fraction the longest sequence's forward rate over it; the links
     (one device measures none) are the catalog's for a known GPU, else the copy bandwidth. Extras:
     `attention_fwd_<seq>` / `attention_bwd_<seq>` FLOP/s, `op_overhead`, `step_overhead_eager` and
     `step_overhead_compiled` (seconds per layer), and for a catalog GPU the measured peak and copy
-    bandwidth over the catalog's achievable matmul rate and HBM bandwidth (`catalog_*_ratio`)."""
+    bandwidth over the catalog's achievable matmul rate and HBM bandwidth (`catalog_*_ratio`).
+    `device_type` ("cuda", "cpu") decides the mode `simulate train` runs by default, as the trainer's."""
     table = tuple((role, m, k, n, rate) for (role, m, k, n), rate in measured["gemm"].items())
     peak = statistics.median(rate for role, m, k, n, rate in table if role == "forward")
     attention = measured["attention"]
@@ -198,6 +201,7 @@ def device_profile(
         extra=extra,
         gemm_table=table,
         attention_fraction=attention[longest][0] / peak,
+        device_type=device_type,
     )
 
 
@@ -217,7 +221,7 @@ def calibrate_device(device, log: Callable[[str], None] = print, budget: float =
         name = "cpu"
         memory_bytes, devices = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 1
     measured = time_device_kernels(device, dtype, budget)
-    hardware = device_profile(measured, name, memory_bytes, devices, label)
+    hardware = device_profile(measured, name, memory_bytes, devices, label, device.type)
     for role, m, k, n, rate in hardware.gemm_table:
         log(f"calibrate: gemm {role:7s} {m}x{k}x{n} {label} on {name}: {rate / 1e12:.2f} TFLOP/s")
     for seq, (forward, backward) in sorted(measured["attention"].items()):

@@ -21,8 +21,10 @@ from shiftlm.sim import flags, jsonout
 
 
 def _simulate_train(args: argparse.Namespace) -> int:
+    from shiftlm.hardware import DTYPE_BYTES
     from shiftlm.sim.layout import Layout
     from shiftlm.sim.train import simulate_step
+    from shiftlm.sim.trainer_costs import trainer_pointwise_bytes
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
     flags.require_counts(args, "tp", "pp", "sp", "cp", "ep", "micro_batch", "seq", "gpus")
@@ -43,6 +45,7 @@ def _simulate_train(args: argparse.Namespace) -> int:
         )
     schedule = args.schedule if args.pp > 1 else "none"
     chunks = chunks if args.pp > 1 else 1
+    compiled = flags.compile_mode(args, hardware)
     layout = Layout(
         dp=dp,
         pp=args.pp,
@@ -58,11 +61,14 @@ def _simulate_train(args: argparse.Namespace) -> int:
         cp=args.cp,
         ep=args.ep,
         etp=args.etp,
+        pointwise_bytes=trainer_pointwise_bytes(model, DTYPE_BYTES[args.dtype], compiled),
     )
-    result = simulate_step(model, layout, hardware, flags.efficiency_for(args, hardware), args.dtype)
+    efficiency = flags.efficiency_for(args, hardware, compiled)
+    result = simulate_step(model, layout, hardware, efficiency, args.dtype)
     report = {
         "model": model.name,
         "gpu": hardware.name,
+        "compile": compiled,
         "layout": layout.__dict__ | {"rank_order": list(layout.rank_order)},
     }
     report |= result.as_dict()
@@ -75,7 +81,8 @@ def _simulate_train(args: argparse.Namespace) -> int:
         + (f" ep={args.ep}" if args.ep > 1 else "")
         + (f" etp={args.etp}" if args.etp and args.etp != args.tp else "")
         + f" sp={args.sp} tp={args.tp} "
-        f"micro-batch={args.micro_batch} x {layout.microbatches} schedule={schedule} recompute={args.recompute}"
+        f"micro-batch={args.micro_batch} x {layout.microbatches} schedule={schedule} recompute={args.recompute} "
+        f"compile={str(compiled).lower()}"
     )
     print(
         f"step {result.step_time:.3f} s  {result.tokens_per_s:,.0f} tokens/s  {result.tflops_per_gpu:.0f} TFLOP/s/GPU  "
@@ -95,6 +102,7 @@ def _register_simulate_train(subparsers) -> None:
     parser = subparsers.add_parser("train", help="predict one training step of a layout on a cluster")
     flags.add_model_args(parser)
     flags.add_hardware_args(parser)
+    flags.add_compile_args(parser)
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
     for name, default, text in (
         ("tp", 1, "tensor-parallel degree"),
@@ -163,22 +171,25 @@ def _plan_train(args: argparse.Namespace) -> int:
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
     flags.require_counts(args, "gpus", "seq", "global_batch", "top")
-    efficiency = flags.efficiency_for(args, hardware)
+    compiled = flags.compile_mode(args, hardware)
+    efficiency = flags.efficiency_for(args, hardware, compiled)
     if not args.json:  # the search simulates thousands of layouts: seconds, more on big clusters
         print(
-            f"planning {model.name} on {args.gpus} x {hardware.name} (best layout -> {args.out}) ...",
+            f"planning {model.name} on {args.gpus} x {hardware.name}, {'compiled' if compiled else 'eager'} "
+            f"blocks (best layout -> {args.out}) ...",
             flush=True,
         )
-    # rank at least two, so "why 1." compares it with the runner-up even with --top 1
+    top = max(args.top, 2)  # at least two, so "why 1." compares it with the runner-up even with --top 1
     plan = plan_training(
-        model, hardware, args.gpus, args.seq, args.global_batch, max(args.top, 2), efficiency, args.dtype
+        model, hardware, args.gpus, args.seq, args.global_batch, top, efficiency, args.dtype, compiled
     )
     if not plan.ranked:
         raise ValueError(
             f"no layout of {model.name} fits {args.gpus} x {hardware.name}; add GPUs or shorten --seq"
         )
     best = plan.ranked[0].layout
-    args.out.write_text(train_config_toml(args.model or model.name, best))
+    # train.compile only as asked: the default is `auto`, the mode `shiftlm train` takes there anyway
+    args.out.write_text(train_config_toml(args.model or model.name, best, args.compile))
     rows = [
         {
             "layout": {
@@ -197,6 +208,7 @@ def _plan_train(args: argparse.Namespace) -> int:
                     "enumerated": plan.enumerated,
                     "fit": plan.fit_lower_bound,
                     "simulated": plan.simulated,
+                    "compile": compiled,
                     "config": str(args.out),
                     "top": rows,
                 }
@@ -257,6 +269,7 @@ def _register_plan_train(subparsers) -> None:
     flags.add_hardware_args(parser)
     parser.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    flags.add_compile_args(parser)
     parser.add_argument("--top", type=int, default=5, help="print this many layouts, best first")
     parser.add_argument(
         "--out", type=Path, default=Path("train.toml"), help="the `shiftlm train` config of the best layout"

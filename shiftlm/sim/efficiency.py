@@ -117,13 +117,19 @@ MEASURED = Efficiency(
 )
 
 
-def measured(extra: dict[str, float]) -> Efficiency:
+def step_overhead_key(compiled: bool) -> str:
+    """The profile's `extra` key of the host time per layer of a forward + backward in one mode
+    (`shiftlm calibrate` on a device: `calibrate_device._step_overheads`)."""
+    return f"step_overhead_{'compiled' if compiled else 'eager'}"
+
+
+def measured(extra: dict[str, float], compiled: bool = False) -> Efficiency:
     """A calibrated profile's efficiency: its achieved rates as they are, plus its measured cost of
     one eager op (`extra["op_overhead"]`, from `shiftlm calibrate`) per kernel. Where the profile
-    measured the host's time per layer of a forward + backward (`shiftlm calibrate` on CUDA:
-    `step_overhead_compiled`, the trainer's default there, else `step_overhead_eager`), that time
-    spread over the layer's framework ops is `host_op`, composed with the device time as any host
-    time is (`costs.overlapped`)."""
-    host = extra.get("step_overhead_compiled", extra.get("step_overhead_eager", 0.0))
+    measured the host's time per layer of a forward + backward in the step's mode (`compiled`
+    blocks or eager: `step_overhead_key`), that time spread over the layer's framework ops is
+    `host_op`, composed with the device time as any host time is (`costs.overlapped`); 0 where it
+    was not measured (`flags.compile_mode` decides what to simulate then)."""
+    host = extra.get(step_overhead_key(compiled), 0.0)
     host_op = host / (LAYER_OPS_FORWARD + LAYER_OPS_BACKWARD)
     return Efficiency(1.0, 1.0, 1.0, 1.0, extra.get("op_overhead", 0.0), host_op=host_op, handoff_latency=0.0)

@@ -122,7 +122,7 @@ def group_placement(layout: Layout, axis: str, gpus_per_node: int) -> tuple[int,
     return per_node, size // per_node
 
 
-def eager_llama_pointwise_bytes(model: ModelConfig, dtype_bytes: int = 2) -> float:
+def eager_llama_pointwise_bytes(model: ModelConfig, dtype_bytes: int = 2, repeat_kv: bool = True) -> float:
     """HBM bytes per token per layer that an eager (uncompiled) PyTorch Llama block's pointwise ops
     move in its forward beyond the fused kernels `forward_ops` lists (22 bytes per hidden unit for
     two fused norms and two residual adds, 6 per FFN unit for a fused SwiGLU). Counted op by op from
@@ -135,6 +135,7 @@ def eager_llama_pointwise_bytes(model: ModelConfig, dtype_bytes: int = 2) -> flo
     - `apply_rotary_emb` on q and k: `.float()` (w + 4), complex multiply (4 + 4), `type_as` (4 + w):
       20 bytes per q and k unit at bf16;
     - `repeat_kv` of k and v where heads > kv heads: `expand().reshape()` copies (read kv, write q);
+      none with `repeat_kv=False` (shiftlm's block: SDPA's `enable_gqa` broadcasts the KV heads);
     - SwiGLU `silu(w1 x) * w3 x`: silu (w + w), mul (2w + w): 5w per FFN unit against the fused 6
       bytes (3w) of `forward_ops`.
     The SDPA output's `transpose(1, 2).contiguous()` is a view of the flash kernel's (b, s, h, d)
@@ -144,7 +145,7 @@ def eager_llama_pointwise_bytes(model: ModelConfig, dtype_bytes: int = 2) -> flo
     norm = (w + 4) + 8 + 4 + 8 + (4 + w) + 2 * w
     eager = 2 * norm * h + 2 * 3 * w * h  # norms and residual adds
     eager += (w + 4 + 8 + 4 + w) * (q + kv)  # RoPE on q and k
-    if model.num_kv_heads < model.num_heads:
+    if repeat_kv and model.num_kv_heads < model.num_heads:
         eager += 2 * w * (kv + q)  # repeat_kv of keys and values
     fused = 22 * h + (6 if model.gated_mlp else 4) * f  # forward_ops' norms+residuals, activation
     gate = 5 * w if model.gated_mlp else 2 * w  # silu(w1 x) * w3 x, or one activation

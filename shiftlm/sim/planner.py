@@ -32,7 +32,12 @@ from shiftlm.sim.train import (
     stage_costs,
     step_overheads,
 )
-from shiftlm.sim.trainer_costs import regathered_stage_costs, trainer_memory, trainer_step_memory
+from shiftlm.sim.trainer_costs import (
+    regathered_stage_costs,
+    trainer_memory,
+    trainer_pointwise_bytes,
+    trainer_step_memory,
+)
 
 # Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
 # zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); every ZeRO stage the
@@ -199,9 +204,12 @@ def plan_training(
     top_k: int = 5,
     efficiency: Efficiency = FIRST_PRINCIPLES,
     dtype: str = "bf16",
+    compiled: bool = True,
 ) -> Plan:
-    """The `top_k` fastest layouts that fit in memory, best first."""
+    """The `top_k` fastest layouts that fit in memory, best first, with `compiled` decoder blocks
+    (`train.compile`) or eager ones (their unfused pointwise traffic: `trainer_pointwise_bytes`)."""
     width = DTYPE_BYTES[dtype]
+    pointwise = trainer_pointwise_bytes(model, width, compiled)
     bounds: list[tuple[float, Layout]] = []
     stage_memo: dict[tuple, StageCosts] = {}
     enumerated = 0
@@ -236,6 +244,8 @@ def plan_training(
     for bound, layout in bounds:
         if len(ranked) >= top_k and bound >= ranked[-1].result.step_time:
             break
+        # the bound leaves the pointwise traffic out, which only lengthens a step: still a bound
+        layout = replace(layout, pointwise_bytes=pointwise)
         result = simulate_step(model, layout, hardware, efficiency, dtype)
         simulated += 1
         # fits as the trainer keeps its states (fp32, full gradient buffer: trainer_costs)
@@ -248,8 +258,9 @@ def plan_training(
     return Plan(ranked, enumerated, len(bounds), simulated)
 
 
-def train_config_toml(model_name: str, layout: Layout) -> str:
-    """The `shiftlm train` config for `layout` (schema agreed with the trainer)."""
+def train_config_toml(model_name: str, layout: Layout, compiled: bool | None = None) -> str:
+    """The `shiftlm train` config for `layout` (schema agreed with the trainer); `compiled`, where
+    given, as `train.compile` (None: the trainer's default, auto)."""
     schedule = layout.schedule if layout.pp > 1 else "1f1b"
     return (
         f'[model]\nname = "{model_name}"\n\n'
@@ -261,4 +272,5 @@ def train_config_toml(model_name: str, layout: Layout) -> str:
         f"[train]\nmicro_batch = {layout.micro_batch}\nglobal_batch = {layout.global_batch}\n"
         f'seq_len = {layout.seq_len}\nschedule = "{schedule}"\nchunks = {layout.chunks}\n'
         f'recompute = "{layout.recompute}"\nzero = {layout.zero}\n'
+        + ("" if compiled is None else f"compile = {str(compiled).lower()}\n")
     )

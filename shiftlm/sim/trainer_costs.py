@@ -1,4 +1,5 @@
-"""What `shiftlm train` itself costs beyond the generic (Megatron-style) model: its memory and ZeRO-3.
+"""What `shiftlm train` itself costs beyond the generic (Megatron-style) model: its memory, ZeRO-3 and
+its eager blocks' pointwise traffic (`trainer_pointwise_bytes`).
 
 The generic memory model (`memory.py`) counts mixed-precision states (2 + 2 + 12 bytes per parameter,
 sharded by the ZeRO stage as in Rajbhandari et al. 2020). shiftlm's trainer keeps, per parameter on
@@ -40,7 +41,7 @@ from shiftlm.config import LOSS_CHUNK, ModelConfig
 from shiftlm.hardware import Hardware
 from shiftlm.sim.collectives import Links, reduce_scatter_time
 from shiftlm.sim.efficiency import Efficiency
-from shiftlm.sim.layout import Layout, group_placement
+from shiftlm.sim.layout import Layout, eager_llama_pointwise_bytes, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 from shiftlm.sim.moe import (
     dispatched_rows,
@@ -51,6 +52,14 @@ from shiftlm.sim.moe import (
 )
 
 FP32 = 4
+
+
+def trainer_pointwise_bytes(model: ModelConfig, dtype_bytes: int, compiled: bool) -> float:
+    """`Layout.pointwise_bytes` of the trainer's decoder block (`train.compile`): 0 compiled (inductor
+    fuses the pointwise ops into about `costs.forward_ops`' kernels); eager, the Llama block's unfused
+    ops (`eager_llama_pointwise_bytes`) without repeat_kv's copies (`model/attention.causal_attention`
+    lets SDPA broadcast the KV heads, on CUDA and on the CPU)."""
+    return 0.0 if compiled else eager_llama_pointwise_bytes(model, dtype_bytes, repeat_kv=False)
 
 
 def data_group(layout: Layout) -> int:

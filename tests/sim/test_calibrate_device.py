@@ -39,10 +39,21 @@ def test_every_measurement_is_in_the_profile(cpu_profile, tmp_path):
     # a compiled block's host time per layer is measured beside the eager one (inductor builds here)
     assert hardware.extra["step_overhead_eager"] > 0 and hardware.extra["step_overhead_compiled"] > 0
     assert "catalog_gemm_ratio" not in hardware.extra  # a CPU has no catalog entry to check
+    assert hardware.device_type == "cpu"  # `simulate train` then defaults to eager, as the trainer runs
     assert any("attention at 256 tokens" in line for line in lines)
     path = tmp_path / "hardware.json"
     save_profile(hardware, path)
     assert load_profile(path) == hardware
+
+
+def test_no_compiled_time_where_the_compiled_blocks_ran_eagerly(monkeypatch):
+    """A build failure inductor's up-front check missed turns every block eager (`CompiledBlock.broken`):
+    the step timed then is an eager one, so no compiled time is written (`simulate train` warns)."""
+    from shiftlm.model.compile import CompiledBlock
+    from shiftlm.sim.calibrate_device import _step_overheads
+
+    monkeypatch.setattr(CompiledBlock, "broken", "inductor failed")
+    assert set(_step_overheads(torch.device("cpu"), budget=0.01)) == {"step_overhead_eager"}
 
 
 def test_a_catalog_gpu_is_checked_against_the_catalog():
@@ -61,6 +72,7 @@ def test_a_catalog_gpu_is_checked_against_the_catalog():
     assert hardware.extra["catalog_hbm_ratio"] == pytest.approx(2.9e12 / 3350e9)
     assert hardware.intra_node_bandwidth == 450e9  # links from the catalog: one GPU measures none
     assert hardware.attention_fraction == pytest.approx(3.0e14 / 7.0e14)
+    assert hardware.device_type == "cuda"
 
 
 def test_a_gpu_profile_drives_simulate_train(tmp_path):
