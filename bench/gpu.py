@@ -470,10 +470,10 @@ def phase_calibrate(out: Path) -> dict:
     and eager."""
     profile = out / "hardware_this.json"
     calibrate = [sys.executable, "-m", "shiftlm", "calibrate", "--out", str(profile), "--json"]
-    run = subprocess.run(calibrate, capture_output=True, text=True, timeout=PHASES["calibrate"] - 40)
-    result = {"calibrate_returncode": run.returncode, "calibrate_stderr_tail": run.stderr[-3000:]}
-    if run.returncode == 0:
-        result["profile"] = json.loads(run.stdout.strip().splitlines()[-1])
+    returncode, stdout, stderr = run_group(calibrate, PHASES["calibrate"] - 40)
+    result = {"calibrate_returncode": returncode, "calibrate_stderr_tail": stderr[-3000:]}
+    if returncode == 0:
+        result["profile"] = json.loads(stdout.strip().splitlines()[-1])
         model = config_json(work_dir() / "llama-1b-config", MODEL_1B)
         simulate = [
             sys.executable,
@@ -503,12 +503,12 @@ def phase_calibrate(out: Path) -> dict:
         ]
         # both modes of `shiftlm train --train.compile=...` (15 s each: the 30 s one run had)
         for mode, key in (("--compile", "simulate_compiled"), ("--no-compile", "simulate_eager")):
-            sim = subprocess.run([*simulate, mode], capture_output=True, text=True, timeout=15)
+            returncode, stdout, stderr = run_group([*simulate, mode], 15)
             result[key] = {
                 "command": " ".join([*simulate[3:], mode]),
-                "returncode": sim.returncode,
-                "stdout_tail": sim.stdout[-4000:],
-                "stderr_tail": sim.stderr[-2000:],
+                "returncode": returncode,
+                "stdout_tail": stdout[-4000:],
+                "stderr_tail": stderr[-2000:],
             }
     return result
 
