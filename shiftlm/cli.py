@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 from typing import NamedTuple, NoReturn
 
@@ -158,6 +159,18 @@ def build_parser(command: str | None = None) -> Parser:
     return parser
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, ValueError, OSError):  # no poll here, or stdout is no file
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one `shiftlm` command; returns its exit code (user errors: one line on stderr)."""
     from shiftlm.errors import ConfigError, error_line
@@ -183,13 +196,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         args.command_line = argv  # what the user typed (a resume hint repeats it)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handlers below, not at exit
+        return code
     except UsageError as err:
         print(error_line(err.prog, str(err)), file=sys.stderr)
         return 2
     except ConfigError as err:
         print(error_line(prog, str(err)), file=sys.stderr)
         return err.exit_code
+    except BrokenPipeError:
+        if not _stdout_closed():  # another pipe or socket broke: not the user's doing
+            raise
+        # the reader went away (`| head`): stop quietly, as Unix tools do, with what a shell reports
+        # for them (128 + SIGPIPE); stdout to /dev/null, or the exit's flush would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as err:  # a path the user named (missing, a file in the way, not allowed, ...)
         if err.filename is None:
             raise

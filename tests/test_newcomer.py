@@ -383,3 +383,24 @@ def test_an_eager_process_never_imports_the_compiler():
     code = f"import sys, {modules}; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_a_reader_that_leaves_the_pipe_gets_no_traceback():
+    """`shiftlm simulate train ... | head`: the reader closes the pipe, the command stops quietly with
+    what a shell reports for such a tool (141), as Unix tools do."""
+    command = [sys.executable, "-m", "shiftlm", "simulate", "train", "--model", "llama3-8b", "--gpu", "h100"]
+    proc = subprocess.Popen([*command, "--gpus", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command prints: its write finds no reader
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and stderr == ""
+
+
+def test_a_broken_pipe_that_is_not_stdout_still_shows(monkeypatch):
+    from shiftlm.sim import cli as sim_cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")  # a worker's or a socket's: a bug to see, not hide
+
+    monkeypatch.setattr(sim_cli, "_simulate_train", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["simulate", "train", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8"])
