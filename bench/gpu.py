@@ -157,8 +157,9 @@ def _tree_groups(pid: int) -> set[int]:
     return found
 
 
-def checkpoint(path: Path, shape: dict, tokenizer: bool = True) -> Path:
-    """A random-weight Llama written by transformers (made on the GPU: a 1.1B init on the CPU is slow)."""
+def checkpoint(path: Path, shape: dict, tokenizer: bool = True, device: str | None = None) -> Path:
+    """A random-weight Llama written by transformers, made on `device` (default the bench's: a 1.1B
+    init on the CPU is slow)."""
     if (path / "config.json").exists():
         return path
     import torch
@@ -166,7 +167,7 @@ def checkpoint(path: Path, shape: dict, tokenizer: bool = True) -> Path:
 
     config = tf.LlamaConfig(**shape)
     torch.manual_seed(0)
-    with torch.device(DEVICE):
+    with torch.device(device or DEVICE):
         model = tf.LlamaForCausalLM(config).float()
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from gpu import MODEL_1B, run_group  # TinyLlama-1.1B's shape, the one the GPU checks use
+from gpu import checkpoint as write_checkpoint  # random weights, as every GPU check writes them
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("shiftlm_compiled", "hf_compiled", "shiftlm_eager", "hf_eager")  # most wanted first
@@ -53,20 +54,6 @@ MODEL_TINY = dict(
     num_key_value_heads=2,
 )
 LR, BETAS, WEIGHT_DECAY, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
-
-
-def write_checkpoint(path: Path, shape: dict, device: str) -> Path:
-    """Random Llama weights written by transformers (initialised on `device`: a 1.1B init on the CPU is slow)."""
-    import torch
-    import transformers as tf
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(**shape)).float()
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def batches(vocab: int, batch: int, seq: int, count: int):
@@ -298,7 +285,7 @@ def main() -> int:
     name = device_label(device)
     work = args.work / ("tiny" if tiny else "1b")
     checkpoint = args.checkpoint or work / "checkpoint"
-    write_checkpoint(checkpoint, MODEL_TINY if tiny else MODEL_1B, device)
+    write_checkpoint(checkpoint, MODEL_TINY if tiny else MODEL_1B, tokenizer=False, device=device)
     shape = {k: v for k, v in json.loads((checkpoint / "config.json").read_text()).items() if k in MODEL_1B}
     model = ModelConfig.from_hf(checkpoint)
     flops_per_token = model.flops_per_token(args.seq, causal=True)

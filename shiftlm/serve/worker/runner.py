@@ -64,7 +64,7 @@ class ModelRunner:
         shift_model: ShiftModel,
         mesh: Mesh,
         shm_collectives: bool = True,
-        max_model_len: int | None = None,
+        max_blocks_per_seq: int | None = None,
     ):
         self.model_config = model_config
         self.shift_model = shift_model
@@ -73,12 +73,9 @@ class ModelRunner:
         # rank 0, mixture-of-experts models: called after each step with its rows per expert
         self.on_expert_rows: Callable[[list[float]], None] | None = None
         # plans are decoded on the host (`_run`): the tables live there, the batch goes to the device
-        # as wide as the longest sequence, not the cache (~340k blocks of an H200 x rows x 8 bytes)
-        cache = self.cache
-        width = min(
-            cache.num_blocks, -(-(max_model_len or model_config.max_position_embeddings) // cache.block_size)
-        )
-        self.tables = BlockTables(width, device="cpu", num_blocks=cache.num_blocks)
+        # as wide as the longest sequence (`load`), not the cache (~340k blocks of an H200 x rows x 8 bytes)
+        blocks = self.cache.num_blocks
+        self.tables = BlockTables(max_blocks_per_seq or blocks, device="cpu", num_blocks=blocks)
         self._inv_freq = shift_model.model.inv_freq.detach().cpu()  # stream groups' query rotation
         group = mesh.shift
         # new_group is collective: every rank builds the runner, in the same order. The plan's group
@@ -176,14 +173,14 @@ class ModelRunner:
         mixed = shift_model.compiled_mixed
         if mixed is not None and not mixed.warm_up(_warm_up_steps(shift_model, mixed.graph_mode)):
             shift_model.compiled_mixed = None
+        tokens = max_model_len or config.max_position_embeddings  # the longest context a step can have
+        longest = min(num_blocks, -(-tokens // block_size))
         if shift_model.compiled is not None and graphs:
-            tokens = max_model_len or config.max_position_embeddings  # the longest context a step can have
-            longest = min(num_blocks, -(-tokens // block_size))
             shift_model.graphs = DecodeGraphs(
                 shift_model.compiled, min(max_num_seqs, num_blocks), longest, True
             )
             shift_model.graphs.capture_all()
-        return cls(config, shift_model, mesh, shm_collectives, max_model_len)
+        return cls(config, shift_model, mesh, shm_collectives, longest)
 
     runs_ahead = True  # `execute` takes a plan's PENDING tokens from the device (async scheduling)
 
