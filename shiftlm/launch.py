@@ -111,6 +111,7 @@ class LocalWorkers:
         port = free_port()
         self._conns = []
         self._procs = []
+        self._stopping = False
         worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
@@ -140,25 +141,71 @@ class LocalWorkers:
             raise WorkerError(f"{fn.__name__} failed:\n" + "\n".join(errors))
         return results
 
-    def close(self, force: bool = False) -> None:
+    def stop(self) -> None:
+        """Tell every rank to leave its process group and exit, without waiting (`Pools.close` stops
+        every pool before it waits for any)."""
         for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive() and not force:
+            if proc.is_alive() and not self._stopping:
                 try:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
+        self._stopping = True
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            self.stop()
         for proc in self._procs:
             proc.join(timeout=0 if force else 10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         self._conns, self._procs = [], []
+        self._stopping = False
 
     def __enter__(self) -> LocalWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close(force=exc[0] is not None)
+
+
+class Pools:
+    """`LocalWorkers` pools by world size, each started on first use and kept for the next call (the
+    test suite's `ranks` fixture; `shiftlm verify`, whose layouts share a pool per rank count). A pool
+    whose call failed is closed, since a failed collective can leave its group broken, and started
+    afresh next time. `close` closes them all in the time of one: every rank of every pool is told to
+    exit (each leaves its process group, ~1 s on 2 cores) before any is waited for."""
+
+    def __init__(self, **options: Any):
+        self.options = options  # LocalWorkers' keyword arguments (timeout, env, backend)
+        self._pools: dict[int, LocalWorkers] = {}
+
+    def get(self, world_size: int) -> LocalWorkers:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool._procs:
+            pool = self._pools[world_size] = LocalWorkers(world_size, **self.options)
+        return pool
+
+    def run(self, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        try:
+            return self.get(world_size).run(fn, *args, **kwargs)
+        except WorkerError:
+            self._pools.pop(world_size).close(force=True)
+            raise
+
+    def close(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.stop()
+        for pool in pools:
+            pool.close()
+
+    def __enter__(self) -> Pools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # -- one job on N fresh processes, supervised (`shiftlm train --nproc`) ------------------------------

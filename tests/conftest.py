@@ -10,9 +10,7 @@ import pytest
 # covers the compiled decode step
 os.environ.setdefault("SHIFTLM_ENFORCE_EAGER", "1")
 
-from shiftlm.launch import LocalWorkers, WorkerError
-
-_POOLS: dict[int, LocalWorkers] = {}
+from shiftlm.launch import Pools
 
 
 def pytest_sessionstart(session):
@@ -36,26 +34,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-class _Pools:
-    def get(self, world_size: int) -> LocalWorkers:
-        pool = _POOLS.get(world_size)
-        if pool is None or not pool._procs:
-            pool = _POOLS[world_size] = LocalWorkers(world_size)
-        return pool
-
-    def run(self, world_size: int, fn, *args, **kwargs):
-        try:
-            return self.get(world_size).run(fn, *args, **kwargs)
-        except WorkerError:
-            # a failed collective can leave the group in a bad state: start afresh next time
-            _POOLS.pop(world_size).close(force=True)
-            raise
-
-
 @pytest.fixture(scope="session")
 def ranks():
     """`ranks.run(world_size, fn, *args)` runs a module-level fn on that many gloo ranks."""
-    yield _Pools()
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    pools = Pools()
+    yield pools
+    pools.close()

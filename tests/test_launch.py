@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shiftlm.launch import RankFailure, WorkerError, run_ranks
+from shiftlm.launch import Pools, RankFailure, WorkerError, run_ranks
 
 
 def _sum_of_ranks():
@@ -25,6 +25,26 @@ def test_an_error_on_one_rank_names_that_rank(ranks):
     with pytest.raises(WorkerError, match="(?s)rank 1.*boom on rank one"):
         ranks.run(2, _fail_on_rank_one)
     assert ranks.run(2, _sum_of_ranks) == [1.0, 1.0]  # the pool comes back for the next test
+
+
+def _pid():
+    import os
+
+    return os.getpid()
+
+
+def test_pools_keep_one_pool_per_world_size_and_close_them_all():
+    """`shiftlm verify`'s and the suite's pools: a world size's ranks serve every call until one fails,
+    and closing leaves no process behind."""
+    with Pools() as pools:
+        first = pools.run(2, _pid)
+        assert pools.run(1, _pid)[0] not in first and pools.run(2, _pid) == first
+        with pytest.raises(WorkerError):
+            pools.run(2, _fail_on_rank_one)
+        again = pools.run(2, _pid)
+        assert set(again).isdisjoint(first)  # a failed pool is replaced, not reused
+        processes = [proc for pool in pools._pools.values() for proc in pool._procs]
+    assert len(processes) == 3 and not any(proc.is_alive() for proc in processes)
 
 
 def _raise_on_rank_one_while_rank_zero_waits():

@@ -122,7 +122,7 @@ def run(args) -> int:
     import transformers
 
     from shiftlm.config import ModelConfig
-    from shiftlm.launch import LocalWorkers, WorkerError
+    from shiftlm.launch import Pools, WorkerError
     from shiftlm.mesh import check_dtype, choose_device, device_name, visible_gpus
     from shiftlm.model.weights import check_checkpoint_files
     from shiftlm.parallel import ParallelConfig
@@ -173,64 +173,66 @@ def run(args) -> int:
         reference_outputs(model_dir, batch, args.seq_len, device=str(device), autocast=True) if bf16 else None
     )
     rows = []
-    for tp, sp, cp, ep, etp in layouts:
-        start = time.perf_counter()
-        ranks = _ranks(tp, sp, cp, ep, etp)
-        name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
-        name += f" etp={etp} (dp={data_ranks(tp, ep, etp)})" if etp not in (0, tp) else ""
-        kwargs = dict(
-            tp=tp,
-            sp=sp,
-            cp=cp,
-            ep=ep,
-            etp=etp,
-            sequence_parallel=args.sequence_parallel,
-            batch=batch,
-            seq_len=args.seq_len,
-            autocast=bf16,
-        )
-        try:
-            if device.type == "cuda" and ranks == 1:  # one GPU: this process, no process group
-                ours = layout_outputs(model_dir, device=str(device), **kwargs)
+    with Pools(backend=backend) as pools:  # one per rank count: a process group starts once
+        for tp, sp, cp, ep, etp in layouts:
+            start = time.perf_counter()
+            ranks = _ranks(tp, sp, cp, ep, etp)
+            name = f"tp={tp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
+            name += f" etp={etp} (dp={data_ranks(tp, ep, etp)})" if etp not in (0, tp) else ""
+            kwargs = dict(
+                tp=tp,
+                sp=sp,
+                cp=cp,
+                ep=ep,
+                etp=etp,
+                sequence_parallel=args.sequence_parallel,
+                batch=batch,
+                seq_len=args.seq_len,
+                autocast=bf16,
+            )
+            try:
+                if device.type == "cuda" and ranks == 1:  # one GPU: this process, no process group
+                    ours = layout_outputs(model_dir, device=str(device), **kwargs)
+                else:
+                    ours = pools.run(ranks, layout_outputs, model_dir, **kwargs)[0]
+            except WorkerError as err:
+                print(f"shiftlm verify: layout {name} failed:\n{err}", file=sys.stderr)
+                return 1
+            logits_abs, logits_rel = relative_error(ours.logits, reference.logits)
+            grad_abs, grad_rel = relative_error(ours.embedding_grad, reference.embedding_grad)
+            row = {
+                "tp": tp,
+                "sp": sp,
+                "cp": cp,
+                "ep": ep,
+                "etp": etp or tp,
+                "ranks": ranks,
+                "logits_max_abs": logits_abs,
+                "logits_max_rel": logits_rel,
+                "embedding_grad_max_abs": grad_abs,
+                "embedding_grad_max_rel": grad_rel,
+            }
+            if hf_bf16 is None:
+                row["ok"] = max(logits_rel, grad_rel) <= args.tolerance
+                judged = ""
             else:
-                with LocalWorkers(ranks, backend=backend) as workers:
-                    ours = workers.run(layout_outputs, model_dir, **kwargs)[0]
-        except WorkerError as err:
-            print(f"shiftlm verify: layout {name} failed:\n{err}", file=sys.stderr)
-            return 1
-        logits_abs, logits_rel = relative_error(ours.logits, reference.logits)
-        grad_abs, grad_rel = relative_error(ours.embedding_grad, reference.embedding_grad)
-        row = {
-            "tp": tp,
-            "sp": sp,
-            "cp": cp,
-            "ep": ep,
-            "etp": etp or tp,
-            "ranks": ranks,
-            "logits_max_abs": logits_abs,
-            "logits_max_rel": logits_rel,
-            "embedding_grad_max_abs": grad_abs,
-            "embedding_grad_max_rel": grad_rel,
-        }
-        if hf_bf16 is None:
-            row["ok"] = max(logits_rel, grad_rel) <= args.tolerance
-            judged = ""
-        else:
-            hf_logits = relative_error(hf_bf16.logits, reference.logits)[1]
-            hf_grad = relative_error(hf_bf16.embedding_grad, reference.embedding_grad)[1]
-            row["transformers_bf16_logits_max_rel"] = hf_logits
-            row["transformers_bf16_embedding_grad_max_rel"] = hf_grad
-            row["ok"] = logits_rel <= args.bf16_slack * hf_logits and grad_rel <= args.bf16_slack * hf_grad
-            judged = f" (transformers bf16: logits {hf_logits:.2e}, input-grad {hf_grad:.2e})"
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        rows.append(row)
-        print(
-            f"{name}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
-            f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e}{judged} | {'ok' if row['ok'] else 'FAIL'} "
-            f"({row['seconds']}s)",
-            file=log,
-            flush=True,
-        )
+                hf_logits = relative_error(hf_bf16.logits, reference.logits)[1]
+                hf_grad = relative_error(hf_bf16.embedding_grad, reference.embedding_grad)[1]
+                row["transformers_bf16_logits_max_rel"] = hf_logits
+                row["transformers_bf16_embedding_grad_max_rel"] = hf_grad
+                row["ok"] = (
+                    logits_rel <= args.bf16_slack * hf_logits and grad_rel <= args.bf16_slack * hf_grad
+                )
+                judged = f" (transformers bf16: logits {hf_logits:.2e}, input-grad {hf_grad:.2e})"
+            row["seconds"] = round(time.perf_counter() - start, 2)
+            rows.append(row)
+            print(
+                f"{name}: logits abs {logits_abs:.2e} rel {logits_rel:.2e} | "
+                f"input-grad abs {grad_abs:.2e} rel {grad_rel:.2e}{judged} | {'ok' if row['ok'] else 'FAIL'} "
+                f"({row['seconds']}s)",
+                file=log,
+                flush=True,
+            )
     passed = all(r["ok"] for r in rows)
     rule = (
         f"within {args.bf16_slack:g}x transformers' own bf16 error vs fp32"
