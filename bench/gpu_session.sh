@@ -40,8 +40,8 @@ train() {
     # calibrate first: it needs no checkpoint; its own split is 100 s calibrate (~50 s expected on a GPU
     # host, 60-90 s on a busy 2-core CPU, the smoke) + 30 s simulate. train_compile writes the 1.1B
     # checkpoint once for both training phases (~15 s) and starts no variant past its deadline (eager
-    # ones last); its compiled shiftlm layers leave inductor's cache warm for train's same layers, whose
-    # 15 steps (~0.2 s each) come before the trainer's final save (~13 GB), metrics written per step.
+    # ones last); its compiled shiftlm layers leave inductor's cache warm for train's same layers:
+    # 15 steps (~0.2 s each), metrics written per step, no checkpoint (the last step's would be ~13 GB).
     SHIFTLM_GPU_LIMITS=calibrate=140,train_compile=270,train=120 $python bench/gpu.py --phase calibrate \
         --phase train_compile --phase train --out "$out" "$@" || status=1
 }

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from shiftlm.errors import RunDirError
 from shiftlm.model.weights import CheckpointError, open_safetensors
+from shiftlm.train.config import CheckpointSection
 
 TRAINER_FILE = "trainer.json"
 # the settings that decide which tokens step s reads: resuming with any of them changed would shift the data
@@ -218,14 +219,17 @@ def clear_run(log_dir: Path) -> None:
             path.unlink()
 
 
-def check_fresh_start(log_dir: Path, resume: bool, overwrite: bool) -> None:
+def check_fresh_start(log_dir: Path, ckpt: CheckpointSection) -> None:
     """A run that does not resume must not mix with another run's checkpoints and metrics."""
     found = previous_run(log_dir)
-    if resume or overwrite or not found:
+    if ckpt.resumes or ckpt.overwrite or not found:
         return
+    why, go_on = "checkpoint.resume is false", ", --checkpoint.resume=true to continue it,"
+    if not ckpt.enable:
+        why, go_on = "checkpoint.enable is false (this run neither resumes nor saves)", ""
     raise RunDirError(
-        f"{log_dir} holds another run ({', '.join(found)}) and checkpoint.resume is false: pass --overwrite "
-        "to delete it, --checkpoint.resume=true to continue it, or choose another --log.dir"
+        f"{log_dir} holds another run ({', '.join(found)}) and {why}: pass --overwrite to delete it{go_on} "
+        "or choose another --log.dir"
     )
 
 

@@ -55,6 +55,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config_file or args.config, overrides)
     if args.overwrite and args.__dict__.get("checkpoint.resume") not in (None, "false", "False", "0"):
         raise ConfigError("--overwrite starts afresh; it cannot go with --checkpoint.resume=true: drop one")
+    if (args.elastic or args.max_restarts) and not config.checkpoint.enable:
+        raise ConfigError(
+            f"{'--elastic' if args.elastic else '--max-restarts'} resumes from the newest checkpoint, and "
+            "checkpoint.enable = false writes none: drop one"
+        )
     if args.dry_run:
         return _dry_run(config, args)
     config, filled = fill_dp(config, args.nproc, _dp_given(args))
@@ -121,6 +126,8 @@ def interrupted_line(signum: int, config: TrainConfig, args: argparse.Namespace,
     from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
 
     name = signal.Signals(signum).name
+    if not config.checkpoint.enable:
+        return f"{name}: stopped without a checkpoint (checkpoint.enable is false)"
     latest = latest_checkpoint(Path(config.log.dir) / "checkpoints")
     if latest is None:
         return f"{name} before the first step: nothing to save; `shiftlm {shlex.join(args.command_line)}` starts it"
@@ -150,7 +157,7 @@ def _dry_run(config: TrainConfig, args: argparse.Namespace) -> int:
 def end_of_run(summary: dict) -> str:
     """The lines a run ends with: where its checkpoint, metrics and loss plot are."""
     paths = [
-        f"  checkpoint  {summary['checkpoint']}",
+        f"  checkpoint  {summary['checkpoint'] or 'none'}",
         f"  metrics     {summary['metrics']}",
         f"  loss plot   {summary['loss_plot']}",
     ]

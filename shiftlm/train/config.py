@@ -88,11 +88,17 @@ class DataSection:
 
 @dataclass
 class CheckpointSection:
+    enable: bool = True  # false: this run writes no checkpoint and resumes from none (torchtitan's name)
     every: int = 0  # save every N steps; 0: only at the end (and as every_s, and on SIGINT/SIGTERM)
     every_s: float = 300.0  # also save when this many seconds passed since the last save; 0: off
     keep: int = 2  # checkpoints kept on disk (oldest deleted first)
     resume: bool = True  # continue from the newest checkpoint in <log.dir>/checkpoints if one exists
     overwrite: bool = False  # with resume = false: delete another run's checkpoints and metrics in log.dir
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the run continues from log.dir's newest checkpoint (a run without checkpoints never)."""
+        return self.enable and self.resume
 
 
 @dataclass
@@ -262,6 +268,11 @@ def validate(config: TrainConfig) -> None:
         )
     if config.checkpoint.every_s < 0:
         raise ConfigError(f"checkpoint.every_s = {config.checkpoint.every_s} must be >= 0 (0: off)")
+    if not config.checkpoint.enable and config.checkpoint.every:
+        raise ConfigError(
+            f"checkpoint.every = {config.checkpoint.every} asks for checkpoints that checkpoint.enable = false "
+            "turns off: drop one"
+        )
     if train.bucket_mb <= 0:
         raise ConfigError(f"train.bucket_mb = {train.bucket_mb} must be > 0 (MiB per all-reduce bucket)")
     if train.compile not in COMPILE_CHOICES:

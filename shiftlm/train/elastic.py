@@ -84,6 +84,8 @@ def resume_hint(config: TrainConfig, fix_first: bool = False) -> str:
     """One line: how to go on from here (the newest checkpoint, or that there is none)."""
     from shiftlm.train.checkpoint import latest_checkpoint, read_trainer_state
 
+    if not config.checkpoint.enable:
+        return "checkpoint.enable is false: a rerun starts from step 0 (with --overwrite)"
     latest = latest_checkpoint(Path(config.log.dir) / "checkpoints")
     if latest is None:
         return "no checkpoint yet: rerunning starts from step 0 (set --checkpoint.every=N to bound the loss)"

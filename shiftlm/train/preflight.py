@@ -81,8 +81,8 @@ def check_run_dir(config: TrainConfig) -> None:
     )
 
     log_dir, ckpt = Path(config.log.dir), config.checkpoint
-    check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)
-    latest = latest_checkpoint(log_dir / "checkpoints") if ckpt.resume else None
+    check_fresh_start(log_dir, ckpt)
+    latest = latest_checkpoint(log_dir / "checkpoints") if ckpt.resumes else None
     if latest is not None:
         check_data_shaping(latest, read_trainer_state(latest), config.to_dict())
 

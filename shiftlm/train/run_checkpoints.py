@@ -72,8 +72,8 @@ class RunCheckpoints:
         """A fresh start (resume = false) into a used log.dir: refused, or (overwrite) the old run deleted."""
         ckpt = self.config.checkpoint
         log_dir = Path(self.config.log.dir)
-        check_fresh_start(log_dir, ckpt.resume, ckpt.overwrite)  # same answer on every rank
-        if not ckpt.resume and ckpt.overwrite:
+        check_fresh_start(log_dir, ckpt)  # same answer on every rank
+        if not ckpt.resumes and ckpt.overwrite:
             barrier()
             if self.mesh.rank == 0:
                 clear_run(log_dir)
@@ -81,7 +81,7 @@ class RunCheckpoints:
 
     def maybe_resume(self) -> Path | None:
         """Load the newest checkpoint of log.dir if asked; returns its path (None: a fresh start)."""
-        latest = latest_checkpoint(self.checkpoints) if self.config.checkpoint.resume else None
+        latest = latest_checkpoint(self.checkpoints) if self.config.checkpoint.resumes else None
         if latest is None:
             return None
         state = read_trainer_state(latest)

@@ -320,7 +320,9 @@ class Trainer(RunCheckpoints):
                 )
             every = self.config.checkpoint.every
             signum, due = self.boundary.check()  # a signal or a timed checkpoint: every rank agrees
-            saved = (every and (step + 1) % every == 0) or step + 1 == cfg.steps or due or signum
+            saved = self.config.checkpoint.enable and (
+                (every and (step + 1) % every == 0) or step + 1 == cfg.steps or due or signum
+            )
             if saved:
                 result.checkpoint = self.save(step + 1)
                 self.boundary.saved()
@@ -329,7 +331,7 @@ class Trainer(RunCheckpoints):
                 break
             exclude = self.stragglers.after_step(step + 1, elapsed) if self.stragglers else None
             if exclude is not None:  # --elastic: relaunch without a persistently slow rank
-                if not saved:
+                if not saved and self.config.checkpoint.enable:
                     self.save(step + 1)
                 raise exclude
             if stop_after is not None and step + 1 >= stop_after:

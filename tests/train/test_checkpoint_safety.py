@@ -178,3 +178,42 @@ def test_a_finished_run_says_so_and_where_its_outputs_are(capsys, run_dir):
     for path in ("checkpoints/step_00000002", "metrics.jsonl", "loss.png"):
         assert str(run_dir / path) in out
     assert "step 1/" not in out  # nothing retrained
+
+
+def test_a_run_with_checkpoints_off_saves_nothing_and_never_mixes_runs(capsys, tmp_path):
+    """`checkpoint.enable = false` (a benchmark run: torchtitan's switch): no checkpoint at the last step
+    or a timed one, a rerun into the same log.dir is a fresh start refused without --overwrite (it cannot
+    resume), and asking for periodic checkpoints as well is one line."""
+    run_dir = tmp_path / "bench"
+    off = ["--checkpoint.enable=false", "--checkpoint.every_s=0.001"]
+    code, out, err = _train(capsys, run_dir, "--train.steps=2", *off)
+    assert code == 0, err
+    assert not any((run_dir / "checkpoints").glob("step_*")) and "checkpoint  none" in out
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+    code, out, err = _train(capsys, run_dir, "--train.steps=3", *off)
+    assert code == 6 and len(err.strip().splitlines()) == 1
+    assert "checkpoint.enable is false" in err and "--overwrite" in err and "--checkpoint.resume" not in err
+    code, out, err = _train(capsys, run_dir, "--train.steps=3", "--overwrite", *off)
+    assert code == 0, err
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3  # this run's steps only
+
+    code, out, err = _train(capsys, tmp_path / "other", "--checkpoint.enable=false", "--checkpoint.every=5")
+    assert code == 2 and "checkpoint.every = 5" in err and "drop one" in err
+    code, out, err = _train(capsys, tmp_path / "other", "--checkpoint.enable=false", "--max-restarts=2")
+    assert code == 2 and "--max-restarts resumes from the newest checkpoint" in err and "drop one" in err
+
+
+def test_a_stop_or_failure_without_checkpoints_names_no_checkpoint_to_resume(run_dir):
+    """A run dir holding an old checkpoint: a run with checkpoints off would not resume it, so neither
+    the signal's line nor a failed rank's hint offers it."""
+    import signal
+
+    from shiftlm.train.cli import interrupted_line
+    from shiftlm.train.config import load_config
+    from shiftlm.train.elastic import resume_hint
+
+    config = load_config(None, [*RUN, f"--log.dir={run_dir}", "--checkpoint.enable=false"])
+    line = interrupted_line(signal.SIGTERM, config, None)
+    assert line == "SIGTERM: stopped without a checkpoint (checkpoint.enable is false)"
+    assert "step_00000002" not in resume_hint(config) and "checkpoint.enable is false" in resume_hint(config)
