@@ -231,6 +231,13 @@ class Mesh:
         if config.expert_tp == config.tp:  # expert TP = TP: the same group object (moe.SparseMoE tests it)
             self.groups["etp"] = self.groups["tp"]
 
+    def close(self) -> None:
+        """Destroy the process groups this mesh created, after its last collective: each gloo group
+        holds threads (which wake while idle) and sockets until it is destroyed, and a process may
+        build many meshes (a notebook's training runs). The mesh is unusable afterwards."""
+        for pg in {id(g.pg): g.pg for g in self.groups.values() if g.pg is not None}.values():
+            dist.destroy_process_group(pg)
+
     tp = property(lambda self: self.groups["tp"])
     sp = property(lambda self: self.groups["sp"])
     cp = property(lambda self: self.groups["cp"])

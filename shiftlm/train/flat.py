@@ -17,12 +17,36 @@ gradients (plus a unit's buffer while it is being reduced). Masks can be built a
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 GRADS_TAG = "shiftlm.grads"  # profiler ranges around every gradient / parameter storage allocation
 PARAMS_TAG = "shiftlm.params"  # (train/memory_probe.tagged_peak attributes the allocator's bytes)
+
+
+def hook_arrivals(
+    flat: FlatParameters, arrived: Callable[[int], None], hooked: list[bool] | None = None
+) -> None:
+    """After autograd accumulates a gradient into parameter i (of those `hooked`), call `arrived(i)`, a
+    bound method, through a weak reference to its owner. A parameter keeps its hooks where Python's
+    collector cannot follow them (autograd's gradient accumulator holds the tensor from C++), so a hook
+    holding its owner strongly made an uncollectable cycle: every training run in a process left its
+    gradient buffers and its process groups' threads behind (3 gloo threads a run, each test worker
+    polling in all of them)."""
+    owner = weakref.WeakMethod(arrived)
+    for index, param in enumerate(flat.parameters):
+        if hooked is None or hooked[index]:
+            param.register_post_accumulate_grad_hook(functools.partial(_arrive, owner, index))
+
+
+def _arrive(owner: weakref.WeakMethod, index: int, _param: torch.Tensor) -> None:
+    arrived = owner()
+    if arrived is not None:
+        arrived(index)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from shiftlm.comm import CommGroup, all_gather, all_reduce, reduce_scatter
 from shiftlm.comm.p2p import exchange
-from shiftlm.train.flat import GRADS_TAG, FlatParameters
+from shiftlm.train.flat import GRADS_TAG, FlatParameters, hook_arrivals
 
 
 class ShardedGrads:
@@ -74,10 +74,7 @@ class ShardedGrads:
         self._pending: deque = deque()  # (unit, work, buffer, output) reductions in flight
         self.gloo = [g.size > 1 and dist.get_backend(g.pg) == "gloo" for g in self.unit_groups]
         self.reductions = 0  # unit reductions this step (a test reads it)
-        hooked = hooked if hooked is not None else [True] * len(flat.parameters)
-        for index, (param, hook) in enumerate(zip(flat.parameters, hooked)):
-            if hook:
-                param.register_post_accumulate_grad_hook(lambda _, index=index: self._arrived(index))
+        hook_arrivals(flat, self._arrived, hooked)
 
     # -- the GradSync interface the trainer drives -------------------------------------------------
     def begin_step(self, micro_batches: int) -> None:

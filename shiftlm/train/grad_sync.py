@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shiftlm.comm import CommGroup, all_reduce, tree_all_reduce
-from shiftlm.train.flat import FlatParameters
+from shiftlm.train.flat import FlatParameters, hook_arrivals
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
@@ -55,8 +55,7 @@ class GradSync:
         self._pending = [0] * len(self.buckets)  # parameters still to arrive, per bucket
         self._handles: dict[int, dist.Work | None] = {}
         if self.overlap and count_accumulations:
-            for index, param in enumerate(flat.parameters):
-                param.register_post_accumulate_grad_hook(lambda _, index=index: self._arrived(index))
+            hook_arrivals(flat, self._arrived)
 
     def _build_buckets(self, bucket_elements: int) -> None:
         self._bucket_of = [0] * len(self.flat.slots)

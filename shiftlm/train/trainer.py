@@ -398,4 +398,6 @@ def train(config: TrainConfig, stop_after: int | None = None, quiet: bool = Fals
     trainer = Trainer(config, quiet=quiet)
     trainer.prepare_run_dir()
     trainer.maybe_resume()
-    return trainer.run(stop_after)
+    result = trainer.run(stop_after)
+    trainer.mesh.close()  # after a failure the process ends; a finished run may be one of many in it
+    return result
