@@ -111,7 +111,6 @@ class LocalWorkers:
         port = free_port()
         self._conns = []
         self._procs = []
-        self._stopping = False
         worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
@@ -143,14 +142,13 @@ class LocalWorkers:
 
     def stop(self) -> None:
         """Tell every rank to leave its process group and exit, without waiting (`Pools.close` stops
-        every pool before it waits for any)."""
+        every pool before it waits for any; a second stop is harmless: an exited rank reads nothing)."""
         for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive() and not self._stopping:
+            if proc.is_alive():
                 try:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     pass
-        self._stopping = True
 
     def close(self, force: bool = False) -> None:
         if not force:
@@ -161,7 +159,6 @@ class LocalWorkers:
                 proc.kill()
                 proc.join()
         self._conns, self._procs = [], []
-        self._stopping = False
 
     def __enter__(self) -> LocalWorkers:
         return self
