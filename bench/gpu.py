@@ -9,11 +9,7 @@ Phases (each a subprocess with its own time limit, so one failure leaves the oth
 - verify: `shiftlm verify --device cuda` in fp32 (<= 1e-5 relative to transformers on the same GPU) and
   in bf16 autocast (within 2x transformers' own bf16 error vs fp32), on the tiny llama-gqa, qwen2 and
   mistral checkpoints and on a 1024-wide Llama at 512 tokens (SDPA's fused kernels apply there).
-- train_ab: a ~1.1B Llama (TinyLlama's shape) in bf16 autocast over fp32 weights, forward + backward +
-  the same torch AdamW step, shiftlm and transformers (eager, no torch.compile) alternating step by
-  step in one process: tokens/s, MFU against the catalog's peak (`hardware.device_peak_flops`), peak
-  memory, and which SDPA kernel ran (profiler kernel names).
-- train: `torchrun --nproc-per-node 1 -m shiftlm train` on that model at 4 x 2048 (the user's
+- train: `torchrun --nproc-per-node 1 -m shiftlm train` on a ~1.1B Llama (TinyLlama's shape) at 4 x 2048 (the user's
   command, its default `train.compile`): its own tokens/s, MFU and memory per step from metrics.jsonl.
 - train_compile: bench/gpu_train.py (shiftlm compiled / eager against transformers compiled / eager,
   one process each) on that model's checkpoint, inside the phase's limit; its JSON lands beside the
@@ -22,8 +18,6 @@ Phases (each a subprocess with its own time limit, so one failure leaves the oth
 - serve: `shiftlm serve` on one GPU: greedy completions in fp32 equal transformers' `generate` on the
   same GPU; then `shiftlm bench serve` replays the Azure conversation trace against the ~1.1B model in
   bf16 (the default on GPUs).
-- serve_step: the engine's decode step in process (bf16, 1 / 8 / 32 / 64 sequences at 512 tokens of
-  context): ms per step, and for 32 sequences the GPU's kernel time against the step's wall time.
 """
 
 from __future__ import annotations
@@ -61,12 +55,10 @@ PHASES = phase_limits(
         "env": 60,
         "cuda_tests": 300,
         "verify": 200,
-        "train_ab": 170,
         "train": 150,
         "train_compile": 540,
         "calibrate": 150,
         "serve": 220,
-        "serve_step": 120,
     }
 )  # seconds each (SHIFTLM_GPU_LIMITS overrides them)
 # TinyLlama-1.1B's shape (Zhang et al. 2024)
@@ -288,105 +280,6 @@ def phase_verify(out: Path) -> dict:
     return {"passed": all(r.get("passed") is True for r in runs), "runs": runs}
 
 
-def _sdpa_kernels(step) -> list[str]:
-    """The CUDA kernels of one step whose names say which attention implementation ran."""
-    import torch
-
-    activity = torch.profiler.ProfilerActivity.CPU if SMOKE else torch.profiler.ProfilerActivity.CUDA
-    with torch.profiler.profile(activities=[activity]) as prof:
-        step()
-        _sync()
-    names = {e.key for e in prof.key_averages()}
-    keys = ("flash", "fmha", "attention", "efficient", "cudnn", "sdpa", "softmax")
-    return sorted(n[:120] for n in names if any(k in n.lower() for k in keys))
-
-
-def phase_train_ab(out: Path, steps: int = 8, batch: int = 4, seq: int = 2048) -> dict:
-    if SMOKE:
-        steps, batch, seq = 2, 2, 64
-    import torch
-    import transformers as tf
-
-    from shiftlm.config import ModelConfig
-    from shiftlm.hardware import device_peak_flops
-    from shiftlm.mesh import Mesh
-    from shiftlm.model import build_model
-    from shiftlm.parallel import ParallelConfig
-
-    tf.logging.set_verbosity_error()
-    path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
-    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu")
-    hf = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
-    hf = hf.to(device).train()
-    config = ModelConfig.from_hf(path)
-    ours = build_model(config, Mesh(ParallelConfig(), device=device), checkpoint=path).train()
-    optimizers = {
-        "hf": torch.optim.AdamW(hf.parameters(), lr=1e-5, foreach=True),
-        "shiftlm": torch.optim.AdamW(ours.parameters(), lr=1e-5, foreach=True),
-    }
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)
-    targets = torch.roll(ids, -1, dims=1)
-
-    def step(name: str) -> float:
-        model, optimizer = (hf, optimizers["hf"]) if name == "hf" else (ours, optimizers["shiftlm"])
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            if name == "hf":
-                logits = model(ids).logits
-            else:
-                logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    names = ("hf", "shiftlm")
-    losses = {name: step(name) for name in names}  # warm-up, and the first losses (same weights, batch)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    peak_mem: dict[str, float] = {}
-    for i in range(steps):
-        for name in names if i % 2 == 0 else names[::-1]:
-            _sync()
-            if DEVICE == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            step(name)
-            _sync()
-            times[name].append(time.perf_counter() - start)
-            if DEVICE == "cuda":
-                peak_mem[name] = max(peak_mem.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
-        print(
-            f"step {i + 1}/{steps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in names),
-            flush=True,
-        )
-    kernels = {name: _sdpa_kernels(lambda name=name: step(name)) for name in names}
-    tokens = batch * seq
-    device_name = torch.cuda.get_device_name(device) if DEVICE == "cuda" else "cpu"
-    peak = device_peak_flops(device_name, "bf16")
-    flops_per_token = config.flops_per_token(seq, causal=True)
-    result = {
-        "device": device_name,
-        "model": {k: v for k, v in MODEL_1B.items() if not k.endswith("token_id")},
-        "parameters": sum(p.numel() for p in ours.parameters()),
-        "batch": batch,
-        "seq_len": seq,
-        "precision": "bf16 autocast, fp32 weights and AdamW state (torch.optim.AdamW foreach, both)",
-        "first_loss": losses,
-        "median_step_s": {n: statistics.median(times[n]) for n in names},
-        "tokens_per_s": {n: tokens / statistics.median(times[n]) for n in names},
-        "peak_memory_gib": peak_mem,
-        "flops_per_token": flops_per_token,
-        "peak_tflops_catalog": peak / 1e12 if peak else None,
-        "attention_kernels": kernels,
-    }
-    result["mfu"] = {
-        n: (tps * flops_per_token / peak if peak else None) for n, tps in result["tokens_per_s"].items()
-    }
-    result["shiftlm_over_hf"] = result["tokens_per_s"]["shiftlm"] / result["tokens_per_s"]["hf"]
-    return result
-
-
 def phase_train(out: Path, steps: int = 15) -> dict:
     """The user's command on the 1.1B model at 4 x 2048 (micro and global batch 4), `train.compile` at
     its default (auto: compiled decoder layers on CUDA), without checkpoints (`checkpoint.enable =
@@ -595,75 +488,6 @@ def phase_serve(out: Path) -> dict:
         "stderr_tail": stderr[-3000:],
     }
     return result
-
-
-def phase_serve_step(out: Path, context: int = 512) -> dict:
-    """The serving engine's decode step on the GPU (one rank, bf16, in process): wall time per step by
-    batch, and for a 32-sequence step the GPU's busy time against the host's, so a host-bound step
-    shows as such."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity
-
-    from shiftlm.mesh import Mesh
-    from shiftlm.parallel import ParallelConfig
-    from shiftlm.serve.worker.runner import ModelRunner
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from serve_kernels import _decode_plan
-
-    path = checkpoint(work_dir() / "llama-1b", MODEL_1B)
-    dtype = torch.float32 if SMOKE else torch.bfloat16
-    mesh = Mesh(ParallelConfig(), device=torch.device(DEVICE))
-    runner = ModelRunner.load(path, mesh, num_blocks=64 * 34 + 16, block_size=16, dtype=dtype)
-
-    def step(plan) -> None:
-        runner.execute(plan).argmax(-1).tolist()  # greedy sampling's host copy ends the step
-
-    rows = {}
-    for seqs in (1, 8, 32, 64):
-        plan = _decode_plan(seqs, context)
-        for _ in range(3):
-            step(plan)
-        times = []
-        for _ in range(20):
-            start = time.perf_counter()
-            step(plan)
-            times.append(time.perf_counter() - start)
-        rows[seqs] = {"median_ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times)}
-        print(f"decode {seqs} seqs x {context} context: {rows[seqs]['median_ms']:.2f} ms", flush=True)
-    plan = _decode_plan(32, context)
-    reps = 5
-    activities = [ProfilerActivity.CPU] + ([] if SMOKE else [ProfilerActivity.CUDA])
-    start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(reps):
-            step(plan)
-    wall_ms = 1e3 * (time.perf_counter() - start) / reps
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    gpu_busy_ms = sum(e.device_time for e in kernels) / 1e3 / reps if kernels else None
-    averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    top = [
-        {
-            "op": e.key[:80],
-            "count_per_step": e.count / reps,
-            "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / reps,
-        }
-        for e in averages[:20]
-    ]
-    return {
-        "device": "cpu" if SMOKE else torch.cuda.get_device_name(0),
-        "model": "llama-1.1b (TinyLlama shape), random weights",
-        "dtype": str(dtype),
-        "context": context,
-        "decode_step": rows,
-        "profile_32_seqs": {
-            "wall_ms_per_step_profiled": wall_ms,
-            "gpu_kernel_busy_ms_per_step": gpu_busy_ms,
-            "kernels_per_step": len(kernels) / reps,
-            "top_self_cpu_ops": top,
-        },
-    }
 
 
 def run_phase(name: str, out: Path) -> int:

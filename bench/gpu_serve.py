@@ -186,9 +186,43 @@ def _decode_variant(
             row[f"{name}_ms"] = ours * 1e3
             row[f"{name}_load_s"] = load_s
             row[f"{name}_ran_compiled"] = _fast_steps(runner) > compiled_steps
+            if batch == max(batches) and context == contexts[0]:  # host- or kernel-bound, and why
+                row[f"{name}_profile"] = _profile_step(lambda plan=decode: runner.run_step(plan))
             print(json.dumps(row), flush=True)
             partial = dict(device=device_name(), dtype=str(dtype), **meta, rows=list(rows.values()))
             (out / "gpu_serve_decode.partial.json").write_text(json.dumps(partial, indent=2) + "\n")
+
+
+def _profile_step(step, reps: int = 5) -> dict:
+    """One decode step under the profiler: the device's kernel time against the step's wall time (a
+    host-bound step shows a busy fraction well under 1), kernels launched, and the host's costliest ops."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    step()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()  # inside: the profiler's own start-up is no step's time
+        for _ in range(reps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - start) / reps
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in kernels) / 1e3 / reps if kernels else None
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    return {
+        "wall_ms_profiled": wall_ms,
+        "gpu_busy_ms": busy_ms,
+        "gpu_busy_fraction": busy_ms / wall_ms if busy_ms else None,
+        "kernels_per_step": len(kernels) / reps,
+        "top_self_cpu_ops": [
+            {"op": e.key[:80], "per_step": e.count / reps, "self_cpu_ms": e.self_cpu_time_total / 1e3 / reps}
+            for e in top
+        ],
+    }
 
 
 def _fast_steps(runner) -> int:
