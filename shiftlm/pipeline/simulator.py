@@ -38,8 +38,11 @@ class ActionCosts:
     """Seconds per stage-chunk and micro-batch; each field a float or a sequence indexed by stage.
 
     A full backward B costs backward_input + backward_weight unless `backward` says otherwise (it can
-    cost less: an executor whose W re-walks the graph pays for part of the backward twice). A message
-    costs p2p seconds plus activation_bytes * seconds_per_byte; activation_bytes is a stage's output size.
+    cost less: an executor whose W re-walks the graph pays for part of the backward twice). The forward
+    of a micro-batch the schedule splits into I + W costs `split_forward` where given (the trainer runs
+    such micro-batches' blocks eagerly under `train.compile`: model/compile.py); I and W only exist for
+    those. A message costs p2p seconds plus activation_bytes * seconds_per_byte; activation_bytes is a
+    stage's output size.
     """
 
     forward: Cost = 1.0
@@ -49,6 +52,7 @@ class ActionCosts:
     activation_bytes: Cost = 0.0
     seconds_per_byte: float = 0.0
     backward: Cost | None = None
+    split_forward: Cost | None = None
 
 
 @dataclass
@@ -129,7 +133,10 @@ def _dependencies(action: Action, lowered: bool, rank_of: list[list[int]]) -> li
     return []  # GRAD_SYNC: ordered after the chunk's last backward by its place in the rank's list
 
 
-_TIMED = (Kind.F, Kind.B, Kind.I, Kind.W)  # the kinds that take rank time, in the cost table's order
+# the kinds that take rank time, in the cost table's order; after them, the forwards of the
+# micro-batches that are split into I + W (`ActionCosts.split_forward`)
+_TIMED = (Kind.F, Kind.B, Kind.I, Kind.W)
+_SPLIT_FORWARD = len(_TIMED)
 _LIVE = {Kind.F: 1, Kind.B: -1, Kind.W: -1}  # stage-chunk activations taken (F) and released (B, W)
 
 
@@ -205,6 +212,7 @@ def _graph(schedule: Schedule) -> _Graph:
     if stuck:
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
 
+    split = {(a.stage, a.microbatch, a.replica) for a in actions if a.kind is Kind.I}
     peak = []
     for numbers in rank_actions:
         live = most = 0
@@ -218,10 +226,19 @@ def _graph(schedule: Schedule) -> _Graph:
         deps=tuple(deps),
         previous=tuple(previous),
         order=tuple(order),
-        cost_slot=tuple(_TIMED.index(a.kind) * stages + a.stage if a.kind in _TIMED else -1 for a in actions),
+        cost_slot=tuple(_cost_slot(a, split, stages) for a in actions),
         peak=tuple(peak),
         sends=tuple(i for i in order if actions[i].kind in (Kind.SEND_F, Kind.SEND_B)),
     )
+
+
+def _cost_slot(action: Action, split: set[tuple[int, int, int]], stages: int) -> int:
+    """`action`'s row * stages + stage in the cost table; -1 where it takes no rank time."""
+    if action.kind not in _TIMED:
+        return -1
+    if action.kind is Kind.F and (action.stage, action.microbatch, action.replica) in split:
+        return _SPLIT_FORWARD * stages + action.stage
+    return _TIMED.index(action.kind) * stages + action.stage
 
 
 # keep the last graphs, by schedule identity (the schedule is held too, so that its id is not reused)
@@ -255,7 +272,8 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> Simulation
         if costs.backward is None
         else _per_stage(costs.backward, num_stages)
     )
-    table = forward + backward + backward_input + backward_weight  # in _TIMED order
+    split_forward = forward if costs.split_forward is None else _per_stage(costs.split_forward, num_stages)
+    table = forward + backward + backward_input + backward_weight + split_forward  # _TIMED, _SPLIT_FORWARD
     # a message lands this long after its send, by the sending stage
     delay = [
         p + a * costs.seconds_per_byte for p, a in zip(_per_stage(costs.p2p, num_stages), activation_bytes)

@@ -23,7 +23,7 @@ from shiftlm.sim import flags, jsonout
 def _simulate_train(args: argparse.Namespace) -> int:
     from shiftlm.hardware import DTYPE_BYTES
     from shiftlm.sim.layout import Layout
-    from shiftlm.sim.train import simulate_step
+    from shiftlm.sim.train import simulate_step, trainer_split
     from shiftlm.sim.trainer_costs import trainer_pointwise_bytes
 
     model, hardware = flags.model_from(args), flags.hardware_from(args)
@@ -64,7 +64,9 @@ def _simulate_train(args: argparse.Namespace) -> int:
         pointwise_bytes=trainer_pointwise_bytes(model, DTYPE_BYTES[args.dtype], compiled),
     )
     efficiency = flags.efficiency_for(args, hardware, compiled)
-    result = simulate_step(model, layout, hardware, efficiency, args.dtype)
+    eager = flags.efficiency_for(args, hardware, compiled=False)
+    split = trainer_split(model, DTYPE_BYTES[args.dtype], compiled, eager)
+    result = simulate_step(model, layout, hardware, efficiency, args.dtype, split)
     report = {
         "model": model.name,
         "gpu": hardware.name,
@@ -181,7 +183,16 @@ def _plan_train(args: argparse.Namespace) -> int:
         )
     top = max(args.top, 2)  # at least two, so "why 1." compares it with the runner-up even with --top 1
     plan = plan_training(
-        model, hardware, args.gpus, args.seq, args.global_batch, top, efficiency, args.dtype, compiled
+        model,
+        hardware,
+        args.gpus,
+        args.seq,
+        args.global_batch,
+        top,
+        efficiency,
+        args.dtype,
+        compiled,
+        eager_efficiency=flags.efficiency_for(args, hardware, compiled=False),
     )
     if not plan.ranked:
         raise ValueError(

@@ -20,6 +20,9 @@ class StageCosts:
     backward_weight: list[float]
     comm: list[float]
     p2p: float
+    # the costs of the micro-batches a zero-bubble schedule splits into I + W, where they run otherwise
+    # (the trainer's compiled blocks run those eagerly: model/compile.py); None: as the rest
+    split: StageCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -48,14 +51,18 @@ def pipeline_timing(layout: Layout, stage: StageCosts) -> PipelineTiming:
     def ratios(values: list[float]) -> tuple[float, ...]:
         return tuple(float(f"{v / scale:.{_RATIO_DIGITS}g}") for v in values)
 
+    split = stage.split or stage
     unit = _unit_pipeline_timing(
         layout.schedule,
         layout.pp,
         layout.microbatches,
         layout.chunks,
         ratios(stage.forward),
-        ratios(stage.backward_input),
-        ratios(stage.backward_weight),
+        # I and W exist only for split micro-batches; a full backward B costs the rest's I + W
+        ratios(split.backward_input),
+        ratios(split.backward_weight),
+        ratios([i + w for i, w in zip(stage.backward_input, stage.backward_weight)]),
+        ratios(split.forward),
         ratios([stage.p2p])[0],
     )
     return replace(unit, makespan=unit.makespan * scale, busy=tuple(b * scale for b in unit.busy))
@@ -70,14 +77,22 @@ def _unit_pipeline_timing(
     forward: tuple[float, ...],
     backward_input: tuple[float, ...],
     backward_weight: tuple[float, ...],
+    backward: tuple[float, ...],
+    split_forward: tuple[float, ...],
     p2p: float,
 ) -> PipelineTiming:
     from shiftlm.pipeline.simulator import ActionCosts, simulate
 
     schedule = lowered_schedule(name, pp, microbatches, chunks)
-    result = simulate(
-        schedule, ActionCosts(list(forward), list(backward_input), list(backward_weight), p2p=p2p)
+    costs = ActionCosts(
+        list(forward),
+        list(backward_input),
+        list(backward_weight),
+        p2p=p2p,
+        backward=list(backward),
+        split_forward=list(split_forward),
     )
+    result = simulate(schedule, costs)
     busiest = max(result.busy)
     rank = result.busy.index(busiest)
     return PipelineTiming(

@@ -31,6 +31,7 @@ from shiftlm.sim.train import (
     simulate_step,
     stage_costs,
     step_overheads,
+    trainer_split,
 )
 from shiftlm.sim.trainer_costs import (
     regathered_stage_costs,
@@ -40,12 +41,15 @@ from shiftlm.sim.trainer_costs import (
 )
 
 # Dominated choices are not enumerated: zb_h1 keeps 1F1B's activations with a smaller bubble and
-# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024); every ZeRO stage the
+# zb_v interleaved's two chunks with 1F1B's memory (Qi et al. 2023/2024), where every block runs
+# alike; with compiled blocks the zero-bubble schedules' split micro-batches run eagerly
+# (`sim.train.trainer_split`), so 1F1B and interleaved 1F1B are planned too; every ZeRO stage the
 # trainer implements is planned (`planned_zero_stages`), fits as the trainer keeps its states and
 # ZeRO-3's per-micro-batch gathers priced (`trainer_costs.py`); with FlashAttention selective
 # recompute is free and saves what "none" would. Only what `shiftlm train` runs is proposed
 # (`capabilities.py`): e.g. no Megatron sequence parallelism until the trainer has it.
 PLANNED_SCHEDULES = ("zb_h1", "zb_v")
+COMPILED_SCHEDULES = ("1f1b", "interleaved_1f1b")  # planned beside them where blocks are compiled
 MICRO_BATCHES = (1, 2, 4, 8)
 PLANNED_RECOMPUTE = ("selective", "full")
 
@@ -55,10 +59,16 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def enumerate_layouts(
-    model: ModelConfig, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int
+    model: ModelConfig,
+    gpus: int,
+    gpus_per_node: int,
+    seq_len: int,
+    global_batch: int,
+    compiled: bool = True,
 ) -> Iterator[Layout]:
     """Every layout whose shape is valid: TP inside a node dividing the KV heads (or a multiple of
-    them), SP dividing the remaining heads, PP dividing the layers, micro-batches >= PP."""
+    them), SP dividing the remaining heads, PP dividing the layers, micro-batches >= PP; the
+    schedules that are not dominated with `compiled` blocks or eager ones (PLANNED_SCHEDULES)."""
     for tp in _powers_of_two(min(gpus_per_node, model.num_heads)):
         if model.num_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
             continue
@@ -71,7 +81,7 @@ def enumerate_layouts(
                     if global_batch % (dp * micro_batch):
                         continue
                     microbatches = global_batch // (dp * micro_batch)
-                    for schedule, chunks in _schedules(model, pp, microbatches):
+                    for schedule, chunks in _schedules(model, pp, microbatches, compiled):
                         for recompute in PLANNED_RECOMPUTE:
                             for zero in planned_zero_stages(dp * cp * sp, pp=pp):  # ZeRO group: dp_sp
                                 for ep, etp in planned_experts(model, dp, cp, sp, tp, seq_len):
@@ -135,13 +145,13 @@ def _sequence_splits(model: ModelConfig, gpus: int, tp: int, seq_len: int) -> It
             yield sp, cp
 
 
-def _schedules(model: ModelConfig, pp: int, microbatches: int) -> Iterator[tuple[str, int]]:
+def _schedules(model: ModelConfig, pp: int, microbatches: int, compiled: bool) -> Iterator[tuple[str, int]]:
     if pp == 1:
         yield "none", 1
         return
     if microbatches < pp:
         return
-    for name in PLANNED_SCHEDULES:
+    for name in PLANNED_SCHEDULES + (COMPILED_SCHEDULES if compiled else ()):
         chunks = SCHEDULES[name].default_chunks
         if model.num_layers % (pp * chunks) == 0:
             yield name, chunks
@@ -205,15 +215,19 @@ def plan_training(
     efficiency: Efficiency = FIRST_PRINCIPLES,
     dtype: str = "bf16",
     compiled: bool = True,
+    eager_efficiency: Efficiency | None = None,
 ) -> Plan:
     """The `top_k` fastest layouts that fit in memory, best first, with `compiled` decoder blocks
-    (`train.compile`) or eager ones (their unfused pointwise traffic: `trainer_pointwise_bytes`)."""
+    (`train.compile`) or eager ones (their unfused pointwise traffic: `trainer_pointwise_bytes`);
+    compiled, a zero-bubble schedule's split micro-batches run eagerly (`eager_efficiency`, else
+    `efficiency`: `sim.train.trainer_split`)."""
     width = DTYPE_BYTES[dtype]
     pointwise = trainer_pointwise_bytes(model, width, compiled)
+    split = trainer_split(model, width, compiled, eager_efficiency or efficiency)
     bounds: list[tuple[float, Layout]] = []
     stage_memo: dict[tuple, StageCosts] = {}
     enumerated = 0
-    for layout in enumerate_layouts(model, gpus, hardware.gpus_per_node, seq_len, global_batch):
+    for layout in enumerate_layouts(model, gpus, hardware.gpus_per_node, seq_len, global_batch, compiled):
         enumerated += 1
         if not trainer_memory(model, layout, 1, hardware.hbm_bytes, width).fits:
             continue
@@ -246,7 +260,7 @@ def plan_training(
             break
         # the bound leaves the pointwise traffic out, which only lengthens a step: still a bound
         layout = replace(layout, pointwise_bytes=pointwise)
-        result = simulate_step(model, layout, hardware, efficiency, dtype)
+        result = simulate_step(model, layout, hardware, efficiency, dtype, split)
         simulated += 1
         # fits as the trainer keeps its states (fp32, full gradient buffer: trainer_costs)
         result = replace(result, memory=trainer_step_memory(model, layout, hardware.hbm_bytes, width))

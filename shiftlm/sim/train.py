@@ -28,18 +28,57 @@ from shiftlm.sim.efficiency import FIRST_PRINCIPLES, Efficiency
 from shiftlm.sim.layout import Layout, group_placement
 from shiftlm.sim.memory import MemoryEstimate, estimate_memory, stage_params
 from shiftlm.sim.pipeline_timing import StageCosts, pipeline_timing
-from shiftlm.sim.trainer_costs import data_group, regathered_stage_costs, zero_sync_factor
+from shiftlm.sim.trainer_costs import (
+    data_group,
+    regathered_stage_costs,
+    trainer_pointwise_bytes,
+    zero_sync_factor,
+)
 
 
-def step_stage_costs(model: ModelConfig, layout: Layout, hardware: Hardware, efficiency, dtype: str):
+@dataclass(frozen=True)
+class SplitMode:
+    """How the micro-batches a zero-bubble schedule splits into I + W run where the rest run otherwise:
+    under `train.compile` the trainer queues their weight gradients from Python, so their blocks run
+    eagerly (model/compile.py), with an eager block's pointwise traffic (`Layout.pointwise_bytes`)
+    and host time (`efficiency`)."""
+
+    pointwise_bytes: float
+    efficiency: Efficiency
+
+
+def trainer_split(
+    model: ModelConfig, dtype_bytes: int, compiled: bool, eager: Efficiency
+) -> SplitMode | None:
+    """How the trainer runs the micro-batches a zero-bubble schedule splits: eagerly (the `eager`
+    efficiency: a calibrated profile's eager host time) where its blocks are compiled; None where
+    they run eagerly anyway."""
+    if not compiled:
+        return None
+    return SplitMode(trainer_pointwise_bytes(model, dtype_bytes, compiled=False), eager)
+
+
+def step_stage_costs(
+    model: ModelConfig,
+    layout: Layout,
+    hardware: Hardware,
+    efficiency,
+    dtype: str,
+    split: SplitMode | None = None,
+):
     """Every stage-chunk's F, I, W and hand-off of one micro-batch as the step runs them: the layer
     costs, plus ZeRO-3's per-micro-batch gathers and a framework's activation traffic (what
-    `simulate_step` and the fitter's re-timing both use)."""
+    `simulate_step` and the fitter's re-timing both use); with `split`, the split micro-batches'
+    own costs beside them (`StageCosts.split`)."""
     stage = stage_costs(model, layout, hardware, efficiency, dtype, layout.pp * layout.chunks)
     stage = regathered_stage_costs(stage, model, layout, hardware, efficiency)
     stage = grad_accumulation_stage_costs(stage, model, layout, hardware, efficiency)
     stage = zero3_copy_stage_costs(stage, model, layout, hardware, efficiency)
-    return activation_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+    stage = activation_traffic_stage_costs(stage, model, layout, hardware, efficiency)
+    if split is None or layout.pp == 1:
+        return stage
+    eager = replace(layout, pointwise_bytes=split.pointwise_bytes)
+    return replace(stage, split=step_stage_costs(model, eager, hardware, split.efficiency, dtype))
 
 
 def zero3_copy_stage_costs(stage, model: ModelConfig, layout: Layout, hardware: Hardware, efficiency):
@@ -299,11 +338,13 @@ def simulate_step(
     hardware: Hardware,
     efficiency: Efficiency = FIRST_PRINCIPLES,
     dtype: str = "bf16",
+    split: SplitMode | None = None,
 ) -> StepResult:
-    """Simulate one optimizer step of `layout` (see the module docstring for the composition)."""
+    """Simulate one optimizer step of `layout` (see the module docstring for the composition); `split`:
+    how micro-batches a zero-bubble schedule splits run, where not as the rest (`SplitMode`)."""
     layout.check()
     layout.check_model(model)
-    stage = step_stage_costs(model, layout, hardware, efficiency, dtype)
+    stage = step_stage_costs(model, layout, hardware, efficiency, dtype, split)
     timing = pipeline_timing(layout, stage)
     makespan, bubble, peak = timing.makespan, timing.bubble_fraction, timing.peak_activations
     busiest, busiest_stages = max(timing.busy), timing.busiest_stages

@@ -10,6 +10,7 @@ their gradients gives the gradient of the global mean, so no later division is n
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from shiftlm.train.config import TrainConfig
 from shiftlm.train.moe import RouterStatsStage, aux_loss_active, aux_loss_share, router_stats
 from shiftlm.train.recompute import apply_recompute
 from shiftlm.train.streams import stream_context
+
+log = logging.getLogger(__name__)
 
 
 def build_stages(
@@ -47,9 +50,32 @@ def build_stages(
     for stage in stages:
         stage.loss_chunk = config.train.loss_chunk
     compiled = compile_blocks(stages, mesh.device, config.train.compile)
+    if compiled and mesh.config.pp > 1 and mesh.rank == 0:
+        _warn_split_micro_batches(config)
     for stage in stages:
         apply_recompute(stage, config.train.recompute, compiled)
     return stages
+
+
+def _warn_split_micro_batches(config: TrainConfig) -> None:
+    """One line where compiled blocks meet a schedule that splits backwards into I + W: those
+    micro-batches queue their weight gradients from Python and run eagerly (model/compile.py), which
+    `shiftlm simulate|plan train` prices too; a user who asked to compile should know."""
+    from shiftlm.pipeline.actions import Kind
+    from shiftlm.train.pipeline import build_schedule_for
+
+    schedule = build_schedule_for(config)
+    forwards = [a for rank in schedule.ranks for a in rank if a.kind is Kind.F]
+    split = {(a.stage, a.microbatch, a.replica) for rank in schedule.ranks for a in rank if a.kind is Kind.I}
+    if split:
+        log.warning(
+            "train.compile: %s splits %d of %d stage forwards' backwards into I + W, and those run "
+            "eagerly (their weight gradients wait in Python); 1f1b or interleaved_1f1b keep every block "
+            "compiled",
+            config.train.schedule,
+            len(split),
+            len(forwards),
+        )
 
 
 def normalised_loss(

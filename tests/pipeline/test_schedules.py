@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -93,6 +94,31 @@ def test_per_stage_costs_slow_down_the_pipeline_by_the_slowest_stage():
         schedule, ActionCosts(forward=[1, 1, 2, 1], backward_input=1, backward_weight=1)
     ).makespan
     assert skewed > even
+
+
+@pytest.mark.parametrize("name", ["zb_h1", "dualpipe_v", "1f1b"])
+def test_split_forward_prices_exactly_the_forwards_of_split_micro_batches(name):
+    """`split_forward` is what the forward of a micro-batch with an I + W split costs (the trainer's
+    compiled blocks run those eagerly): every rank's busy time counts it once per such forward,
+    and a schedule that splits none does not see it. dualpipe_v splits some micro-batches only."""
+    schedule = build_schedule(name, 4, 8)
+    split = {(a.stage, a.microbatch, a.replica) for rank in schedule.ranks for a in rank if a.kind is Kind.I}
+    costs = ActionCosts(
+        forward=1.0, backward_input=2.0, backward_weight=1.5, backward=3.0, split_forward=1.75
+    )
+    result = simulate(schedule, costs)
+    per_kind = {Kind.B: 3.0, Kind.I: 2.0, Kind.W: 1.5}
+    for rank, actions in enumerate(schedule.ranks):
+        expected = sum(
+            (1.75 if (a.stage, a.microbatch, a.replica) in split else 1.0)
+            if a.kind is Kind.F
+            else per_kind[a.kind]
+            for a in actions
+            if a.kind in (Kind.F, Kind.B, Kind.I, Kind.W)
+        )
+        assert result.busy[rank] == pytest.approx(expected)
+    plain = simulate(schedule, replace(costs, split_forward=None)).makespan
+    assert (result.makespan > plain) is bool(split)
 
 
 def test_messages_count_every_cross_rank_hand_off_and_bytes_add_up():

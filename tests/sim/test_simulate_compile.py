@@ -34,10 +34,12 @@ def _gpu_profile(tmp_path, memory: float = 4.2e12, op: float = 5e-6, **overheads
     return path
 
 
-def _simulate(tmp_path, capsys, hardware: list[str], *flags: str) -> tuple[int, dict | None, str]:
+def _simulate(
+    tmp_path, capsys, hardware: list[str], *flags: str, gpus: int = 1
+) -> tuple[int, dict | None, str]:
     model = tmp_path / "config.json"
     model.write_text(json.dumps(MODEL.to_hf_dict()))
-    argv = ["simulate", "train", *hardware, "--model", str(model), "--gpus", "1", "--seq", str(SEQ)]
+    argv = ["simulate", "train", *hardware, "--model", str(model), "--gpus", str(gpus), "--seq", str(SEQ)]
     argv += ["--micro-batch", str(MICRO_BATCH), "--global-batch", str(MICRO_BATCH * MICRO_BATCHES)]
     code = main([*argv, *flags, "--json"])
     out, err = capsys.readouterr()
@@ -68,6 +70,26 @@ def test_eager_is_longer_by_the_host_time_and_the_pointwise_traffic(tmp_path, ca
     assert difference == pytest.approx(host + traffic, rel=1e-6)
     assert runs[False][1]["layout"]["pointwise_bytes"] == pointwise
     assert runs[True][1]["layout"]["pointwise_bytes"] == 0
+
+
+@pytest.mark.parametrize("schedule,splits", [("zb_h1", True), ("zb_h2", True), ("1f1b", False)])
+def test_compiled_zero_bubble_schedules_are_priced_as_the_eager_step_they_run(
+    schedule, splits, tmp_path, capsys
+):
+    """A zero-bubble schedule splits every micro-batch's backward into I + W, whose weight gradients
+    the executor queues from Python, so the trainer runs those blocks eagerly even under
+    `train.compile` (model/compile.py): compiled, such a step is the eager one to the last
+    microsecond, host time and pointwise traffic included; 1F1B's blocks run compiled."""
+    profile = _gpu_profile(tmp_path, 1e11, 1e-7, eager=4e-3, compiled=2e-3)
+    hardware = ["--gpu", "this", "--hardware", str(profile), "--pp", "2", "--schedule", schedule]
+    steps = {
+        flag: _simulate(tmp_path, capsys, hardware, flag, gpus=2)[1]["step_time_s"]
+        for flag in ("--compile", "--no-compile")
+    }
+    if splits:
+        assert steps["--compile"] == pytest.approx(steps["--no-compile"], rel=1e-12)
+    else:
+        assert steps["--compile"] < 0.9 * steps["--no-compile"]
 
 
 @pytest.mark.parametrize(

@@ -236,10 +236,13 @@ def test_fit_recovers_a_known_gemm_efficiency_from_synthetic_measurements():
 def test_planner_top_layout_is_the_fastest_that_fits_among_all_candidates():
     model, h100 = PRESETS["qwen2.5-7b"], CATALOG["h100-sxm"]
     plan = plan_training(model, h100, gpus=8, seq_len=4096, global_batch=16, top_k=1)
+    from shiftlm.sim.train import trainer_split
     from shiftlm.sim.trainer_costs import trainer_step_memory
 
+    # compiled blocks (the planner's default), the zero-bubble schedules' split micro-batches eager
+    split = trainer_split(model, 2, True, FIRST_PRINCIPLES)
     exhaustive = [
-        (simulate_step(model, layout, h100, FIRST_PRINCIPLES), layout)
+        (simulate_step(model, layout, h100, FIRST_PRINCIPLES, "bf16", split), layout)
         for layout in enumerate_layouts(model, 8, h100.gpus_per_node, 4096, 16)
     ]
     # fits as the trainer keeps its states (what the planner checks)

@@ -194,3 +194,23 @@ def test_missing_compiler_cli_prints_one_line_and_trains(tmp_path):
     assert "Traceback" not in run.stderr
     warnings = [line for line in run.stderr.splitlines() if "train.compile" in line]
     assert len(warnings) == 1 and "No working C++ compiler" in warnings[0], run.stderr
+
+
+# pp 2 x 2 chunks x 8 micro-batches = 32 stage forwards; zb_v splits every one, dualpipe_v some
+@pytest.mark.parametrize("schedule,split", [("zb_v", "32 of 32"), ("dualpipe_v", "5 of 32"), ("1f1b", None)])
+def test_compiled_blocks_under_a_splitting_schedule_say_so_in_one_line(caplog, schedule, split):
+    """Zero-bubble schedules' I + W micro-batches run eagerly under `train.compile`: one warning line
+    names the schedule, how many stage forwards it splits, and the schedules that stay compiled."""
+    from shiftlm.train.step import _warn_split_micro_batches
+
+    batch = ["--train.micro_batch=1", "--train.global_batch=8"]
+    config = load_config(None, ["--parallel.pp=2", f"--train.schedule={schedule}", *batch])
+    with caplog.at_level(logging.WARNING, logger="shiftlm.train.step"):
+        _warn_split_micro_batches(config)
+    if split is None:
+        assert caplog.records == []
+        return
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith(f"train.compile: {schedule} splits {split} stage forwards")
+    assert "eagerly" in message and "1f1b or interleaved_1f1b" in message
