@@ -108,6 +108,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "with torch.compile at startup (~20 s), ~15%% faster per step (docs/serving.md)",
     )
     parser.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=(),
+        metavar="N",
+        help="decode batch sizes captured as CUDA graphs (vLLM's flag): one N gives 1, 2, 4, then steps "
+        "of 8 up to N; several give exactly those; default: that pattern up to --max-num-seqs. Larger "
+        "batches run compiled without a graph",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action="store_true",
         help="schedule each step while the previous one runs, its tokens read on the device (vLLM's "

@@ -48,6 +48,7 @@ class ServeOptions:
     max_tokens_per_step: int = 256
     max_pending: int = 512
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batches captured (decode_graphs.capture_sizes)
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
     attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
@@ -161,6 +162,7 @@ class ServeOptions:
             activation_bytes=activations,
             compile_decode=not eager or env.get("SHIFTLM_COMPILE_DECODE") == "1",
             max_num_seqs=self.max_num_seqs,
+            cuda_graph_sizes=tuple(self.cuda_graph_sizes),
             max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
             shm_collectives=env.get("SHIFTLM_SHM_COLLECTIVES", "1") != "0",
@@ -268,6 +270,12 @@ class ServeOptions:
                 flag = f"--{name.replace('_', '-')}"  # vLLM's name for the step's budget:
                 flag = "--max-num-batched-tokens" if name == "max_tokens_per_step" else flag
                 raise ConfigError(f"{flag} {getattr(self, name)} must be >= 1")
+        for size in self.cuda_graph_sizes:
+            if not 1 <= size <= self.max_num_seqs:
+                raise ConfigError(
+                    f"--cuda-graph-sizes {size} is outside 1..--max-num-seqs {self.max_num_seqs}: a decode "
+                    "step never holds more sequences; lower it or raise --max-num-seqs"
+                )
         if self.shift_threshold != "auto" and not (
             isinstance(self.shift_threshold, int) and self.shift_threshold >= 0
         ):

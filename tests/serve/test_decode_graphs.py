@@ -25,6 +25,9 @@ def test_capture_sizes_are_vllms():
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    # --cuda-graph-sizes: one N, the pattern up to N; several, exactly those
+    assert capture_sizes(64, (16,)) == [1, 2, 4, 8, 16] and capture_sizes(64, (20,)) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64, (64, 1)) == [1, 64] and capture_sizes(64, (3, 3, 5)) == [3, 5]
     assert (
         context_buckets(1) == [1]
         and context_buckets(8) == [1, 2, 4, 8]
@@ -62,8 +65,10 @@ def graphed_runner(
     tp=1,
     sp=1,
     block: int = BLOCK,
+    requested: tuple[int, ...] = (),
 ):
-    """A runner whose decode steps go through `DecodeGraphs` (max 8 sequences, 4 blocks each)."""
+    """A runner whose decode steps go through `DecodeGraphs` (max 8 sequences, 4 blocks each;
+    `requested`: --cuda-graph-sizes)."""
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.compiled_step import CompiledDecode
@@ -90,13 +95,18 @@ def graphed_runner(
     compiled = CompiledDecode(shift.model, cache, BLOCKS, True, shift.full_tp, shift.head_view, shift.ulysses)
     assert compiled.warm_up()
     runner.shift_model.compiled = compiled
-    runner.shift_model.graphs = DecodeGraphs(compiled, max_seqs=8, max_blocks=4, capture=capture)
+    runner.shift_model.graphs = DecodeGraphs(compiled, 8, 4, capture, requested)
     runner.shift_model.graphs.capture_all()
     return runner
 
 
 def check_padded_steps_equal_eager(
-    tmp_path, device: torch.device, capture: bool, backend: str = "auto", block: int = BLOCK
+    tmp_path,
+    device: torch.device,
+    capture: bool,
+    backend: str = "auto",
+    block: int = BLOCK,
+    requested: tuple[int, ...] = (),
 ) -> None:
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
@@ -106,14 +116,18 @@ def check_padded_steps_equal_eager(
     eager = ModelRunner.load(
         model_dir, Mesh(ParallelConfig(), device=device), num_blocks=BLOCKS, block_size=block
     )
-    graphed = graphed_runner(model_dir, device, torch.float32, capture, backend, block=block)
+    graphed = graphed_runner(
+        model_dir, device, torch.float32, capture, backend, block=block, requested=requested
+    )
     if backend == "flex":  # each sequence reads its own blocks whatever the table's width: one bucket
         assert graphed.shift_model.graphs.buckets == [4] and graphed.cache.flex
     for plan in plans():
         want, got = eager.execute(plan), graphed.execute(plan)
         error = float((got - want).abs().max() / want.abs().max())
         assert error <= 1e-5, (plan.step, len(plan.chunks), error)
-    assert graphed.shift_model.graphs.steps == len(plans()) - 1  # every decode step went through it
+    # every decode step went through it, where its batch has a size
+    largest = graphed.shift_model.graphs.sizes[Mode.TP][-1]
+    assert graphed.shift_model.graphs.steps == sum(len(p.chunks) <= largest for p in plans()[1:])
     real = BLOCKS * block  # the sequences' slots; the scratch block's follow
     written = eager.cache.storage != 0
     assert torch.equal(graphed.cache.storage[:, :, :real] != 0, written)
@@ -126,6 +140,14 @@ def check_padded_steps_equal_eager(
 def test_padded_decode_steps_equal_the_eager_step_on_the_cpu(tmp_path, monkeypatch, backend):
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
     check_padded_steps_equal_eager(tmp_path, torch.device("cpu"), capture=False, backend=backend)
+
+
+@pytest.mark.parametrize("requested", [(1, 8), (2,)])
+def test_cuda_graph_sizes_pad_to_the_sizes_asked_and_leave_larger_batches(tmp_path, monkeypatch, requested):
+    """--cuda-graph-sizes 1 8: batches of 2-5 padded to 8 rows; --cuda-graph-sizes 2: sizes 1 and 2,
+    and batches of 3-5 run the compiled step without a graph. Logits and cache equal eager's."""
+    monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
+    check_padded_steps_equal_eager(tmp_path, torch.device("cpu"), capture=False, requested=requested)
 
 
 @pytest.mark.cuda

@@ -86,6 +86,8 @@ def test_a_gpu_cache_too_small_for_one_sequence_is_refused_before_any_rank_start
         ("log_interval", -1.0, "--log-interval -1.0 must be >= 0"),
         ("shutdown_timeout", -1.0, "--shutdown-timeout -1.0 must be >= 0"),
         ("timeout_keep_alive", 0.0, "--timeout-keep-alive 0.0 must be > 0"),
+        ("cuda_graph_sizes", (1, 128), "--cuda-graph-sizes 128 is outside 1..--max-num-seqs 64"),
+        ("cuda_graph_sizes", (0,), "--cuda-graph-sizes 0 is outside 1..--max-num-seqs 64"),
     ],
 )
 def test_every_numeric_serve_option_is_checked_before_the_checkpoint(option, value, words):

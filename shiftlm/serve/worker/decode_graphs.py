@@ -42,11 +42,16 @@ from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention
 log = logging.getLogger(__name__)
 
 
-def capture_sizes(max_seqs: int) -> list[int]:
-    """vLLM's padded batch sizes: 1, 2, 4, 8, then steps of 8, up to (and including) `max_seqs`."""
-    sizes = [size for size in (1, 2, 4, 8) if size < max_seqs]
-    sizes += list(range(8 if max_seqs > 8 else max_seqs, max_seqs, 8)) if max_seqs > 8 else []
-    return sorted({*sizes, max_seqs})
+def capture_sizes(max_seqs: int, requested: tuple[int, ...] = ()) -> list[int]:
+    """The padded batch sizes graphs are captured for, as vLLM's `--cuda-graph-sizes` reads
+    `requested`: none, 1, 2, 4, 8, then steps of 8, up to (and including) `max_seqs`; one value N,
+    that pattern up to N; several, exactly those (each at most `max_seqs`)."""
+    if len(requested) > 1:
+        return sorted({size for size in requested if size <= max_seqs})
+    largest = min(requested[0], max_seqs) if requested else max_seqs
+    sizes = [size for size in (1, 2, 4, 8) if size < largest]
+    sizes += list(range(8, largest, 8)) if largest > 8 else []
+    return sorted({*sizes, largest})
 
 
 def context_buckets(max_blocks: int) -> list[int]:
@@ -61,12 +66,19 @@ def context_buckets(max_blocks: int) -> list[int]:
 class DecodeGraphs:
     """The decode steps of one rank's compiled step, padded to captured shapes (CUDA graphs on a GPU)."""
 
-    def __init__(self, compiled: CompiledDecode, max_seqs: int, max_blocks: int, capture: bool):
+    def __init__(
+        self,
+        compiled: CompiledDecode,
+        max_seqs: int,
+        max_blocks: int,
+        capture: bool,
+        requested: tuple[int, ...] = (),
+    ):
         cache = compiled.cache
         if cache.scratch_block is None:
             raise ValueError("decode graphs pad with a scratch block: build the cache with scratch=True")
         self.compiled, self.cache, self.capture = compiled, cache, capture
-        self.sizes = {Mode.TP: capture_sizes(max_seqs)}
+        self.sizes = {Mode.TP: capture_sizes(max_seqs, requested)}  # requested: --cuda-graph-sizes
         if compiled.ulysses is not None:  # SP x TP's own graphs: batches of whole sp slices
             sp = compiled.ulysses[1]
             self.sizes[Mode.SP_TP] = sorted({-(-size // sp) * sp for size in self.sizes[Mode.TP]})

@@ -116,6 +116,7 @@ class ModelRunner:
         memory: tuple[float, int] = (0.9, 0),
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        cuda_graph_sizes: tuple[int, ...] = (),
     ) -> ModelRunner:
         """`compile_decode`: pure decode steps as one compiled function where it applies
         (`compiled_step.py`; the server's default, off with `--enforce-eager`).
@@ -130,7 +131,8 @@ class ModelRunner:
         `memory` = (utilization, activation bytes) leaves once the weights are loaded, the same on
         every rank of the group (the smallest). On CUDA with `compile_decode`, decode steps of up to
         `max_num_seqs` sequences and `max_model_len` tokens replay CUDA graphs (decode_graphs.py),
-        which take one more KV block (a scratch block for padding rows). `compile_mixed`: the other
+        which take one more KV block (a scratch block for padding rows), at the batch sizes
+        `decode_graphs.capture_sizes` makes of `cuda_graph_sizes` (--cuda-graph-sizes). `compile_mixed`: the other
         steps compiled too (`CompiledMixed`; None: with `compile_decode` on CUDA)."""
         backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
@@ -177,7 +179,7 @@ class ModelRunner:
         longest = min(num_blocks, -(-tokens // block_size))
         if shift_model.compiled is not None and graphs:
             shift_model.graphs = DecodeGraphs(
-                shift_model.compiled, min(max_num_seqs, num_blocks), longest, True
+                shift_model.compiled, min(max_num_seqs, num_blocks), longest, True, cuda_graph_sizes
             )
             shift_model.graphs.capture_all()
         return cls(config, shift_model, mesh, shm_collectives, longest)

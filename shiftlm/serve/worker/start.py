@@ -46,6 +46,7 @@ class RunnerOptions:
     activation_bytes: int = 0  # a step's transient memory, kept free of the cache
     compile_decode: bool = False  # and, on CUDA, CUDA graphs of decode steps (worker/decode_graphs.py)
     max_num_seqs: int = 64  # the largest decode batch a CUDA graph is captured for
+    cuda_graph_sizes: tuple[int, ...] = ()  # --cuda-graph-sizes (decode_graphs.capture_sizes)
     max_model_len: int | None = None  # the longest context a CUDA graph is captured for (None: the cache)
     attention_backend: str = "auto"
     shm_collectives: bool = True  # CPU ranks of one host: collectives through shared memory (comm/shm.py)
@@ -160,6 +161,7 @@ def load_runner(options: RunnerOptions):
         memory=(options.gpu_memory_utilization, options.activation_bytes),
         max_num_seqs=options.max_num_seqs,
         max_model_len=options.max_model_len,
+        cuda_graph_sizes=options.cuda_graph_sizes,
     )
 
 
