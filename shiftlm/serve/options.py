@@ -130,7 +130,7 @@ class ServeOptions:
         if self.attention_backend == "flex":
             from shiftlm.serve.worker.flex_decode import check_flex
 
-            check_flex(device, self.block_size)
+            check_flex(device, self.block_size, config.head_dim)
         num_blocks, activations = self._kv_blocks(config, parallel, device, dtype)
         from shiftlm.serve.engine.tokenizer import load_tokenizer
 

@@ -12,7 +12,9 @@ TINY_FAMILIES = ("llama", "llama-gqa", "qwen2", "mistral", "mixtral", "qwen2-moe
 MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
-def make_tiny_checkpoint(path: str | Path, family: str = "llama-gqa", seed: int = 0) -> Path:
+def make_tiny_checkpoint(
+    path: str | Path, family: str = "llama-gqa", seed: int = 0, num_heads: int = 8
+) -> Path:
     """Write a tiny `family` checkpoint with `transformers` `save_pretrained` and return its path.
 
     llama: MHA (8 KV heads); llama-gqa: 2 KV heads with Llama-3 rope scaling; qwen2: 2 KV heads and
@@ -21,6 +23,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama-gqa", seed: int 
     layer 0, so every token's choice is a tie that `torch.topk` resolves); qwen2-moe (a dense layer 0
     by `mlp_only_layers`, a sigmoid-gated shared expert, top-k not renormalised); qwen3-moe (q/k norms,
     top-k renormalised, the load-balancing loss in the training loss with coefficient 0.1).
+    `num_heads`: 8 query heads of 8 (the default), or e.g. 4 of 16, which FlexAttention's CUDA
+    kernels need (`serve/worker/flex_decode.MIN_CUDA_HEAD_DIM`).
     """
     import torch
     import transformers as tf
@@ -30,7 +34,7 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama-gqa", seed: int 
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=8,
+        num_attention_heads=num_heads,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
     )

@@ -107,12 +107,13 @@ def check_padded_steps_equal_eager(
     backend: str = "auto",
     block: int = BLOCK,
     requested: tuple[int, ...] = (),
+    heads: int = 8,
 ) -> None:
     from shiftlm.mesh import Mesh
     from shiftlm.parallel import ParallelConfig
     from shiftlm.serve.worker.runner import ModelRunner
 
-    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa")
+    model_dir = make_tiny_checkpoint(tmp_path / "m", "llama-gqa", num_heads=heads)
     eager = ModelRunner.load(
         model_dir, Mesh(ParallelConfig(), device=device), num_blocks=BLOCKS, block_size=block
     )
@@ -154,9 +155,11 @@ def test_cuda_graph_sizes_pad_to_the_sizes_asked_and_leave_larger_batches(tmp_pa
 @pytest.mark.parametrize("backend", ["auto", "flex"])
 def test_captured_cuda_graphs_equal_the_eager_step(tmp_path, monkeypatch, backend):
     monkeypatch.delenv("SHIFTLM_COMPILE_DECODE", raising=False)
-    # flex on CUDA takes blocks of 16 tokens or more (Triton's tiles: flex_decode.flex_refusal)
-    block = 16 if backend == "flex" else BLOCK
-    check_padded_steps_equal_eager(tmp_path, torch.device("cuda"), capture=True, backend=backend, block=block)
+    # flex on CUDA takes blocks and heads of 16 or more (Triton's tiles: flex_decode.flex_refusal)
+    block, heads = (16, 4) if backend == "flex" else (BLOCK, 8)
+    check_padded_steps_equal_eager(
+        tmp_path, torch.device("cuda"), capture=True, backend=backend, block=block, heads=heads
+    )
 
 
 def test_no_graph_gathers_more_blocks_than_the_cache_holds(tmp_path, monkeypatch):

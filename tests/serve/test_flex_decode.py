@@ -65,6 +65,31 @@ def test_a_cache_of_one_block_is_read_too():
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
 
 
+@cpu_flex
+def test_any_query_count_runs_one_of_few_compiled_sizes(monkeypatch):
+    """A mixed step's decode rows come in any count: each call is padded to vLLM's capture sizes
+    (`flex_rows`), so 1-17 queries compile six functions (1, 2, 4, 8, 16, 24 rows), not seventeen,
+    and every count still equals SDPA over its gathered context."""
+    from shiftlm.serve.worker import flex_decode as module
+
+    monkeypatch.setattr(module, "_COMPILED", {})
+    torch.manual_seed(0)
+    block, blocks, width = 4, 48, 6
+    k_slots, v_slots = (torch.randn(blocks * block, 2, 8) for _ in range(2))
+    for seqs in range(1, 18):
+        # a sequence's blocks are distinct (as the cache allocates them); sequences may share some
+        tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(seqs)])
+        positions = torch.randint(0, width * block, (seqs,))
+        q = torch.randn(seqs, 4, 8)
+        got = flex_decode(
+            q, k_slots, v_slots, flex_plan(tables.flatten(), positions, 0, block, blocks * block), block
+        )
+        want = _reference(q, k_slots, v_slots, tables, positions, 0, block)
+        assert got.shape == q.shape
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5, seqs
+    assert sorted(key[0][0] for key in module._COMPILED) == [1, 2, 4, 8, 16, 24]
+
+
 def mixed_steps() -> list[StepPlan]:
     """After `plans()`: decode rows of sequences 0-3 beside a new prompt's 6-token prefill, then the
     next step's decode rows of all of them beside the rest of that prompt."""
@@ -138,5 +163,11 @@ def test_flex_on_a_torch_with_a_broken_cpu_kernel_is_refused_in_one_line(tmp_pat
     check_flex(torch.device("cuda"))
     with pytest.raises(ConfigError, match=r"on CUDA needs --block-size >= 16 .*got 8"):
         check_flex(torch.device("cuda"), block_size=8)
+    # a head size under tl.dot's 16 (the tiny models' 8): inductor's CUDA flex lowering refuses it
+    check_flex(torch.device("cuda"), head_dim=16)
+    with pytest.raises(
+        ConfigError, match=r"on CUDA needs a head size >= 16 .*is 8: use --attention-backend auto"
+    ):
+        check_flex(torch.device("cuda"), head_dim=8)
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     check_flex("cpu")

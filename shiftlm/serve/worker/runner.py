@@ -137,9 +137,9 @@ class ModelRunner:
         backend = attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-        if backend == "flex":  # before any weight is read
-            check_flex(mesh.device, block_size)
         config = model_config or ModelConfig.from_hf(model_dir)
+        if backend == "flex":  # before any weight is read
+            check_flex(mesh.device, block_size, config.head_dim)
         model = build_model(config, mesh, checkpoint=model_dir, dtype=dtype).eval()
         p = mesh.config.sp * mesh.config.tp
         first, last = kv_heads_of_block(mesh.shard_index, p, config.num_kv_heads)
