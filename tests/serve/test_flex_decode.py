@@ -68,7 +68,7 @@ def test_a_cache_of_one_block_is_read_too():
 @cpu_flex
 def test_any_query_count_runs_one_of_few_compiled_sizes(monkeypatch):
     """A mixed step's decode rows come in any count: each call is padded to vLLM's capture sizes
-    (`flex_rows`), so 1-17 queries compile six functions (1, 2, 4, 8, 16, 24 rows), not seventeen,
+    (`padded_batch`), so 1-17 queries compile six functions (1, 2, 4, 8, 16, 24 rows), not seventeen,
     and every count still equals SDPA over its gathered context."""
     from shiftlm.serve.worker import flex_decode as module
 

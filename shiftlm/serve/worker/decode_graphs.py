@@ -37,6 +37,7 @@ import torch
 
 from shiftlm.serve.plan import Mode
 from shiftlm.serve.worker.compiled_step import CompiledDecode
+from shiftlm.serve.worker.flex_decode import padded_batch
 from shiftlm.serve.worker.paged_attention import FlatBatch, PagedAttention
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,9 @@ def capture_sizes(max_seqs: int, requested: tuple[int, ...] = ()) -> list[int]:
     if len(requested) > 1:
         return sorted({size for size in requested if size <= max_seqs})
     largest = min(requested[0], max_seqs) if requested else max_seqs
-    sizes = [size for size in (1, 2, 4, 8) if size < largest]
-    sizes += list(range(8, largest, 8)) if largest > 8 else []
-    return sorted({*sizes, largest})
+    return sorted(
+        {padded_batch(seqs) for seqs in range(1, largest) if padded_batch(seqs) < largest} | {largest}
+    )
 
 
 def context_buckets(max_blocks: int) -> list[int]:

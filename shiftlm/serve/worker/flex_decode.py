@@ -25,7 +25,7 @@ static shapes: inductor's CPU flex template fails to build with a symbolic batch
 "cur_qSplitSize6 was not declared"), and on CUDA a symbolic batch leaves the flex-decoding kernel for
 the main one, whose tiles do not divide a cache block (read in torch's source, not yet run on a GPU).
 Triton's tiles also need a cache block of at least 16 tokens on CUDA (`flex_refusal`). So that the
-compiles stay few, a call's queries are padded to vLLM's capture sizes (`flex_rows`): a mixed step's
+compiles stay few, a call's queries are padded to vLLM's capture sizes (`padded_batch`): a mixed step's
 decode rows, whose count is anything, reuse the functions the decode graphs' sizes compiled (on CUDA a
 compile takes seconds, which a step must not wait for).
 """
@@ -137,9 +137,10 @@ Q_BLOCK = 128
 _COMPILED: dict[tuple, object] = {}
 
 
-def flex_rows(seqs: int) -> int:
-    """The query rows a call of `seqs` runs: vLLM's CUDA-graph sizes (1, 2, 4, 8, then multiples of
-    8; `decode_graphs.capture_sizes`' default pattern), so each size compiles once."""
+def padded_batch(seqs: int) -> int:
+    """The batch `seqs` sequences are padded to: vLLM's CUDA-graph sizes, 1, 2, 4, 8, then multiples of
+    8 (`decode_graphs.capture_sizes` lists them); a FlexAttention call's queries are padded so, and each
+    size compiles once."""
     return 1 << (seqs - 1).bit_length() if seqs <= 8 else -(-seqs // 8) * 8
 
 
@@ -148,12 +149,12 @@ def flex_decode(
 ) -> torch.Tensor:
     """One query per sequence, q [S, Hq, D], over the cache's K/V of one layer [slots, Hkv, D] under
     `plan` (`flex_plan`) -> [S, Hq, D]. Each compiled function is a code object of its own (dynamo
-    keeps at most 8 graphs per code object), one per padded batch size (`flex_rows`; a padding row
+    keeps at most 8 graphs per code object), one per padded batch size (`padded_batch`; a padding row
     repeats row 0's query and mask) and cache shape: static shapes, so that on CUDA inductor picks its
     flex-decoding kernel (a symbolic batch takes the main kernel, whose 128-wide KV tiles do not
     divide a cache block)."""
     seqs = q.shape[0]
-    extra = flex_rows(seqs) - seqs
+    extra = padded_batch(seqs) - seqs
     if extra:
         q, *plan = (torch.cat((t, t[:1].expand(extra, *t.shape[1:]))) for t in (q, *plan))
     key = (q.shape, q.dtype, q.device, k_slots.shape, block_size)
