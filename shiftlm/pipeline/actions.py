@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import csv
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -139,6 +139,12 @@ class Schedule:
     def format(self) -> str:
         """One line per rank, e.g. `rank 0: 0F0 0F1 0B0 ...`."""
         return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.ranks))
+
+
+def split_keys(actions: Iterable[Action]) -> set[tuple[int, int, int]]:
+    """(stage, micro-batch, replica) of every micro-batch whose backward is split into I + W: the
+    executor runs their forwards with deferrable linears, the simulator prices them apart."""
+    return {(a.stage, a.microbatch, a.replica) for a in actions if a.kind is Kind.I}
 
 
 def write_csv(rank_actions: Sequence[Sequence[Action]], path: str | Path) -> None:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from shiftlm.comm import CommGroup
 from shiftlm.model.deferred import WeightGradStore
 from shiftlm.model.ops import DEFERRABLE, PLAIN
-from shiftlm.pipeline.actions import COMM_KINDS, Action, Kind, Schedule
+from shiftlm.pipeline.actions import COMM_KINDS, Action, Kind, Schedule, split_keys
 from shiftlm.pipeline.lowering import lower
 from shiftlm.pipeline.messaging import PairMessaging, shape_header
 from shiftlm.pipeline.p2p_order import awaited_by, rank_operations, sent_by
@@ -95,7 +95,7 @@ class PipelineExecutor(PairMessaging):
         # forwards whose backward is split (I + W) build deferrable linears; the others autograd's own.
         # The choice reaches a stage whose forward takes `ops` (model/ops.py); other modules (tests'
         # toy stages) run the linears they were built with
-        self._split = {(a.stage, a.microbatch, a.replica) for a in actions if a.kind is Kind.I}
+        self._split = split_keys(actions)
         self._takes_ops = {
             k for k, m in self.modules.items() if "ops" in inspect.signature(m.forward).parameters
         }

@@ -22,7 +22,7 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shiftlm.pipeline.actions import COMPUTE_KINDS, Action, Kind, Schedule
+from shiftlm.pipeline.actions import COMPUTE_KINDS, Action, Kind, Schedule, split_keys
 from shiftlm.pipeline.lowering import lower
 
 Cost = float | Sequence[float]
@@ -212,7 +212,7 @@ def _graph(schedule: Schedule) -> _Graph:
     if stuck:
         raise DeadlockError(f"schedule {schedule.name!r} deadlocks: " + "; ".join(stuck))
 
-    split = {(a.stage, a.microbatch, a.replica) for a in actions if a.kind is Kind.I}
+    split = split_keys(actions)
     peak = []
     for numbers in rank_actions:
         live = most = 0

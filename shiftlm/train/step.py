@@ -61,12 +61,12 @@ def _warn_split_micro_batches(config: TrainConfig) -> None:
     """One line where compiled blocks meet a schedule that splits backwards into I + W: those
     micro-batches queue their weight gradients from Python and run eagerly (model/compile.py), which
     `shiftlm simulate|plan train` prices too; a user who asked to compile should know."""
-    from shiftlm.pipeline.actions import Kind
+    from shiftlm.pipeline.actions import Kind, split_keys
     from shiftlm.train.pipeline import build_schedule_for
 
-    schedule = build_schedule_for(config)
-    forwards = [a for rank in schedule.ranks for a in rank if a.kind is Kind.F]
-    split = {(a.stage, a.microbatch, a.replica) for rank in schedule.ranks for a in rank if a.kind is Kind.I}
+    actions = [a for rank in build_schedule_for(config).ranks for a in rank]
+    forwards = [a for a in actions if a.kind is Kind.F]
+    split = split_keys(actions)
     if split:
         log.warning(
             "train.compile: %s splits %d of %d stage forwards' backwards into I + W, and those run "
