@@ -11,7 +11,10 @@
 The same setup as `shiftlm serve` (`ServeOptions.resolve`: the checkpoint, layout, device and dtype
 checked before any rank starts; tp x sp local ranks started as the server starts them), the same
 engine and scheduler; only the HTTP front is left out. Every prompt is checked before any is queued,
-so a bad one raises `InvalidRequest` naming it and nothing runs.
+so a bad one raises `InvalidRequest` naming it and nothing runs. A batch that raises or is interrupted
+midway (Ctrl-C in a notebook) aborts its requests, so the next call starts from an empty engine.
+
+    outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from shiftlm.serve.engine.errors import InvalidRequest
 from shiftlm.serve.engine.sampling import TokenLogprob
 from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.engine.tokenizer import render_chat
 from shiftlm.serve.options import ServeOptions
 from shiftlm.serve.server import build_engine, measure_shift_threshold
 from shiftlm.serve.worker.start import start_ranks, stop_local_ranks
@@ -88,16 +92,20 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
+        prompts: str | dict | Seq[str | dict] | Seq[int] | Seq[Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (text, or token ids); one `SamplingParams` for all or one per
-        prompt (default: greedy-free sampling of 16 tokens, as vLLM's default). Returns when all are done;
-        `use_tqdm` writes a progress line to stderr."""
+        """Generate for every prompt (text, token ids, or vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}`); one `SamplingParams` for all or one per
+        prompt (default: `SamplingParams()`, sampling at temperature 1 for 16 tokens, as vLLM's). Returns
+        when all are done; `use_tqdm` writes a progress line to stderr."""
+        texts, token_ids = self._prompts(prompts)
+        return self._generate(texts, token_ids, sampling_params, use_tqdm)
+
+    def _generate(self, texts, token_ids, sampling_params, use_tqdm: bool) -> list[GenerationOutput]:
         if self._closed:
             raise RuntimeError("this LLM is closed")
-        texts, token_ids = self._prompts(prompts)
         params = self._params(sampling_params, len(token_ids))
         engine = self._engine
         for i, (ids, p) in enumerate(zip(token_ids, params)):
@@ -105,15 +113,63 @@ class LLM:
                 engine.check_request(ids, p)
             except InvalidRequest as err:
                 raise InvalidRequest(f"prompt {i}: {err}", err.param) from None
-        names = []
-        for ids, p in zip(token_ids, params):
-            names.append(f"offline-{self._ids}")
-            self._ids += 1
-            engine.enqueue(names[-1], ids, p)
+        names = [f"offline-{self._ids + i}" for i in range(len(token_ids))]
+        self._ids += len(names)
         results = {
             name: GenerationOutput(name, text, ids, [CompletionOutput(k) for k in range(p.n)])
             for name, text, ids, p in zip(names, texts, token_ids, params)
         }
+        try:
+            for name, ids, p in zip(names, token_ids, params):
+                engine.enqueue(name, ids, p)
+            self._run(results, use_tqdm)
+        except BaseException:  # an error or Ctrl-C: nothing of this batch is left to run in the next call
+            for name in names:
+                engine.abort(name)
+            raise
+        return [results[name] for name in names]
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerationOutput]:
+        """Generate a reply to one conversation (a list of `{"role": ..., "content": ...}` messages) or
+        to each of a list of conversations, rendered by the chat template as the server's
+        /v1/chat/completions renders them (`chat_template`, else the `chat_template` option as
+        `shiftlm serve --chat-template` takes it, else the tokenizer's own). `content` is text or OpenAI's `[{"type": "text", "text": ...}]`."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        template = (
+            chat_template or self.setup.api.chat_template or getattr(self.tokenizer, "chat_template", None)
+        )
+        if not template:
+            raise InvalidRequest(
+                "the model has no chat template: pass chat_template=..., or use generate() with plain prompts",
+                "chat_template",
+            )
+        is_one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if is_one else list(messages)
+        if not conversations:
+            raise InvalidRequest("no conversations given", "messages")
+        texts, token_ids = [], []
+        for i, conversation in enumerate(conversations):
+            where = "" if is_one else f"conversation {i}: "
+            texts.append(
+                render_chat(
+                    self.tokenizer, _chat_messages(conversation, where), template, add_generation_prompt
+                )
+            )
+            # the template writes the special tokens it wants (as the server encodes it)
+            token_ids.append(self.tokenizer.encode(texts[-1], add_special_tokens=False))
+        return self._generate(texts, token_ids, sampling_params, use_tqdm)
+
+    def _run(self, results: dict[str, GenerationOutput], use_tqdm: bool) -> None:
+        """Step the engine until it has nothing left, filling in `results` as the outputs come."""
+        engine = self._engine
         done, started = 0, time.monotonic()
         while engine.has_work():
             for out in engine.step():
@@ -134,28 +190,44 @@ class LLM:
                 raise RuntimeError(f"request {request_id} failed: {trace.strip().splitlines()[-1]}")
             if use_tqdm:
                 print(
-                    f"\rshiftlm: {done}/{len(names)} prompts done, {time.monotonic() - started:.1f} s",
+                    f"\rshiftlm: {done}/{len(results)} prompts done, {time.monotonic() - started:.1f} s",
                     end="",
                     file=sys.stderr,
                     flush=True,
                 )
         if use_tqdm:
             print(file=sys.stderr)
-        return [results[name] for name in names]
 
     def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif prompts and all(isinstance(t, int) for t in prompts):
             prompts = [list(prompts)]  # one prompt of token ids
         texts, token_ids = [], []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+                unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+                if unknown or len(prompt) != 1:
+                    raise InvalidRequest(
+                        f"prompt {i}: a dict prompt has one key, 'prompt' (text) or 'prompt_token_ids' "
+                        f"(got {sorted(prompt)})",
+                        "prompts",
+                    )
+                prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
             if isinstance(prompt, str):
                 texts.append(prompt)
                 token_ids.append(self.tokenizer.encode(prompt))
-            else:
+            elif isinstance(prompt, Seq) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
                 texts.append(None)
                 token_ids.append([int(t) for t in prompt])
+            else:
+                raise InvalidRequest(
+                    f"prompt {i} is a {type(prompt).__name__}: give text, a list of token ids, or "
+                    "{'prompt': text} / {'prompt_token_ids': ids}",
+                    "prompts",
+                )
         if not token_ids:
             raise InvalidRequest("no prompts given", "prompts")
         return texts, token_ids
@@ -203,3 +275,28 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _chat_messages(conversation, where: str) -> list[dict]:
+    """A conversation's messages with plain-text content, as the chat template takes them."""
+    if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Seq) or not conversation:
+        raise InvalidRequest(f"{where}a conversation is a non-empty list of messages", "messages")
+    out = []
+    for j, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"{where}message {j} is not a {{'role': ..., 'content': ...}} dict", "messages"
+            )
+        content = message.get("content") or ""
+        if not isinstance(content, str):  # OpenAI's content parts: only text ones
+            try:
+                if any(part["type"] != "text" for part in content):
+                    raise KeyError("type")
+                content = "".join(part["text"] for part in content)
+            except (TypeError, KeyError):
+                raise InvalidRequest(
+                    f"{where}message {j}: content is text or a list of {{'type': 'text', 'text': ...}} parts",
+                    "messages",
+                ) from None
+        out.append({"role": message["role"], "content": content})
+    return out

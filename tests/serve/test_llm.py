@@ -22,9 +22,8 @@ def _reference(model_dir, prompt_ids: list[int], new_tokens: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens
-    )
+    model.generation_config.eos_token_id = None  # as ignore_eos: EOS is a token like any other
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False)
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -77,3 +76,81 @@ def test_bad_input_is_refused_before_anything_runs(model_dir):
             llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
     with pytest.raises(TypeError, match="unknown options \\['no_such_flag'\\]"):
         LLM(str(model_dir), no_such_flag=1)
+
+
+def test_chat_renders_the_template_as_the_server_does(model_dir):
+    """One conversation or a list of them; the prompt is the chat template's text, encoded without
+    added special tokens (as /v1/chat/completions encodes it), and greedy replies equal
+    `transformers.generate` on those ids."""
+    from shiftlm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    talk = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    with LLM(str(model_dir)) as llm:
+        one = llm.chat(talk, greedy)
+        both = llm.chat([talk, parts], greedy)
+        custom = llm.chat(talk, greedy, chat_template="{{ messages[-1]['content'] }}|")
+    assert one[0].prompt == "<system>be brief\n<user>hi\n<assistant>"
+    assert both[1].prompt == "<user>hi\n<assistant>"  # text parts joined
+    assert custom[0].prompt == "hi|"
+    assert both[0].prompt_token_ids == one[0].prompt_token_ids
+    for out in (one[0], both[1], custom[0]):
+        assert out.outputs[0].token_ids == _reference(model_dir, out.prompt_token_ids, 5)
+
+
+def test_chat_bad_input_names_the_message(model_dir):
+    from shiftlm import LLM
+
+    with LLM(str(model_dir)) as llm:
+        with pytest.raises(InvalidRequest, match="message 1 is not a"):
+            llm.chat([{"role": "user", "content": "a"}, "b"])
+        with pytest.raises(InvalidRequest, match="conversation 1: a conversation is a non-empty list"):
+            llm.chat([[{"role": "user", "content": "a"}], []])
+        with pytest.raises(InvalidRequest, match="message 0: content is text or a list"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url"}]}])
+        llm.tokenizer.chat_template = None
+        with pytest.raises(InvalidRequest, match="no chat template: pass chat_template"):
+            llm.chat([{"role": "user", "content": "a"}])
+        assert not llm._engine.has_work()
+
+
+def test_vllm_prompt_dicts_and_bad_prompt_types(model_dir):
+    from shiftlm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with LLM(str(model_dir)) as llm:
+        ids = llm.tokenizer.encode("ab")
+        outs = llm.generate([{"prompt": "ab"}, {"prompt_token_ids": ids}], greedy)
+        single = llm.generate({"prompt_token_ids": ids}, greedy)
+        with pytest.raises(InvalidRequest, match="prompt 1: a dict prompt has one key"):
+            llm.generate(["a", {"text": "b"}])
+        with pytest.raises(InvalidRequest, match="prompt 0 is a float"):
+            llm.generate([1.5])
+    assert outs[0].prompt == "ab" and outs[1].prompt is None
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == single[0].outputs[0].token_ids
+
+
+def test_an_interrupted_batch_leaves_nothing_behind(model_dir):
+    """Ctrl-C (or any error) in the middle of `generate` aborts its requests: the next call runs
+    only its own prompts and gets the same tokens as on a fresh engine."""
+    from shiftlm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(model_dir)) as llm:
+        fresh = llm.generate(["hello", "ab"], greedy)
+        engine_step, calls = llm._engine.step, []
+
+        def step_then_interrupt():
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return engine_step()
+
+        llm._engine.step = step_then_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["cd", "ef", "gh"], SamplingParams(max_tokens=40, ignore_eos=True))
+        llm._engine.step = engine_step
+        assert not llm._engine.scheduler.has_work()
+        again = llm.generate(["hello", "ab"], greedy)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]

@@ -14,6 +14,14 @@ CHAT_TEMPLATE = (
 )
 
 
+def render_chat(tokenizer, messages: list[dict], template: str, add_generation_prompt: bool = True) -> str:
+    """One conversation (`{"role", "content"}` dicts, content already plain text) as the prompt text the
+    chat template makes of it: the server's /v1/chat/completions and `LLM.chat` both render here."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+    )
+
+
 def load_tokenizer(model_dir: str | Path):
     """The checkpoint's tokenizer (`AutoTokenizer`); a clear error if the directory has none."""
     from transformers import AutoTokenizer

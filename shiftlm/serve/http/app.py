@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 from shiftlm.serve.engine.async_engine import AsyncEngine
 from shiftlm.serve.engine.errors import EngineError
 from shiftlm.serve.engine.text import Tokenizer
+from shiftlm.serve.engine.tokenizer import render_chat
 from shiftlm.serve.http.middleware import GuardMiddleware
 from shiftlm.serve.http.protocol import (
     RETRY_AFTER_BUSY,
@@ -235,12 +236,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         messages = [{"role": m.role, "content": _utf8(m.text(), "messages")} for m in body.messages]
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                chat_template=template,
-            )
+            text = render_chat(tokenizer, messages, template, body.add_generation_prompt)
             check_size(len(text), "messages")  # the rendered template, before tokenizing it
             return tokenizer.encode(text, add_special_tokens=False)
 
