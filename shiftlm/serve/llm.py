@@ -248,6 +248,7 @@ class LLM:
             replace(
                 p,
                 stop=(p.stop,) if isinstance(p.stop, str) else tuple(p.stop),
+                stop_token_ids=tuple(p.stop_token_ids),
                 top_k=0 if p.top_k == -1 else p.top_k,
                 logit_bias=tuple(p.logit_bias.items()) if isinstance(p.logit_bias, dict) else p.logit_bias,
             )

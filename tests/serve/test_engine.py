@@ -137,6 +137,30 @@ def test_eos_finishes_a_sample_unless_ignore_eos():
         assert len(_tokens(_run(engine)[("r", 0)])) == length
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_stop_token_id_ends_the_sample_in_its_ids_not_its_text(async_scheduling):
+    """vLLM's `stop_token_ids`: the first one drawn finishes the sample with "stop" (ignore_eos or
+    not); the token is the last of the sample's ids and adds nothing to its text."""
+    expected = reference_greedy([5, 6], 12)
+    stop_at = next(i for i in range(2, 12) if expected[i] not in expected[:i] and expected[i] != EOS)
+    engine = _engine(async_scheduling=async_scheduling)
+    params = SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(expected[stop_at],)
+    )
+    engine.add_request("r", [5, 6], params)
+    outputs = _run(engine)[("r", 0)]
+    assert _tokens(outputs) == expected[: stop_at + 1]
+    assert "".join(out.text for out in outputs) == LetterTokenizer().decode(expected[:stop_at])
+    assert outputs[-1].finish_reason == "stop" and not engine.has_work()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    engine = _engine()
+    with pytest.raises(InvalidRequest, match=rf"stop_token_ids must be in \[0, {VOCAB}\)"):
+        engine.add_request("r", [1], SamplingParams(stop_token_ids=(3, VOCAB)))
+    assert not engine.has_work()
+
+
 def test_a_prompt_that_fills_the_context_is_rejected_and_nothing_is_queued():
     engine = _engine(max_model_len=16)
     with pytest.raises(PromptTooLong):

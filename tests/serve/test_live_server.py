@@ -337,6 +337,21 @@ def test_min_tokens_holds_back_eos(client, model_dir):
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids_end_a_reply_and_are_not_in_its_text(client, model_dir):
+    """vLLM's `stop_token_ids` (extra body): the reply stops at the first one drawn, with "stop", even
+    with ignore_eos; its text is what the tokens before it say."""
+    from transformers import AutoTokenizer
+
+    greedy = dict(model=MODEL, prompt="e", max_tokens=8, temperature=0)
+    free = client.completions.create(**greedy, logprobs=0, extra_body={"ignore_eos": True})
+    drawn = free.choices[0].logprobs.tokens
+    stop_at = next(i for i in range(1, len(drawn)) if drawn[i] not in drawn[:i])
+    stop_id = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(drawn[stop_at])
+    out = client.completions.create(**greedy, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == stop_at + 1 and out.choices[0].text == "".join(drawn[:stop_at])
+
+
 @pytest.mark.parametrize(
     "extra,param",
     [
@@ -347,6 +362,7 @@ def test_min_tokens_holds_back_eos(client, model_dir):
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
         ({"logprobs": 50}, "logprobs"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"stop_token_ids": [3, 1_000_000]}, "stop_token_ids"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

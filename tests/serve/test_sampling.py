@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import torch
 
 from shiftlm.serve.engine.sampling import (
@@ -89,6 +91,10 @@ def test_penalties_and_logit_bias_change_exactly_the_tokens_they_name():
     assert sample_rows(base, [bias]).tokens == [3]  # greedy only after the bias
     min_tokens = SampleRow(0, SamplingParams(temperature=0, min_tokens=2, max_tokens=4), None, (), (1,))
     assert sample_rows(base, [min_tokens], eos_ids={0}).tokens == [1]
+    # min_tokens holds back the stop_token_ids too (vLLM's stop set: EOS and stop_token_ids)
+    stops = SampleRow(0, SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,)), None, (), (1,))
+    assert sample_rows(base, [stops], eos_ids={0}).tokens == [3]
+    assert sample_rows(base, [replace(stops, output_ids=(1, 3))], eos_ids={0}).tokens == [0]
 
 
 def test_logprobs_are_the_raw_distributions_and_rows_are_independent():

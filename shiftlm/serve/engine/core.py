@@ -117,6 +117,8 @@ class Engine:
                 raise InvalidRequest(
                     f"logit_bias token {token_id} is not in [0, {self.vocab_size})", "logit_bias"
                 )
+        if not all(0 <= token_id < self.vocab_size for token_id in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
         if not all(0 <= token < self.vocab_size for token in prompt_ids):

@@ -119,9 +119,13 @@ class Request:
             itl = now - sample.last_token_time
         self.ctx.metrics.record_token(ttft, itl)
         sample.last_token_time = now
-        delta = sample.text.update(generated)
         params = sample.params
-        if sample.text.stopped or (token in self.ctx.eos_token_ids and not params.ignore_eos):
+        stop_token = token in params.stop_token_ids or (
+            token in self.ctx.eos_token_ids and not params.ignore_eos
+        )
+        # a stop token is in the sample's token ids, not in its text (as vLLM's detokenizer skips it)
+        delta = sample.text.update(generated[:-1] if stop_token else generated)
+        if stop_token or sample.text.stopped:
             sample.finish = FinishReason.STOP
         elif (
             len(generated) >= params.max_tokens

@@ -134,8 +134,9 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -
         index = (_on(x.device, where, torch.long), _on(x.device, ids, torch.long))
         x.index_put_(index, _on(x.device, values, x.dtype), accumulate=True)
     for i, row in enumerate(rows):
-        if row.num_outputs < row.params.min_tokens and eos_ids:
-            x[i, _on(x.device, sorted(eos_ids), torch.long)] = float("-inf")
+        stops = _stop_ids(row, eos_ids)
+        if row.num_outputs < row.params.min_tokens and stops:
+            x[i, _on(x.device, stops, torch.long)] = float("-inf")
     repetition = _on(x.device, [row.params.repetition_penalty for row in rows], x.dtype)
     if any(row.params.repetition_penalty != 1.0 for row in rows):  # decided from the params: no sync
         seen = _history([list(r.prompt_ids) + list(r.output_ids) for r in rows], rows, vocab, x.device) > 0
@@ -267,11 +268,16 @@ def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
     params = row.params
     return bool(
         params.logit_bias
-        or (eos_ids and row.num_outputs < params.min_tokens)
+        or (row.num_outputs < params.min_tokens and _stop_ids(row, eos_ids))
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0
         or params.presence_penalty != 0
     )
+
+
+def _stop_ids(row: SampleRow, eos_ids: set[int]) -> list[int]:
+    """The tokens that would end this row's sample: min_tokens keeps them from being drawn."""
+    return sorted(set(eos_ids).union(row.params.stop_token_ids))
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> list[TokenLogprob]:

@@ -34,6 +34,7 @@ class SamplingParams:
     top_k: int = 0  # 0 keeps every token
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # drawing one ends the sample (finish "stop"), even with ignore_eos
     ignore_eos: bool = False
     n: int = 1
     presence_penalty: float = 0.0

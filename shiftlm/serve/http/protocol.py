@@ -143,8 +143,6 @@ class SamplingFields(BaseModel):
                 return name
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.stop_token_ids:
-            return "stop_token_ids"
         return None
 
     def sampling_params(
@@ -168,6 +166,7 @@ class SamplingFields(BaseModel):
             # any integer is a seed: reduced to what torch.Generator.manual_seed accepts
             seed=None if self.seed is None else self.seed % SEED_MODULUS,
             stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             n=self.n,
             presence_penalty=self.presence_penalty,
