@@ -15,6 +15,7 @@ so a bad one raises `InvalidRequest` naming it and nothing runs. A batch that ra
 midway (Ctrl-C in a notebook) aborts its requests, so the next call starts from an empty engine.
 
     outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+    json_only = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from dataclasses import dataclass, field, replace
 from shiftlm.serve.engine.errors import InvalidRequest
 from shiftlm.serve.engine.sampling import TokenLogprob
 from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.engine.structured import StructuredOutputsParams
 from shiftlm.serve.engine.tokenizer import render_chat
 from shiftlm.serve.options import ServeOptions
 from shiftlm.serve.server import build_engine, measure_shift_threshold
 from shiftlm.serve.worker.start import start_ranks, stop_local_ranks
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "GenerationOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "CompletionOutput", "GenerationOutput"]
 
 
 @dataclass

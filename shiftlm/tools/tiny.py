@@ -13,7 +13,7 @@ MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
 def make_tiny_checkpoint(
-    path: str | Path, family: str = "llama-gqa", seed: int = 0, num_heads: int = 8
+    path: str | Path, family: str = "llama-gqa", seed: int = 0, num_heads: int = 8, vocab_size: int = 250
 ) -> Path:
     """Write a tiny `family` checkpoint with `transformers` `save_pretrained` and return its path.
 
@@ -24,13 +24,14 @@ def make_tiny_checkpoint(
     by `mlp_only_layers`, a sigmoid-gated shared expert, top-k not renormalised); qwen3-moe (q/k norms,
     top-k renormalised, the load-balancing loss in the training loss with coefficient 0.1).
     `num_heads`: 8 query heads of 8 (the default), or e.g. 4 of 16, which FlexAttention's CUDA
-    kernels need (`serve/worker/flex_decode.MIN_CUDA_HEAD_DIM`).
+    kernels need (`serve/worker/flex_decode.MIN_CUDA_HEAD_DIM`). `vocab_size`: 250, or more for a
+    real byte-level tokenizer (256 bytes + specials + merges: tests/serve/test_structured.py).
     """
     import torch
     import transformers as tf
 
     common = dict(
-        vocab_size=250,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,

@@ -97,6 +97,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return replace(self.engine.stats(), failed_steps=self.failed_steps)
 
+    def check_grammar(self, spec) -> None:
+        """Compile and validate a structured-output grammar (any thread; InvalidRequest if it fails)."""
+        self.engine.grammars.check(spec)
+
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
         """Admit a request of one or more prompts, or raise InvalidRequest / PromptTooLong /
         Overloaded / EngineDead with nothing queued (a refusal for capacity is counted). Each

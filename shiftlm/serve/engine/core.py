@@ -30,6 +30,7 @@ from shiftlm.serve.engine.sampling import SEED_MODULUS, draw_rows, sample_rows
 from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.streams import check_streams, layout_code, max_step_cost
+from shiftlm.serve.engine.structured import Grammars
 from shiftlm.serve.plan import Runner, StepPlan
 
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
@@ -82,8 +83,9 @@ class Engine:
         self.metrics = ServingMetrics()
         # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
         self.step_log = step_log
+        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)  # structured outputs
         self._ctx = RequestContext(
-            self.scheduler, self.metrics, tokenizer, eos_token_ids, config.max_model_len, clock
+            self.scheduler, self.metrics, tokenizer, eos_token_ids, config.max_model_len, clock, self.grammars
         )
         self._requests: dict[str, Request] = {}
         self._failed: list[tuple[str, str]] = []  # requests failed alone in a step (`take_failed`)
@@ -119,6 +121,8 @@ class Engine:
                 )
         if not all(0 <= token_id < self.vocab_size for token_id in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        if params.structured_outputs is not None:  # compiled once per grammar (cached)
+            self.grammars.check(params.structured_outputs)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty; send at least one token", "prompt")
         if not all(0 <= token < self.vocab_size for token in prompt_ids):
@@ -239,8 +243,12 @@ class Engine:
 
     def _can_run_ahead(self, current: Launched) -> bool:
         """Step N+1 may be scheduled before N's tokens are read: every request N draws for is one plain
-        sequence (a stream group's next timestep depends on which of its streams stopped)."""
-        return all(isinstance(request, SingleRequest) for request, _ in current.drawing)
+        sequence (a stream group's next timestep depends on which of its streams stopped) without a
+        grammar (its next mask needs the token on the host)."""
+        return all(
+            isinstance(request, SingleRequest) and request.seq.params.structured_outputs is None
+            for request, _ in current.drawing
+        )
 
     def _launch(self, plan: StepPlan, previous: Launched | None = None) -> Launched:
         """Run `plan` and draw its tokens, reading nothing back. `previous`: the step still running,

@@ -22,6 +22,7 @@ from shiftlm.serve.engine.sampling import SampleRow, TokenLogprob, make_generato
 from shiftlm.serve.engine.scheduler import Scheduler
 from shiftlm.serve.engine.sequence import FinishReason, SamplingParams, Sequence
 from shiftlm.serve.engine.stream_group import StreamGroup
+from shiftlm.serve.engine.structured import Grammars, Matcher
 from shiftlm.serve.engine.text import StreamingText, Tokenizer
 from shiftlm.serve.plan import ScheduledChunk
 
@@ -51,6 +52,7 @@ class RequestContext:
     eos_token_ids: set[int]
     max_model_len: int
     clock: Callable[[], float]
+    grammars: Grammars | None = None  # structured outputs' compiler (None: no request may ask)
 
 
 @dataclass
@@ -63,6 +65,10 @@ class _Sample:
     prompt_tokens: int
     last_token_time: float | None = None
     finish: FinishReason | None = None
+    matcher: Matcher | None = None  # its place in its grammar (structured outputs)
+
+    def allowed(self) -> torch.Tensor | None:
+        return None if self.matcher is None else self.matcher.allowed()
 
 
 @dataclass(eq=False)
@@ -125,7 +131,8 @@ class Request:
         )
         # a stop token is in the sample's token ids, not in its text (as vLLM's detokenizer skips it)
         delta = sample.text.update(generated[:-1] if stop_token else generated)
-        if stop_token or sample.text.stopped:
+        complete = sample.matcher is not None and sample.matcher.accept(token)  # the grammar takes no more
+        if stop_token or complete or sample.text.stopped:
             sample.finish = FinishReason.STOP
         elif (
             len(generated) >= params.max_tokens
@@ -173,13 +180,18 @@ class SingleRequest(Request):
         now = ctx.clock()
         seq = Sequence(request_id, list(prompt_ids), params, arrival_time=now)
         sample = _Sample(
-            params, StreamingText(ctx.tokenizer, params.stop), make_generator(params, 0), len(prompt_ids)
+            params,
+            StreamingText(ctx.tokenizer, params.stop),
+            make_generator(params, 0),
+            len(prompt_ids),
+            matcher=_matcher(ctx, params),
         )
         return cls(ctx, seq, [sample], now)
 
     def rows(self, last_row: int) -> list[SampleRow]:
         seq, sample = self.seq, self.samples[0]
-        return [SampleRow(last_row, seq.params, sample.generator, seq.prompt_ids, seq.output_ids)]
+        history = (seq.prompt_ids, seq.output_ids)
+        return [SampleRow(last_row, seq.params, sample.generator, *history, allowed=sample.allowed())]
 
     def advance(self, picks, now):
         (token, logprob) = picks[0]
@@ -217,7 +229,11 @@ class StreamRequest(Request):
             group.params = echo
         samples = [
             _Sample(
-                p, StreamingText(ctx.tokenizer, p.stop), make_generator(p, 0), len(prompt_ids) + len(prefix)
+                p,
+                StreamingText(ctx.tokenizer, p.stop),
+                make_generator(p, 0),
+                len(prompt_ids) + len(prefix),
+                matcher=_matcher(ctx, p),
             )
             for p, prefix in zip(params, prefixes)
         ]
@@ -229,8 +245,15 @@ class StreamRequest(Request):
         rows = []
         for k, offset in group.to_sample():
             history = (group.prompt_ids + list(group.prefixes[k]), group.generated[k])
+            sample = self.samples[k]
             rows.append(
-                SampleRow(first + offset, group.stream_params[k], self.samples[k].generator, *history)
+                SampleRow(
+                    first + offset,
+                    group.stream_params[k],
+                    sample.generator,
+                    *history,
+                    allowed=sample.allowed(),
+                )
             )
         return rows
 
@@ -245,3 +268,11 @@ class StreamRequest(Request):
         if self.done():
             self._finish(now)
         return outputs
+
+
+def _matcher(ctx: RequestContext, params: SamplingParams) -> Matcher | None:
+    if params.structured_outputs is None:
+        return None
+    if ctx.grammars is None:
+        raise ValueError("this engine takes no structured outputs (RequestContext.grammars is None)")
+    return ctx.grammars.matcher(params.structured_outputs)

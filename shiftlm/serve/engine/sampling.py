@@ -4,7 +4,7 @@ temperature, top-k, top-p, per-sample seeds, and the logprobs the OpenAI API ret
     result = sample_rows(logits, [SampleRow(row, params, generator, prompt_ids, output_ids), ...], eos_ids)
     result.tokens[i], result.logprobs[i]          # one entry per SampleRow, in order
 
-Order as in vLLM: logit_bias, min_tokens (EOS masked), repetition penalty (CTRL, Keskar et al. 2019:
+Order as in vLLM: the grammar's mask (structured outputs), logit_bias, min_tokens (EOS masked), repetition penalty (CTRL, Keskar et al. 2019:
 divide a seen token's positive logit, multiply a negative one), frequency and presence penalties
 (OpenAI: logit - frequency * count - presence * [count > 0], over generated tokens), then temperature,
 top-k and top-p (nucleus; Holtzman et al., ICLR 2020), then one draw. Every step works on the whole
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from shiftlm.serve.engine.sequence import GREEDY_BELOW, SamplingParams
+from shiftlm.serve.engine.structured import grammar_mask
 
 SEED_MODULUS = 2**63
 
@@ -48,6 +49,8 @@ class SampleRow:
     # the token the step still running drew for this sequence ([1], on the device; asynchronous
     # scheduling): the last of its outputs, not yet in `output_ids`
     pending: torch.Tensor | None = None
+    # the tokens its grammar allows (structured outputs): an int32 bitmask on the host, else None
+    allowed: torch.Tensor | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -125,8 +128,12 @@ def _history(sequences: list[Sequence[int]], rows: list[SampleRow], vocab: int, 
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow], eos_ids: set[int]) -> torch.Tensor:
-    """logit_bias, min_tokens, repetition / frequency / presence penalties on logits [rows, V]."""
+    """The grammar's mask (structured outputs), logit_bias, min_tokens, repetition / frequency /
+    presence penalties on logits [rows, V]."""
     vocab = x.shape[1]
+    held = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if held:
+        x = grammar_mask(x, held, [rows[i].allowed for i in held])
     # every row's logit_bias as one sparse add (ids are distinct per row: protocol.parse_logit_bias)
     biased = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias]
     if biased:
@@ -268,6 +275,7 @@ def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
     params = row.params
     return bool(
         params.logit_bias
+        or row.allowed is not None
         or (row.num_outputs < params.min_tokens and _stop_ids(row, eos_ids))
         or params.repetition_penalty != 1.0
         or params.frequency_penalty != 0

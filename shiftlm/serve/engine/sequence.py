@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from shiftlm.serve.engine.errors import InvalidRequest
+from shiftlm.serve.engine.structured import StructuredOutputsParams
 
 # Below this temperature a request is greedy: dividing logits by 1e-40 gives inf and a NaN softmax.
 GREEDY_BELOW = 1e-5
@@ -45,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     cache_salt: str | None = None  # starts the prefix cache's hash chain (kv_blocks.root_hash)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output keeps to
 
     def validate(self) -> None:
         finite = all(
@@ -109,7 +111,7 @@ class SamplingParams:
     @property
     def argmax_only(self) -> bool:
         """The next token is the raw logits' argmax and nothing else of them is returned or used (no
-        logprobs, bias, penalties or min_tokens): a 2-rank step sends (max, argmax) per rank, not logits."""
+        logprobs, bias, penalties, min_tokens or grammar): a 2-rank step sends (max, argmax) per rank, not logits."""
         return (
             self.greedy
             and self.n == 1
@@ -117,6 +119,7 @@ class SamplingParams:
             and self.prompt_logprobs is None
             and not self.logit_bias
             and self.min_tokens == 0
+            and self.structured_outputs is None
             and self.repetition_penalty == 1.0
             and self.frequency_penalty == 0.0
             and self.presence_penalty == 0.0

@@ -161,6 +161,18 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
     add_stream_routes(app, engine, tokenizer, model_name, options.default_max_tokens, tokenize)
 
+    async def check_grammar(body: SamplingFields) -> None:
+        """Compile a structured-output grammar off the event loop (a large schema takes a while);
+        the engine's own check then finds it in its cache."""
+        try:
+            spec = body.structured()
+            if spec is not None:
+                await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.check_grammar, spec)
+        except EngineError as err:
+            if body.structured_outputs is None and getattr(err, "param", None) == "structured_outputs":
+                err.param = "response_format"  # name what the client sent
+            raise api_error(err) from None
+
     def admit(body: SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs):
         if body.model != model_name:
             raise ApiError(
@@ -203,6 +215,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 prompts.append(list(text))
         logprobs = body.logprobs
         prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+        await check_grammar(body)
         params, streams = admit(body, prompts, options.default_max_tokens, logprobs, prompt_logprobs)
         choices = Choices(
             "cmpl",
@@ -246,6 +259,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         default = max(1, engine.max_model_len - len(prompt_ids) - 1)
+        await check_grammar(body)
         params, streams = admit(body, [prompt_ids], default, logprobs, None)
         choices = Choices("chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True)
         return await run(request, body, streams, choices)

@@ -1,8 +1,8 @@
 """The OpenAI wire format: request bodies (pydantic), error bodies, and response pieces.
 
 The fields of OpenAI's completions and chat APIs that shiftlm implements are declared here, with
-vLLM's usual extensions (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`). A field shiftlm
-does not implement (tools, response_format, ...) is refused with a 400 that names it, never silently
+vLLM's usual extensions (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
+`structured_outputs`). A field shiftlm does not implement (tools, suffix, ...) is refused with a 400 that names it, never silently
 ignored: a client that relies on it must learn at once. Only fields that change nothing about the
 output (`user`, `metadata`, ...) are accepted and ignored.
 
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from shiftlm.serve.engine.errors import EngineDead, EngineError, InvalidRequest, Overloaded, StepFailed
 from shiftlm.serve.engine.sampling import SEED_MODULUS
 from shiftlm.serve.engine.sequence import SamplingParams
+from shiftlm.serve.engine.structured import StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -105,6 +106,36 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # `schema` would shadow pydantic's
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` (extra body): exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -135,6 +166,28 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The grammar the output keeps to: `structured_outputs`, else `response_format`'s."""
+        fmt, chosen = self.response_format, self.structured_outputs
+        if chosen is not None:
+            if fmt is not None and fmt.type != "text":
+                raise InvalidRequest(
+                    "send response_format or structured_outputs, not both", "structured_outputs"
+                )
+            choice = None if chosen.choice is None else tuple(chosen.choice)
+            return StructuredOutputsParams(
+                chosen.json_, chosen.regex, choice, chosen.grammar, bool(chosen.json_object)
+            )
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise InvalidRequest("response_format json_schema needs json_schema.schema", "response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
     def unsupported_field(self) -> str | None:
         """The first field the client sent that shiftlm does not implement (None if all are)."""
@@ -177,6 +230,7 @@ class SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             min_tokens=self.min_tokens,
             cache_salt=self.cache_salt,
+            structured_outputs=self.structured(),
         )
 
 

@@ -45,6 +45,9 @@ class StreamsRequest(SamplingFields):
     def stream_params(self, default_max_tokens: int, vocab_size: int | None = None) -> list:
         if self.n != 1:
             raise InvalidRequest("n is not a /v1/streams field; send one entry per stream in streams", "n")
+        for name in ("response_format", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise InvalidRequest(f"{name} is not a /v1/streams field (use /v1/completions)", name)
         base = self.sampling_params(default_max_tokens, None, None, vocab_size)
         params = []
         for k, spec in enumerate(self.streams):

@@ -1,0 +1,175 @@
+"""Structured outputs: the sampler draws only tokens that keep the output inside a grammar (a JSON
+schema, any JSON object, a regex, a choice of strings, a Lark/GBNF grammar).
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+
+The grammar engine is llguidance (Microsoft's; one of vLLM's structured-output backends: Rust, no
+dependencies of its own), as vLLM's `StructuredOutputsParams` and OpenAI's `response_format` ask:
+`Grammars` compiles and validates a request's grammar against this model's tokenizer once (cached),
+each sample gets its own matcher, and per step the matcher gives the allowed tokens as a bitmask
+(32 tokens a word) that the sampler applies to the row's logits before penalties, temperature, top-k/p
+(`sampling.apply_penalties`). The drawn token advances the matcher; a grammar that can take no more
+tokens ends the sample with `stop` (EOS when the grammar allows one); `max_tokens` can still cut it
+(`length`), as in vLLM.
+
+A structured sample's next mask needs its previous token on the host, so a step that draws for one
+is never run ahead (asynchronous scheduling waits for it: `Engine._can_run_ahead`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from shiftlm.serve.engine.errors import InvalidRequest
+
+PARAM = "structured_outputs"
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
+    (`json`: a dict or its JSON text), `regex`, `choice` (one of these strings), `grammar` (Lark, or
+    GBNF as llama.cpp writes it) or `json_object` (any JSON object: `response_format: json_object`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        # kept as text and a tuple: SamplingParams is frozen and hashable, and the grammar cache's key
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def grammar_source(self) -> tuple[str, str]:
+        """(llguidance's format name, the grammar text); InvalidRequest unless exactly one is given."""
+        given = [
+            (kind, value)
+            for kind, value in (
+                ("json_schema", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequest(
+                "structured outputs take exactly one of json, regex, choice, grammar, json_object "
+                f"(got {[kind for kind, _ in given] or 'none'})",
+                PARAM,
+            )
+        kind, value = given[0]
+        if kind == "json_object":
+            return "json_schema", '{"type": "object"}'
+        if kind == "choice":
+            if not value or not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequest("choice is a non-empty list of non-empty strings", PARAM)
+            return "choice", json.dumps(list(value))
+        if kind == "json_schema":
+            try:
+                if not isinstance(json.loads(value), dict):
+                    raise ValueError
+            except ValueError:
+                raise InvalidRequest("json is a JSON schema: an object, or its JSON text", PARAM) from None
+        return kind, value
+
+
+class Matcher:
+    """One sample's place in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher, self._words = matcher, (vocab_size + 31) // 32
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens the grammar allows next: an int32 bitmask [ceil(vocab / 32)] on the host, bit
+        `t % 32` of word `t // 32` set for token t."""
+        mask = torch.empty(self._words, dtype=torch.int32)
+        self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        return mask
+
+    def accept(self, token: int) -> bool:
+        """Advance by the drawn token; whether the grammar is complete (it takes no more tokens)."""
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar rejected token {token}: {self._matcher.get_error()}")
+        return self._matcher.is_stopped()
+
+
+class Grammars:
+    """This engine's grammar compiler: llguidance's view of the tokenizer (built on the first
+    structured request: ~1 s for a 128k vocabulary) and the validated grammars (LRU-cached)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self._lock = threading.Lock()  # the HTTP side validates in a thread pool, the engine builds
+        self._tokenizer = None
+
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids)
+                    )
+                except (ValueError, TypeError) as err:
+                    raise InvalidRequest(
+                        f"structured outputs need a tokenizer llguidance can read (a fast Hugging Face "
+                        f"tokenizer with a byte-level or byte-fallback decoder); this one: {err}",
+                        PARAM,
+                    ) from None
+            return self._tokenizer
+
+    def check(self, spec: StructuredOutputsParams) -> str:
+        """The grammar of `spec`, validated against this tokenizer; InvalidRequest names the error."""
+        return self._compile(*spec.grammar_source())
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one Grammars per engine, for the engine's life
+    def _compile(self, kind: str, text: str) -> str:
+        import llguidance
+
+        grammar = llguidance.grammar_from(kind, text)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        if error:
+            raise InvalidRequest(f"the {kind} grammar does not compile: {_one_line(error)}", PARAM)
+        return grammar
+
+    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), self.check(spec), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the grammar does not compile: {_one_line(matcher.get_error())}", PARAM)
+        return Matcher(matcher, self.vocab_size)
+
+
+def _one_line(error: str) -> str:
+    """llguidance's message as one line: its first line and its `error:` line (the rest quotes the
+    grammar with a caret under the place)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    detail = [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(lines[:1] + detail[:1])
+
+
+def grammar_mask(x: torch.Tensor, rows: list[int], packed: list[torch.Tensor]) -> torch.Tensor:
+    """Logits `x` [rows, V] with every token outside its row's bitmask at -inf (`rows`: the rows that
+    have one, `packed`: their bitmasks). One host-to-device copy of the bitmasks, unpacked there."""
+    words = torch.stack(packed).to(x.device, non_blocking=True)  # [k, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [k, 32 W]
+    vocab = x.shape[1]
+    if allowed.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)
+    x[index] = x[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return x
