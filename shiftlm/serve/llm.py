@@ -47,6 +47,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 @dataclass
@@ -184,7 +185,7 @@ class LLM:
                 if out.prompt_logprobs is not None:
                     result.prompt_logprobs = out.prompt_logprobs
                 if out.finish_reason is not None:
-                    sample.finish_reason = out.finish_reason
+                    sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                     done += all(s.finish_reason is not None for s in result.outputs)
             failed = engine.take_failed()
             if failed:

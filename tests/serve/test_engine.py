@@ -125,7 +125,7 @@ def test_a_stop_string_ends_the_sample_and_is_cut_from_the_text():
     )
     outputs = _run(engine)[("r", 0)]
     assert "".join(out.text for out in outputs) == expected[: expected.find(stop)]
-    assert outputs[-1].finish_reason == "stop"
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop  # vLLM's stop_reason
 
 
 def test_eos_finishes_a_sample_unless_ignore_eos():
@@ -134,7 +134,8 @@ def test_eos_finishes_a_sample_unless_ignore_eos():
     for ignore_eos, length in ((False, stops), (True, 10)):
         engine = _engine()
         engine.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=ignore_eos))
-        assert len(_tokens(_run(engine)[("r", 0)])) == length
+        outputs = _run(engine)[("r", 0)]
+        assert len(_tokens(outputs)) == length and outputs[-1].stop_reason is None  # EOS: none, as vLLM
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -151,7 +152,8 @@ def test_a_stop_token_id_ends_the_sample_in_its_ids_not_its_text(async_schedulin
     outputs = _run(engine)[("r", 0)]
     assert _tokens(outputs) == expected[: stop_at + 1]
     assert "".join(out.text for out in outputs) == LetterTokenizer().decode(expected[:stop_at])
-    assert outputs[-1].finish_reason == "stop" and not engine.has_work()
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == expected[stop_at]
+    assert not engine.has_work()
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused():

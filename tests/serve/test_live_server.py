@@ -122,8 +122,13 @@ def test_a_stop_string_is_cut_from_the_output(client):
     )
     full = client.completions.create(**kwargs).choices[0].text
     stop = full[3:5]
-    out = client.completions.create(stop=[stop], **kwargs).choices[0]
+    out = client.completions.create(stop=[stop, "never"], **kwargs).choices[0]
     assert out.text == full[: full.find(stop)] and out.finish_reason == "stop"
+    assert out.stop_reason == stop  # vLLM's field: which stop string ended it
+    stream = client.completions.create(stop=[stop], stream=True, **kwargs)
+    last = [chunk.choices[0] for chunk in stream if chunk.choices][-1]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    assert client.completions.create(**kwargs).choices[0].stop_reason is None  # length
 
 
 @pytest.mark.parametrize(
@@ -348,7 +353,7 @@ def test_stop_token_ids_end_a_reply_and_are_not_in_its_text(client, model_dir):
     stop_at = next(i for i in range(1, len(drawn)) if drawn[i] not in drawn[:i])
     stop_id = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(drawn[stop_at])
     out = client.completions.create(**greedy, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
-    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop_id  # vLLM's field
     assert out.usage.completion_tokens == stop_at + 1 and out.choices[0].text == "".join(drawn[:stop_at])
 
 

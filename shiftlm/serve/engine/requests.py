@@ -40,6 +40,8 @@ class RequestOutput:
     completion_tokens: int
     logprobs: TokenLogprob | None = None  # of `token_ids[0]`, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first output (echo)
+    # vLLM's: the stop token id or stop string that finished the sample (None for EOS, a grammar, length)
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,13 @@ class Request:
             or sample.prompt_tokens + len(generated) >= self.ctx.max_model_len
         ):
             sample.finish = FinishReason.LENGTH
+        stop_reason = None
         if sample.finish is not None:
             delta += sample.text.flush()
+            if token in params.stop_token_ids:
+                stop_reason = token
+            elif sample.text.stopped:
+                stop_reason = sample.text.stop_string
         return RequestOutput(
             request_id=self.request_id,
             index=index,
@@ -151,6 +158,7 @@ class Request:
             completion_tokens=len(generated),
             logprobs=logprob,
             prompt_logprobs=self._take_prompt_logprobs(),
+            stop_reason=stop_reason,
         )
 
     def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:

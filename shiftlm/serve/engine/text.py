@@ -37,6 +37,7 @@ class StreamingText:
         self._prefix = 0  # output ids [prefix, read) were decoded already: the context of the next ones
         self._read = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
 
     def update(self, output_ids: list[int]) -> str:
         """Decode the tokens added since the last call; return the new text that is safe to send.
@@ -55,9 +56,10 @@ class StreamingText:
         self.text += new
         if self.stop and new:
             search_from = max(0, before - self._longest_stop + 1)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
-                self.text, self.stopped = self.text[: min(hits)], True
+                at, self.stop_string = min(hits)
+                self.text, self.stopped = self.text[:at], True
                 return self.flush()
         return self._advance(len(self.text) - self._holdback)
 

@@ -40,6 +40,7 @@ class Choices:
         self.text = [""] * count
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.finish: list[str | None] = [None] * count
+        self.stop_reason: list[int | str | None] = [None] * count  # vLLM's field
         self.tokens = [0] * count
         self.started = [False] * count
         self.offsets = [0] * count
@@ -70,6 +71,7 @@ class Choices:
         self.text[i] += text
         self.logprobs[i] += entries
         self.finish[i] = out.finish_reason
+        self.stop_reason[i] = out.stop_reason
         self.tokens[i] = 0 if self.drop_output else out.completion_tokens
         return self._choice(i, text, entries, out.finish_reason, first) if render else None
 
@@ -84,10 +86,11 @@ class Choices:
 
     def _choice(self, i: int, text: str, entries: list, finish: str | None, first: bool) -> dict[str, Any]:
         logprobs = self._logprobs(i, entries) if (self.want_logprobs or entries) else None
+        ended = {"finish_reason": finish, "stop_reason": self.stop_reason[i]}
         if self.chat:
             delta = {"content": text, **({"role": "assistant"} if first else {})}
-            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": logprobs, **ended}
+        return {"index": i, "text": text, "logprobs": logprobs, **ended}
 
     def usage(self) -> dict[str, int]:
         return usage(sum(len(p) for p in self.prompts), sum(self.tokens))
@@ -103,13 +106,12 @@ def render_response(choices: Choices) -> dict[str, Any]:
         choices.offsets[i] = 0
         entries = choices.logprobs[i]
         logprobs = choices._logprobs(i, entries) if (choices.want_logprobs or entries) else None
+        ended = {"finish_reason": choices.finish[i], "stop_reason": choices.stop_reason[i]}
         if choices.chat:
             message = {"role": "assistant", "content": text}
-            items.append(
-                {"index": i, "message": message, "logprobs": logprobs, "finish_reason": choices.finish[i]}
-            )
+            items.append({"index": i, "message": message, "logprobs": logprobs, **ended})
         else:
-            items.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": choices.finish[i]})
+            items.append({"index": i, "text": text, "logprobs": logprobs, **ended})
     obj = "chat.completion" if choices.chat else "text_completion"
     return {**choices.header(obj), "choices": items, "usage": choices.usage()}
 
