@@ -376,3 +376,32 @@ def test_unimplemented_or_out_of_range_fields_are_400s_naming_the_field(server, 
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server, model_dir):
+    """vLLM's /tokenize (a prompt, or messages through the chat template as /v1/chat/completions
+    renders them) and /detokenize, on the server's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out = httpx.post(
+        f"{server}/tokenize", json={"model": MODEL, "prompt": "hello", "return_token_strs": True}
+    )
+    assert out.status_code == 200
+    body = out.json()
+    assert body["tokens"] == tokenizer.encode("hello") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"]) and body["max_model_len"] > 0
+    chat = httpx.post(f"{server}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] == len("<user>hi\n<assistant>")  # as test_chat_uses_the_chat_template counts it
+    back = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == tokenizer.decode(body["tokens"])
+    for path, bad, param in [
+        ("/tokenize", {"model": "nope", "prompt": "a"}, "model"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": [999999]}, "tokens"),
+    ]:
+        response = httpx.post(f"{server}{path}", json=bad)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, (
+            response.text
+        )

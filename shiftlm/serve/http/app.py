@@ -40,7 +40,9 @@ from shiftlm.serve.http.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     api_error,
 )
 from shiftlm.serve.http.responses import Choices, finished_unless_gone, merged, render_response, render_stream
@@ -173,11 +175,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 err.param = "response_format"  # name what the client sent
             raise api_error(err) from None
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model")
+
     def admit(body: SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs):
-        if body.model != model_name:
-            raise ApiError(
-                404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model"
-            )
+        check_model(body.model)
         if (field := body.unsupported_field()) is not None:
             raise ApiError(400, f"{field!r} is not supported by shiftlm; remove it from the request", field)
         if body.max_tokens is None:  # the default never asks for more than the context has left
@@ -230,8 +233,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         )
         return await run(request, body, streams, choices)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
+    async def chat_prompt(
+        body: ChatCompletionRequest | TokenizeRequest, add_special_tokens=False
+    ) -> list[int]:
+        """The token ids of a conversation as the chat template renders it."""
         template = options.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ApiError(
@@ -239,7 +244,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 f"model {model_name!r} has no chat template; use /v1/completions or --chat-template",
                 "messages",
             )
-        refuse_if_full(1)
         if len(body.messages) > engine.max_model_len:  # every message renders at least one token
             raise ApiError(
                 400,
@@ -251,10 +255,47 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         def render() -> list[int]:
             text = render_chat(tokenizer, messages, template, body.add_generation_prompt)
             check_size(len(text), "messages")  # the rendered template, before tokenizing it
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         size = sum(len(m["content"]) for m in messages) + len(messages)
-        prompt_ids = await tokenize(render, size, "messages")
+        return await tokenize(render, size, "messages")
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: a prompt's (or a conversation's) token ids, with the context they must fit."""
+        check_model(body.model)
+        if body.messages is not None and body.prompt is not None:
+            raise ApiError(400, "send a prompt or messages, not both", "messages")
+        if body.messages is not None:
+            special = bool(body.add_special_tokens)  # vLLM's default for a conversation: the template's own
+            ids = await chat_prompt(body, special)
+        elif body.prompt is not None:
+            special = body.add_special_tokens is not False
+            text = _utf8(body.prompt)
+            ids = await tokenize(
+                lambda: tokenizer.encode(text, add_special_tokens=special), len(text), "prompt"
+            )
+        else:
+            raise ApiError(400, "send a prompt or messages", "prompt")
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the text of token ids."""
+        check_model(body.model)
+        if len(body.tokens) > engine.max_model_len:
+            raise ApiError(
+                400, f"{len(body.tokens)} tokens: more than the context of {engine.max_model_len}", "tokens"
+            )
+        if not all(0 <= token < engine.vocab_size for token in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {engine.vocab_size})", "tokens")
+        return {"prompt": await tokenize(lambda: tokenizer.decode(body.tokens), 0, "tokens")}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        refuse_if_full(1)
+        prompt_ids = await chat_prompt(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

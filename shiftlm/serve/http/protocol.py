@@ -293,6 +293,26 @@ class ChatCompletionRequest(SamplingFields):
         return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs, vocab_size)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages as /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, the template's own for messages
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
