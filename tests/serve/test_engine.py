@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,6 +128,15 @@ def test_a_stop_string_ends_the_sample_and_is_cut_from_the_text():
     outputs = _run(engine)[("r", 0)]
     assert "".join(out.text for out in outputs) == expected[: expected.find(stop)]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop  # vLLM's stop_reason
+    engine.add_request(  # vLLM's include_stop_str_in_output: the text ends with the stop string
+        "i",
+        [5, 6],
+        SamplingParams(
+            max_tokens=12, temperature=0, stop=(stop,), ignore_eos=True, include_stop_str_in_output=True
+        ),
+    )
+    included = "".join(out.text for out in _run(engine)[("i", 0)])
+    assert included == expected[: expected.find(stop) + len(stop)]
 
 
 def test_eos_finishes_a_sample_unless_ignore_eos():
@@ -152,6 +163,9 @@ def test_a_stop_token_id_ends_the_sample_in_its_ids_not_its_text(async_schedulin
     outputs = _run(engine)[("r", 0)]
     assert _tokens(outputs) == expected[: stop_at + 1]
     assert "".join(out.text for out in outputs) == LetterTokenizer().decode(expected[:stop_at])
+    engine.add_request("i", [5, 6], replace(params, include_stop_str_in_output=True))
+    included = _run(engine)[("i", 0)]  # the stop token's text kept
+    assert "".join(out.text for out in included) == LetterTokenizer().decode(expected[: stop_at + 1])
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == expected[stop_at]
     assert not engine.has_work()
 

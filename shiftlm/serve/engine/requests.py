@@ -132,7 +132,8 @@ class Request:
             token in self.ctx.eos_token_ids and not params.ignore_eos
         )
         # a stop token is in the sample's token ids, not in its text (as vLLM's detokenizer skips it)
-        delta = sample.text.update(generated[:-1] if stop_token else generated)
+        skip_last = stop_token and not params.include_stop_str_in_output
+        delta = sample.text.update(generated[:-1] if skip_last else generated)
         complete = sample.matcher is not None and sample.matcher.accept(token)  # the grammar takes no more
         if stop_token or complete or sample.text.stopped:
             sample.finish = FinishReason.STOP
@@ -189,7 +190,7 @@ class SingleRequest(Request):
         seq = Sequence(request_id, list(prompt_ids), params, arrival_time=now)
         sample = _Sample(
             params,
-            StreamingText(ctx.tokenizer, params.stop),
+            StreamingText(ctx.tokenizer, params.stop, params.include_stop_str_in_output),
             make_generator(params, 0),
             len(prompt_ids),
             matcher=_matcher(ctx, params),
@@ -238,7 +239,7 @@ class StreamRequest(Request):
         samples = [
             _Sample(
                 p,
-                StreamingText(ctx.tokenizer, p.stop),
+                StreamingText(ctx.tokenizer, p.stop, p.include_stop_str_in_output),
                 make_generator(p, 0),
                 len(prompt_ids) + len(prefix),
                 matcher=_matcher(ctx, p),

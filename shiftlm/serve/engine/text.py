@@ -27,9 +27,12 @@ class Tokenizer(Protocol):
 class StreamingText:
     """Turns the growing list of output tokens of one sample into text deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
+        """`include_stop`: the text ends with the stop string that ended it (vLLM's
+        `include_stop_str_in_output`), else just before it."""
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self._longest_stop = max((len(s) for s in stop), default=0)
         self._holdback = max(self._longest_stop - 1, 0)
         self.text = ""  # the text so far, cut at a stop string once one is seen
@@ -59,7 +62,8 @@ class StreamingText:
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
             if hits:
                 at, self.stop_string = min(hits)
-                self.text, self.stopped = self.text[:at], True
+                end = at + len(self.stop_string) if self.include_stop else at
+                self.text, self.stopped = self.text[:end], True
                 return self.flush()
         return self._advance(len(self.text) - self._holdback)
 

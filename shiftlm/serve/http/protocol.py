@@ -157,6 +157,7 @@ class SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -220,6 +221,7 @@ class SamplingFields(BaseModel):
             seed=None if self.seed is None else self.seed % SEED_MODULUS,
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             n=self.n,
             presence_penalty=self.presence_penalty,
