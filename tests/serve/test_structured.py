@@ -75,6 +75,10 @@ def test_every_sample_keeps_to_its_grammar(model_dir, layout):
         as_json = llm.generate(["hello", "x"], params(json=SCHEMA))
         as_regex = llm.generate(["hello"], params(regex="[a-c]{2,4}"))
         as_choice = llm.generate(["hello"], params(choice=["yes", "no"]))
+        greedy = SamplingParams(
+            temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-c]{2,4}")
+        )
+        as_regex += llm.generate(["hello", "x"], greedy)  # greedy: the argmax of the masked logits
         free = llm.generate(["hello", "x"], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=60))
     assert all(_valid_json(text) for text in _texts(as_json)), _texts(as_json)
     assert all(re.fullmatch("[a-c]{2,4}", text) for text in _texts(as_regex)), _texts(as_regex)

@@ -4,8 +4,9 @@ temperature, top-k, top-p, per-sample seeds, and the logprobs the OpenAI API ret
     result = sample_rows(logits, [SampleRow(row, params, generator, prompt_ids, output_ids), ...], eos_ids)
     result.tokens[i], result.logprobs[i]          # one entry per SampleRow, in order
 
-Order as in vLLM: the grammar's mask (structured outputs), logit_bias, min_tokens (EOS masked), repetition penalty (CTRL, Keskar et al. 2019:
-divide a seen token's positive logit, multiply a negative one), frequency and presence penalties
+Order as in vLLM: the grammar's mask (structured outputs), logit_bias, min_tokens (EOS and
+stop_token_ids masked), repetition penalty (CTRL, Keskar et al. 2019: divide a seen token's
+positive logit, multiply a negative one), frequency and presence penalties
 (OpenAI: logit - frequency * count - presence * [count > 0], over generated tokens), then temperature,
 top-k and top-p (nucleus; Holtzman et al., ICLR 2020), then one draw. Every step works on the whole
 [rows, vocab] tensor at once, where the logits are (the GPU). The draw is the exponential race (as
