@@ -15,6 +15,7 @@ EXTRAS = {
     "pydantic": "serve",
     "uvicorn": "serve",
     "httpx": "serve",
+    "llguidance": "serve",
     "pyarrow": "parquet",
 }
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shiftlm.extras import missing_extra
 from shiftlm.serve.engine.errors import InvalidRequest
 
 PARAM = "structured_outputs"
@@ -116,8 +117,10 @@ class Grammars:
     def _llg_tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-
+                try:
+                    import llguidance.hf
+                except ModuleNotFoundError as err:  # an install without the serve extra
+                    raise InvalidRequest(missing_extra(err) or str(err), PARAM) from None
                 try:
                     self._tokenizer = llguidance.hf.from_tokenizer(
                         self.tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids)
@@ -140,13 +143,14 @@ class Grammars:
     # the HTTP side has checked
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one Grammars per engine, for the engine's life
     def _compile(self, kind: str, text: str):
+        tokenizer = self._llg_tokenizer()  # first: says so in one line if llguidance is missing
         import llguidance
 
         grammar = llguidance.grammar_from(kind, text)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise InvalidRequest(f"the {kind} grammar does not compile: {_one_line(error)}", PARAM)
-        start = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        start = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if start.is_error():
             raise InvalidRequest(
                 f"the {kind} grammar does not compile: {_one_line(start.get_error())}", PARAM
