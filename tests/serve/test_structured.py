@@ -154,8 +154,9 @@ def test_openai_response_format_and_vllm_structured_outputs(server):
         ({"response_format": {"type": "xml"}}, None),  # pydantic's 400 for a value outside the enum
         ({"structured_outputs": {"regex": "a("}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+        ({"guided_regex": "a"}, "guided_regex"),  # vLLM's older field: the 400 names its successor
     ],
-    ids=["bad-schema", "no-schema", "bad-type", "bad-regex", "both"],
+    ids=["bad-schema", "no-schema", "bad-type", "bad-regex", "both", "guided"],
 )  # fmt: skip
 def test_a_bad_grammar_is_a_400_naming_the_field(server, extra, param):
     body = {"model": MODEL, "prompt": "a", "max_tokens": 2, **extra}
@@ -163,6 +164,8 @@ def test_a_bad_grammar_is_a_400_naming_the_field(server, extra, param):
     assert response.status_code == 400, response.text
     if param is not None:
         assert response.json()["error"]["param"] == param
+    if param == "guided_regex":
+        assert "send structured_outputs: {'regex': ...} instead" in response.json()["error"]["message"]
     streams = {"model": MODEL, "prompt": "a", "streams": [{}, {}], "structured_outputs": {"regex": "a"}}
     refused = httpx.post(f"{server}/v1/streams", json=streams, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "structured_outputs"

@@ -182,7 +182,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     def admit(body: SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs):
         check_model(body.model)
         if (field := body.unsupported_field()) is not None:
-            raise ApiError(400, f"{field!r} is not supported by shiftlm; remove it from the request", field)
+            fix = "remove it from the request"
+            if field.startswith("guided_"):  # vLLM's older spelling, removed there too
+                fix = f"send structured_outputs: {{{field.removeprefix('guided_')!r}: ...}} instead"
+            raise ApiError(400, f"{field!r} is not supported by shiftlm; {fix}", field)
         if body.max_tokens is None:  # the default never asks for more than the context has left
             default_tokens = max(1, min(default_tokens, engine.max_model_len - max(map(len, prompts))))
         try:
