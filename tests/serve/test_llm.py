@@ -154,3 +154,25 @@ def test_an_interrupted_batch_leaves_nothing_behind(model_dir):
         assert not llm._engine.scheduler.has_work()
         again = llm.generate(["hello", "ab"], greedy)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
+
+
+def test_a_script_without_a_main_guard_starts_its_ranks(model_dir, tmp_path):
+    """The README's example pasted into a file: `LLM(..., sp=2)` at top level, no `if __name__ ==
+    "__main__":`. The spawned ranks must not re-run the script (they would build the LLM again and
+    rank 0 would wait out the rendezvous timeout); it ends with the same tokens as in process."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "offline.py"
+    script.write_text(
+        "from shiftlm import LLM, SamplingParams\n"
+        f"with LLM({str(model_dir)!r}, tp=1, sp=2) as llm:\n"
+        "    out = llm.generate('ab', SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))\n"
+        "    print('tokens', out[0].outputs[0].token_ids)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(model_dir).encode("ab")
+    assert f"tokens {_reference(model_dir, prompt, 4)}" in done.stdout

@@ -10,6 +10,7 @@ SHIFTLM_* environment); nothing here reads a flag or a config file again.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import multiprocessing as mp
@@ -233,7 +234,26 @@ def start_local_ranks(options: RunnerOptions) -> list[tuple[int, object, object]
         clock = ctx.Value("d", 0.0, lock=False)
         args = (rank, store.port, options, clock, os.getpid())
         workers.append((rank, ctx.Process(target=worker_main, args=args, daemon=True), clock))
-    for _, proc, _ in workers:
-        proc.start()
+    with _caller_script_hidden():
+        for _, proc, _ in workers:
+            proc.start()
     init_distributed(0, options, store)
     return workers
+
+
+@contextlib.contextmanager
+def _caller_script_hidden():
+    """While the ranks start, `__main__` has no file and no module spec, so that multiprocessing's
+    spawn does not re-run the caller's script in each rank: a script that builds `LLM(..., sp=2)` at
+    top level, without an `if __name__ == "__main__":` guard (the README's example pasted into a
+    file), would otherwise build it again in every child, which fails there, and rank 0 would wait
+    out the rendezvous timeout. The ranks run `worker_main`, which needs nothing of the script."""
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        for name in saved:
+            setattr(main, name, None) if name == "__spec__" else delattr(main, name)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
