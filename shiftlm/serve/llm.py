@@ -111,6 +111,11 @@ class LLM:
             raise RuntimeError("this LLM is closed")
         params = self._params(sampling_params, len(token_ids))
         engine = self._engine
+        # vLLM's max_tokens=None: as many as the context leaves after the prompt
+        params = [
+            replace(p, max_tokens=max(1, engine.max_model_len - len(ids))) if p.max_tokens is None else p
+            for ids, p in zip(token_ids, params)
+        ]
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             try:
                 engine.check_request(ids, p)
@@ -257,6 +262,10 @@ class LLM:
             )
             for p in params
         ]
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (vLLM's `LLM.get_tokenizer`)."""
+        return self.tokenizer
 
     def close(self) -> None:
         """Stop the other ranks (idempotent)."""

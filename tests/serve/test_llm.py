@@ -128,6 +128,7 @@ def test_vllm_prompt_dicts_and_bad_prompt_types(model_dir):
         with pytest.raises(InvalidRequest, match="prompt 0 is a float"):
             llm.generate([1.5])
     assert outs[0].prompt == "ab" and outs[1].prompt is None
+    assert llm.get_tokenizer() is llm.tokenizer  # vLLM's accessor
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == single[0].outputs[0].token_ids
 
 
@@ -176,3 +177,13 @@ def test_a_script_without_a_main_guard_starts_its_ranks(model_dir, tmp_path):
 
     prompt = AutoTokenizer.from_pretrained(model_dir).encode("ab")
     assert f"tokens {_reference(model_dir, prompt, 4)}" in done.stdout
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(model_dir):
+    """vLLM's `max_tokens=None`: as many tokens as the context leaves after each prompt."""
+    from shiftlm import LLM, SamplingParams
+
+    with LLM(str(model_dir), max_model_len=24, num_blocks=16, block_size=4) as llm:
+        outs = llm.generate(["ab", "abcdef"], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [22, 18]
+    assert {o.outputs[0].finish_reason for o in outs} == {"length"}

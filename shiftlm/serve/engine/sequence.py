@@ -29,7 +29,7 @@ class SamplingParams:
     `logprobs`: return the chosen token's logprob and the top-k (0: the chosen one only; None: none);
     `prompt_logprobs`: the same for every prompt token (echo); `logit_bias`: (token id, bias) pairs."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None (vLLM's): what the context leaves; `LLM` resolves it per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 keeps every token
@@ -55,6 +55,8 @@ class SamplingParams:
             for v in (self.temperature, self.top_p, self.presence_penalty, self.frequency_penalty)
         )
         logprobs = [k for k in (self.logprobs, self.prompt_logprobs) if k is not None]
+        if not isinstance(self.max_tokens, int):  # None reaches here only outside `LLM`, which resolves it
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         checks = [
             (finite, "temperature", "sampling parameters must be finite numbers"),
             (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
