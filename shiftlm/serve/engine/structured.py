@@ -107,7 +107,8 @@ class Matcher:
 
 class Grammars:
     """This engine's grammar compiler: llguidance's view of the tokenizer (built on the first
-    structured request: ~1 s for a 128k vocabulary) and the validated grammars (LRU-cached)."""
+    structured request: 9 ms for the quickstart's 2,048-token BPE; llguidance documents ~1 s for
+    large vocabularies) and the validated grammars (LRU-cached)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
