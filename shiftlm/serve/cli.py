@@ -124,6 +124,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "flag); off by default until measured on a GPU (docs/serving.md)",
     )
     parser.add_argument(
+        "--structured-outputs-any-whitespace",
+        action="store_true",
+        help="let structured JSON outputs put any whitespace between tokens (vLLM's default); by "
+        "default their separators are ', ' and ': ' and nothing else, so that a small model cannot "
+        "spend max_tokens on newlines (docs/serving.md)",
+    )
+    parser.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",

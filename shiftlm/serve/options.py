@@ -50,6 +50,8 @@ class ServeOptions:
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batches captured (decode_graphs.capture_sizes)
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
+    # structured JSON outputs may put any whitespace between tokens (vLLM's default); else ", " / ": "
+    structured_outputs_any_whitespace: bool = False
     attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
     port: int = 8000

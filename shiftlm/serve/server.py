@@ -63,6 +63,7 @@ def build_engine(runner, setup: ServeSetup, step_log=None):
         step_log=step_log,
         sliding_window=setup.model_config.sliding_window,
         async_scheduling=setup.flags.async_scheduling,
+        json_any_whitespace=setup.flags.structured_outputs_any_whitespace,
     )
     if setup.model_config.is_moe:  # each step's rows per expert: /metrics and the step log
         runner.on_expert_rows = engine.metrics.record_expert_rows

@@ -81,11 +81,35 @@ def test_every_sample_keeps_to_its_grammar(model_dir, layout):
         as_regex += llm.generate(["hello", "x"], greedy)  # greedy: the argmax of the masked logits
         free = llm.generate(["hello", "x"], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=60))
     assert all(_valid_json(text) for text in _texts(as_json)), _texts(as_json)
+    assert all(text == json.dumps(json.loads(text)) for text in _texts(as_json))  # ", " and ": " only
     assert all(re.fullmatch("[a-c]{2,4}", text) for text in _texts(as_regex)), _texts(as_regex)
     assert all(text in ("yes", "no") for text in _texts(as_choice))
     finished = [s.finish_reason for out in as_json + as_regex + as_choice for s in out.outputs]
     assert set(finished) == {"stop"}  # each ended because its grammar was complete (or EOS)
     assert not any(_valid_json(text) for text in _texts(free))  # the same draws, unconstrained
+
+
+def test_json_separators_are_fixed_unless_any_whitespace_is_asked(model_dir):
+    """By default a JSON grammar takes exactly ", " and ": " between tokens (free whitespace let the
+    quickstart model spend max_tokens on newlines); `--structured-outputs-any-whitespace` takes any."""
+    from shiftlm.serve.engine.structured import Grammars, StructuredOutputsParams
+    from shiftlm.serve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+
+    def takes(grammars, text):
+        matcher = grammars.matcher(StructuredOutputsParams(json=SCHEMA))
+        try:
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                matcher.accept(token)
+        except RuntimeError:  # the grammar rejected a token
+            return False
+        return True
+
+    texts = ['{"ok": true, "tag": "x"}', '{"ok":true,"tag":"x"}', '{\n  "ok": true, "tag": "x"}']
+    fixed, free = (Grammars(tokenizer, 320, {2}, json_any_whitespace=w) for w in (False, True))
+    assert [takes(fixed, text) for text in texts] == [True, False, False]
+    assert [takes(free, text) for text in texts] == [True, True, True]
 
 
 def test_a_bad_grammar_is_refused_before_anything_runs(model_dir):

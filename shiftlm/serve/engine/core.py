@@ -66,6 +66,7 @@ class Engine:
         step_log: TextIO | None = None,
         sliding_window: int | None = None,
         async_scheduling: bool = False,
+        json_any_whitespace: bool = False,
     ):
         """`async_scheduling` (`--async-scheduling`): schedule step N+1 while step N runs (`step`);
         the runner must take a plan's pending tokens (`runs_ahead`)."""
@@ -83,7 +84,9 @@ class Engine:
         self.metrics = ServingMetrics()
         # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
         self.step_log = step_log
-        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)  # structured outputs
+        self.grammars = Grammars(
+            tokenizer, vocab_size, eos_token_ids, json_any_whitespace
+        )  # structured outputs
         self._ctx = RequestContext(
             self.scheduler, self.metrics, tokenizer, eos_token_ids, config.max_model_len, clock, self.grammars
         )

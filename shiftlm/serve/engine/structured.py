@@ -110,8 +110,14 @@ class Grammars:
     structured request: 9 ms for the quickstart's 2,048-token BPE; llguidance documents ~1 s for
     large vocabularies) and the validated grammars (LRU-cached)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids: set[int], json_any_whitespace: bool = False
+    ):
+        """`json_any_whitespace`: JSON may put any whitespace between its tokens (vLLM's default);
+        else exactly Python's `json.dumps` separators, ", " and ": ", and no newline or indent (a
+        schema's own `x-guidance` options win)."""
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.json_any_whitespace = json_any_whitespace
         self._lock = threading.Lock()  # the HTTP side validates in a thread pool, the engine builds
         self._tokenizer = None
 
@@ -136,7 +142,20 @@ class Grammars:
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile `spec`'s grammar against this tokenizer (once: cached); InvalidRequest names the error."""
-        self._compile(*spec.grammar_source())
+        self._compile(*self._source(spec))
+
+    def _source(self, spec: StructuredOutputsParams) -> tuple[str, str]:
+        kind, text = spec.grammar_source()
+        if kind == "json_schema" and not self.json_any_whitespace:
+            # free whitespace lets a model (a small one, or a code model fond of newlines) fill
+            # max_tokens with it and never close the object: measured on the quickstart model,
+            # 60 tokens of newlines and spaces around one key
+            schema = json.loads(text)
+            schema.setdefault(
+                "x-guidance", {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            )
+            text = json.dumps(schema, sort_keys=True)
+        return kind, text
 
     # the compiled grammar, as a matcher at its start that never takes a token: each sample's matcher
     # is a copy of it (measured with the quickstart's 2,048-token BPE and a 40-field schema: building a
@@ -160,7 +179,7 @@ class Grammars:
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A new sample's matcher, at the grammar's start."""
-        return Matcher(self._compile(*spec.grammar_source()).deep_copy(), self.vocab_size)
+        return Matcher(self._compile(*self._source(spec)).deep_copy(), self.vocab_size)
 
 
 def _one_line(error: str) -> str:
