@@ -144,6 +144,8 @@ class LLM:
         use_tqdm: bool = False,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[GenerationOutput]:
         """Generate a reply to one conversation (a list of `{"role": ..., "content": ...}` messages) or
         to each of a list of conversations, rendered by the chat template as the server's
@@ -168,7 +170,12 @@ class LLM:
             where = "" if is_one else f"conversation {i}: "
             texts.append(
                 render_chat(
-                    self.tokenizer, _chat_messages(conversation, where), template, add_generation_prompt
+                    self.tokenizer,
+                    _chat_messages(conversation, where),
+                    template,
+                    add_generation_prompt,
+                    continue_final_message,
+                    chat_template_kwargs,
                 )
             )
             # the template writes the special tokens it wants (as the server encodes it)

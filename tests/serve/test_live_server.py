@@ -405,3 +405,31 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server, model_dir):
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, (
             response.text
         )
+
+
+def test_chat_template_kwargs_and_continue_final_message(server):
+    """vLLM's chat fields: `chat_template_kwargs` are template variables (Qwen3's `enable_thinking`),
+    `continue_final_message` leaves the last assistant message open; /tokenize renders the same."""
+
+    def count(**fields):
+        body = {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+            **fields,
+        }
+        response = httpx.post(f"{server}/tokenize", json=body)
+        return response.status_code, response.json()
+
+    # the char tokenizer's template ignores unknown variables: same count with or without them
+    assert count(chat_template_kwargs={"enable_thinking": False}) == count()
+    status, open_ = count(add_generation_prompt=False, continue_final_message=True)
+    assert status == 200 and open_["count"] == len("<user>hi\n<assistant>ok")  # no newline after "ok"
+    status, error = count(continue_final_message=True)  # with add_generation_prompt: true, a 400
+    assert status == 400 and error["error"]["param"] == "continue_final_message"
+    status, error = count(chat_template_kwargs={"tokenize": True})
+    assert status == 400 and error["error"]["param"] == "chat_template_kwargs"
+    reply = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "assistant", "content": "ok"}], "max_tokens": 2,
+              "add_generation_prompt": False, "continue_final_message": True},
+    )  # fmt: skip
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len("<assistant>ok")

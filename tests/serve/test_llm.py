@@ -91,9 +91,16 @@ def test_chat_renders_the_template_as_the_server_does(model_dir):
         one = llm.chat(talk, greedy)
         both = llm.chat([talk, parts], greedy)
         custom = llm.chat(talk, greedy, chat_template="{{ messages[-1]['content'] }}|")
+        opened = llm.chat(
+            [*talk, {"role": "assistant", "content": "ok"}],
+            greedy,
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
     assert one[0].prompt == "<system>be brief\n<user>hi\n<assistant>"
     assert both[1].prompt == "<user>hi\n<assistant>"  # text parts joined
     assert custom[0].prompt == "hi|"
+    assert opened[0].prompt == "<system>be brief\n<user>hi\n<assistant>ok"  # left open to continue
     assert both[0].prompt_token_ids == one[0].prompt_token_ids
     for out in (one[0], both[1], custom[0]):
         assert out.outputs[0].token_ids == _reference(model_dir, out.prompt_token_ids, 5)

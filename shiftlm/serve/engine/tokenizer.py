@@ -7,6 +7,7 @@ import string
 from pathlib import Path
 
 from shiftlm.errors import ConfigError
+from shiftlm.serve.engine.errors import InvalidRequest
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}\n{% endfor %}"
@@ -14,11 +15,40 @@ CHAT_TEMPLATE = (
 )
 
 
-def render_chat(tokenizer, messages: list[dict], template: str, add_generation_prompt: bool = True) -> str:
+# apply_chat_template's own arguments: not template variables a request may set
+_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+             "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}  # fmt: skip
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    template: str,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict | None = None,
+) -> str:
     """One conversation (`{"role", "content"}` dicts, content already plain text) as the prompt text the
-    chat template makes of it: the server's /v1/chat/completions and `LLM.chat` both render here."""
+    chat template makes of it: the server's /v1/chat/completions and /tokenize and `LLM.chat` all
+    render here. `continue_final_message`: the last (assistant) message is left open for the model
+    to continue (vLLM's and transformers' flag); `template_kwargs`: more template variables (vLLM's
+    `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequest(
+            "continue_final_message continues the last message: send add_generation_prompt: false with it",
+            "continue_final_message",
+        )
+    reserved = sorted(_RESERVED & set(template_kwargs or {}))
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template=template,
+        **(template_kwargs or {}),
     )
 
 

@@ -156,6 +156,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             return await asyncio.get_running_loop().run_in_executor(tokenize_pool, work)
         except ApiError:
             raise
+        except EngineError as err:  # a request field the renderer refused (engine/tokenizer.render_chat)
+            raise api_error(err) from None
         except UnicodeEncodeError:
             raise ApiError(400, f"the {param} is not valid Unicode (a lone surrogate?)", param) from None
         except Exception as err:  # noqa: BLE001 - the tokenizer's own error, as one line
@@ -256,7 +258,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         messages = [{"role": m.role, "content": _utf8(m.text(), "messages")} for m in body.messages]
 
         def render() -> list[int]:
-            text = render_chat(tokenizer, messages, template, body.add_generation_prompt)
+            text = render_chat(
+                tokenizer,
+                messages,
+                template,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.chat_template_kwargs,
+            )
             check_size(len(text), "messages")  # the rendered template, before tokenizing it
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
