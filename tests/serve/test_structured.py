@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shiftlm.serve.engine.errors import InvalidRequest
-from shiftlm.serve.engine.structured import grammar_mask
+from shiftlm.serve.engine.sampling import grammar_mask
 from shiftlm.serve.local_server import local_server
 from shiftlm.tools.tiny import make_tiny_checkpoint
 from shiftlm.train.tokenizer import copy_tokenizer, train_bpe

@@ -84,9 +84,8 @@ class Engine:
         self.metrics = ServingMetrics()
         # one JSON line per step: mode, tokens, sequences, decode rows, model seconds
         self.step_log = step_log
-        self.grammars = Grammars(
-            tokenizer, vocab_size, eos_token_ids, json_any_whitespace
-        )  # structured outputs
+        # structured outputs' compiler
+        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids, json_any_whitespace)
         self._ctx = RequestContext(
             self.scheduler, self.metrics, tokenizer, eos_token_ids, config.max_model_len, clock, self.grammars
         )

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from shiftlm.serve.engine.sequence import GREEDY_BELOW, SamplingParams
-from shiftlm.serve.engine.structured import grammar_mask
 
 SEED_MODULUS = 2**63
 
@@ -282,6 +281,21 @@ def _penalized(row: SampleRow, eos_ids: set[int]) -> bool:
         or params.frequency_penalty != 0
         or params.presence_penalty != 0
     )
+
+
+def grammar_mask(x: torch.Tensor, rows: list[int], packed: list[torch.Tensor]) -> torch.Tensor:
+    """Logits `x` [rows, V] with every token outside its row's grammar at -inf (structured outputs:
+    `rows` are the rows that have a grammar, `packed` their int32 bitmasks from `Matcher.allowed`).
+    One host-to-device copy of the bitmasks, unpacked on the device."""
+    words = _on(x.device, torch.stack(packed), torch.int32)  # [k, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [k, 32 W]
+    vocab = x.shape[1]
+    if allowed.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary: never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = _on(x.device, rows, torch.long)
+    x[index] = x[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return x
 
 
 def _stop_ids(row: SampleRow, eos_ids: set[int]) -> list[int]:

@@ -142,7 +142,7 @@ class Grammars:
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile `spec`'s grammar against this tokenizer (once: cached); InvalidRequest names the error."""
-        self._compile(*self._source(spec))
+        self._compile(spec)
 
     def _source(self, spec: StructuredOutputsParams) -> tuple[str, str]:
         kind, text = spec.grammar_source()
@@ -160,12 +160,14 @@ class Grammars:
     # the compiled grammar, as a matcher at its start that never takes a token: each sample's matcher
     # is a copy of it (measured with the quickstart's 2,048-token BPE and a 40-field schema: building a
     # matcher 4 ms, copying one 0.01-0.09 ms), so the engine's thread never compiles a grammar that
-    # the HTTP side has checked
+    # the HTTP side has checked. Keyed by the request's spec (frozen, hashable), so neither is a
+    # schema parsed again per sample
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one Grammars per engine, for the engine's life
-    def _compile(self, kind: str, text: str):
+    def _compile(self, spec: StructuredOutputsParams):
         tokenizer = self._llg_tokenizer()  # first: says so in one line if llguidance is missing
         import llguidance
 
+        kind, text = self._source(spec)
         grammar = llguidance.grammar_from(kind, text)
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
@@ -179,7 +181,7 @@ class Grammars:
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         """A new sample's matcher, at the grammar's start."""
-        return Matcher(self._compile(*self._source(spec)).deep_copy(), self.vocab_size)
+        return Matcher(self._compile(spec).deep_copy(), self.vocab_size)
 
 
 def _one_line(error: str) -> str:
@@ -188,17 +190,3 @@ def _one_line(error: str) -> str:
     lines = [line.strip() for line in error.splitlines() if line.strip()]
     detail = [line for line in lines[1:] if line.startswith("error:")]
     return " ".join(lines[:1] + detail[:1])
-
-
-def grammar_mask(x: torch.Tensor, rows: list[int], packed: list[torch.Tensor]) -> torch.Tensor:
-    """Logits `x` [rows, V] with every token outside its row's bitmask at -inf (`rows`: the rows that
-    have one, `packed`: their bitmasks). One host-to-device copy of the bitmasks, unpacked there."""
-    words = torch.stack(packed).to(x.device, non_blocking=True)  # [k, W] int32
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [k, 32 W]
-    vocab = x.shape[1]
-    if allowed.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary: never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    index = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)
-    x[index] = x[index].masked_fill(~allowed[:, :vocab], float("-inf"))
-    return x
