@@ -113,7 +113,7 @@ class LLM:
         engine = self._engine
         # vLLM's max_tokens=None: as many as the context leaves after the prompt
         params = [
-            replace(p, max_tokens=max(1, engine.max_model_len - len(ids))) if p.max_tokens is None else p
+            replace(p, max_tokens=engine.max_tokens_left(len(ids), p.n)) if p.max_tokens is None else p
             for ids, p in zip(token_ids, params)
         ]
         for i, (ids, p) in enumerate(zip(token_ids, params)):

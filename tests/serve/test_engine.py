@@ -107,6 +107,25 @@ def test_n_samples_run_as_an_isolated_group_holding_the_prompt_once():
         assert _tokens(_run(alone)[("a", 0)]) == samples[i]
 
 
+def test_n_samples_that_cannot_fit_the_cache_together_are_refused_not_recomputed_forever():
+    """The n samples are one group in the cache: one bigger than the whole cache preempted itself
+    and was recomputed from scratch every step (a server found spinning 11,000 steps on one request
+    of n=4, 200 tokens each, over a 512-slot cache). It is a 400 naming n now, and a request
+    without max_tokens gets each sample's share of the cache by default."""
+    engine = _engine(num_blocks=16, block_size=4, max_model_len=40)  # 64 slots
+    prompt = list(range(10))
+    with pytest.raises(
+        InvalidRequest, match="too many samples for the cache: the group needs 130 KV slots"
+    ) as err:
+        engine.add_request("r", prompt, SamplingParams(max_tokens=30, n=4, ignore_eos=True))
+    assert err.value.param == "n" and not engine.has_work()
+    share = engine.max_tokens_left(len(prompt), n=4)
+    assert share == (64 - 10) // 4 and engine.max_tokens_left(len(prompt)) == 30  # n=1: the context
+    engine.add_request("r", prompt, SamplingParams(max_tokens=share, n=4, ignore_eos=True))
+    results = _run(engine)
+    assert [len(_tokens(results[("r", i)])) for i in range(4)] == [share] * 4
+
+
 def test_a_seed_makes_sampling_reproducible():
     def sample_once():
         engine = _engine()

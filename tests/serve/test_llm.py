@@ -192,5 +192,8 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(model_dir):
 
     with LLM(str(model_dir), max_model_len=24, num_blocks=16, block_size=4) as llm:
         outs = llm.generate(["ab", "abcdef"], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+        # n samples share the cache (64 slots): each gets its share of what the prompt leaves
+        shared = llm.generate(["ab"], SamplingParams(n=4, max_tokens=None, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [22, 18]
     assert {o.outputs[0].finish_reason for o in outs} == {"length"}
+    assert [len(sample.token_ids) for sample in shared[0].outputs] == [(64 - 2) // 4] * 4

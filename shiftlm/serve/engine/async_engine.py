@@ -85,6 +85,9 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
+        return self.engine.max_tokens_left(prompt_len, n)
+
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size

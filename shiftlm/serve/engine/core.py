@@ -29,7 +29,7 @@ from shiftlm.serve.engine.requests import Request, RequestContext, RequestOutput
 from shiftlm.serve.engine.sampling import SEED_MODULUS, draw_rows, sample_rows
 from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig
 from shiftlm.serve.engine.sequence import SamplingParams
-from shiftlm.serve.engine.streams import check_streams, layout_code, max_step_cost
+from shiftlm.serve.engine.streams import check_group_fits, check_streams, layout_code, max_step_cost
 from shiftlm.serve.engine.structured import Grammars
 from shiftlm.serve.plan import Runner, StepPlan
 
@@ -96,6 +96,15 @@ class Engine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
+        """The most a request may generate (the default of a request without max_tokens): what the
+        context leaves and, for n > 1 samples (one group in the cache), each one's share of the cache."""
+        left = self.max_model_len - prompt_len
+        if n > 1:
+            config = self.scheduler.config
+            left = min(left, (config.num_blocks * config.block_size - prompt_len) // n)
+        return max(1, left)
+
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         prompt, generation = self.metrics.token_counts()
@@ -144,6 +153,8 @@ class Engine:
             )
         if params.top_k > self.vocab_size:
             raise InvalidRequest(f"top_k must be in [0, {self.vocab_size}] (the vocabulary)", "top_k")
+        if params.n > 1:  # the n samples run as one group (`enqueue`): all of it must fit the cache
+            check_group_fits(self, prompt_ids, [[]] * params.n, [params] * params.n, "isolated", "n")
 
     def check_streams(self, prompt_ids, prefixes, params: list[SamplingParams], layout: str) -> None:
         """Raise InvalidRequest for a stream group this engine cannot run; no side effects

@@ -17,7 +17,7 @@ from shiftlm.serve.engine.scheduler import SchedulerConfig
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.stream_group import StreamGroup
 
-__all__ = ["MAX_STREAMS", "check_streams", "layout_code", "max_step_cost"]
+__all__ = ["MAX_STREAMS", "check_group_fits", "check_streams", "layout_code", "max_step_cost"]
 
 MAX_STREAMS = 64
 
@@ -56,32 +56,46 @@ def check_streams(engine, prompt_ids, prefixes, params: list[SamplingParams], la
                 f" tokens, more than the context of {engine.max_model_len}; shorten it",
                 "streams",
             )
+    check_group_fits(engine, prompt_ids, prefixes, params, layout, "streams")
+    if engine.sliding_window is not None:
+        raise InvalidRequest("stream groups need a model without a sliding window", "layout")
+    return layout_code(layout)
+
+
+def check_group_fits(
+    engine, prompt_ids, prefixes, params: list[SamplingParams], layout: str, param: str
+) -> None:
+    """Raise InvalidRequest if the group (a /v1/streams group, or a request's n samples) can never
+    run: more KV slots than the whole cache (it would preempt itself and recompute forever), or a
+    last timestep costlier than any step may be."""
+    what = "streams" if param == "streams" else "samples"
+    fix = (
+        "send fewer streams, shorter prefixes or a lower max_tokens"
+        if param == "streams"
+        else "lower n or max_tokens"
+    )
     config = engine.scheduler.config
     needed = len(prompt_ids) + sum(len(x) + p.max_tokens for x, p in zip(prefixes, params))
     if needed > config.num_blocks * config.block_size:
         raise InvalidRequest(
-            f"too many streams for the cache: the group needs {needed} KV slots (the prompt once, "
-            f"every stream's prefix and max_tokens) but the cache holds {config.num_blocks * config.block_size};"
-            " send fewer streams, shorter prefixes or a lower max_tokens",
-            "streams",
+            f"too many {what} for the cache: the group needs {needed} KV slots (the prompt once, then "
+            + ("every stream's prefix and max_tokens" if param == "streams" else "max_tokens per sample")
+            + f") but the cache holds "
+            f"{config.num_blocks * config.block_size} (--num-blocks x --block-size); {fix}",
+            param,
         )
-    final = len(prompt_ids) + sum(len(x) + p.max_tokens for x, p in zip(prefixes, params))
     probe = StreamGroup(
         "check", list(prompt_ids), params[0], layout=layout_code(layout), prefixes=tuple(prefixes)
     )
-    cost, limit = probe.step_cost(len(prefixes), final), max_step_cost(config)
+    cost, limit = probe.step_cost(len(prefixes), needed), max_step_cost(config)
     if cost > limit:
         raise InvalidRequest(
             f"the group is too costly for one step: its last timestep reads {cost:,} query-key "
-            f"scores ({len(prefixes)} streams over up to {final} tokens"
+            f"scores ({len(prefixes)} {what} over up to {needed} tokens"
             + (f", x{len(prefixes) + 1} key blocks for hogwild" if layout == "hogwild" else "")
-            + f"), more than the step limit of {limit:,} (--max-tokens-per-step x the cache's tokens); "
-            "send fewer streams, shorter prefixes or a lower max_tokens",
-            "streams",
+            + f"), more than the step limit of {limit:,} (--max-tokens-per-step x the cache's tokens); {fix}",
+            param,
         )
-    if engine.sliding_window is not None:
-        raise InvalidRequest("stream groups need a model without a sliding window", "layout")
-    return layout_code(layout)
 
 
 def max_step_cost(config: SchedulerConfig) -> int:

@@ -188,8 +188,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             if field.startswith("guided_"):  # vLLM's older spelling, removed there too
                 fix = f"send structured_outputs: {{{field.removeprefix('guided_')!r}: ...}} instead"
             raise ApiError(400, f"{field!r} is not supported by shiftlm; {fix}", field)
-        if body.max_tokens is None:  # the default never asks for more than the context has left
-            default_tokens = max(1, min(default_tokens, engine.max_model_len - max(map(len, prompts))))
+        if body.max_tokens is None:  # the default never asks for more than the context (or cache) has left
+            default_tokens = min(default_tokens, engine.max_tokens_left(max(map(len, prompts)), body.n))
         try:
             params = body.sampling_params(default_tokens, logprobs, prompt_logprobs, engine.vocab_size)
             return params, engine.submit(prompts, params)
