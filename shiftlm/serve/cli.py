@@ -131,6 +131,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "spend max_tokens on newlines (docs/serving.md)",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let requests with tools use tool_choice "auto" (the default when tools are sent): the '
+        "model's reply is parsed for tool calls by --tool-call-parser (vLLM's flags; docs/serving.md)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls are written in the model's replies: hermes (Hermes, Qwen2.5, Qwen3: "
+        "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.1-3.3's JSON calls)",
+    )
+    parser.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",

@@ -30,7 +30,7 @@ from shiftlm.serve.engine.errors import InvalidRequest
 from shiftlm.serve.engine.sampling import TokenLogprob
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.structured import StructuredOutputsParams
-from shiftlm.serve.engine.tokenizer import render_chat
+from shiftlm.serve.engine.tokenizer import chat_messages, choose_chat_template, render_chat
 from shiftlm.serve.options import ServeOptions
 from shiftlm.serve.server import build_engine, measure_shift_threshold
 from shiftlm.serve.worker.start import start_ranks, stop_local_ranks
@@ -146,16 +146,18 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[GenerationOutput]:
         """Generate a reply to one conversation (a list of `{"role": ..., "content": ...}` messages) or
         to each of a list of conversations, rendered by the chat template as the server's
         /v1/chat/completions renders them (`chat_template`, else the `chat_template` option as
-        `shiftlm serve --chat-template` takes it, else the tokenizer's own). `content` is text or OpenAI's `[{"type": "text", "text": ...}]`."""
+        `shiftlm serve --chat-template` takes it, else the tokenizer's own). `content` is text or OpenAI's
+        `[{"type": "text", "text": ...}]`; assistant `tool_calls` and `tool` messages as OpenAI sends
+        them; `tools`: OpenAI's tool definitions, for templates that describe them (the reply is
+        text: as vLLM's `LLM.chat`, nothing parses calls out of it)."""
         if self._closed:
             raise RuntimeError("this LLM is closed")
-        template = (
-            chat_template or self.setup.api.chat_template or getattr(self.tokenizer, "chat_template", None)
-        )
+        template = choose_chat_template(self.tokenizer, chat_template, self.setup.api.chat_template)
         if not template:
             raise InvalidRequest(
                 "the model has no chat template: pass chat_template=..., or use generate() with plain prompts",
@@ -171,11 +173,12 @@ class LLM:
             texts.append(
                 render_chat(
                     self.tokenizer,
-                    _chat_messages(conversation, where),
+                    chat_messages(conversation, where),
                     template,
                     add_generation_prompt,
                     continue_final_message,
                     chat_template_kwargs,
+                    tools,
                 )
             )
             # the template writes the special tokens it wants (as the server encodes it)
@@ -295,28 +298,3 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _chat_messages(conversation, where: str) -> list[dict]:
-    """A conversation's messages with plain-text content, as the chat template takes them."""
-    if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Seq) or not conversation:
-        raise InvalidRequest(f"{where}a conversation is a non-empty list of messages", "messages")
-    out = []
-    for j, message in enumerate(conversation):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequest(
-                f"{where}message {j} is not a {{'role': ..., 'content': ...}} dict", "messages"
-            )
-        content = message.get("content") or ""
-        if not isinstance(content, str):  # OpenAI's content parts: only text ones
-            try:
-                if any(part["type"] != "text" for part in content):
-                    raise KeyError("type")
-                content = "".join(part["text"] for part in content)
-            except (TypeError, KeyError):
-                raise InvalidRequest(
-                    f"{where}message {j}: content is text or a list of {{'type': 'text', 'text': ...}} parts",
-                    "messages",
-                ) from None
-        out.append({"role": message["role"], "content": content})
-    return out

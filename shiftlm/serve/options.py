@@ -25,6 +25,7 @@ from shiftlm.errors import CheckpointError, ConfigError
 from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.http.app import ApiOptions
+from shiftlm.serve.http.tools import TOOL_CALL_PARSERS
 from shiftlm.serve.plan import MODE_NAMES
 from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.start import RunnerOptions
@@ -52,6 +53,8 @@ class ServeOptions:
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
     # structured JSON outputs may put any whitespace between tokens (vLLM's default); else ", " / ": "
     structured_outputs_any_whitespace: bool = False
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed out of replies
+    tool_call_parser: str | None = None  # http/tools.TOOL_CALL_PARSERS
     attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
     port: int = 8000
@@ -181,6 +184,7 @@ class ServeOptions:
             chat_template=template,
             step_timeout=self.step_timeout,
             body_timeout=self.body_timeout,
+            tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
         )
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         setup = ServeSetup(
@@ -251,6 +255,14 @@ class ServeOptions:
             raise ConfigError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported: the KV cache always has "
                 "the weights' dtype (--dtype); use --kv-cache-dtype auto or leave it out"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError(
+                "--enable-auto-tool-choice needs --tool-call-parser: one of " + ", ".join(TOOL_CALL_PARSERS)
             )
         if self.mode not in MODE_NAMES:
             raise ConfigError(f"--mode {self.mode!r} is not one of {', '.join(MODE_NAMES)}")

@@ -78,6 +78,9 @@ def test_bad_input_is_refused_before_anything_runs(model_dir):
         LLM(str(model_dir), no_such_flag=1)
 
 
+TOOLS_TEMPLATE = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{{ messages[-1]['content'] }}"
+
+
 def test_chat_renders_the_template_as_the_server_does(model_dir):
     """One conversation or a list of them; the prompt is the chat template's text, encoded without
     added special tokens (as /v1/chat/completions encodes it), and greedy replies equal
@@ -97,10 +100,13 @@ def test_chat_renders_the_template_as_the_server_does(model_dir):
             add_generation_prompt=False,
             continue_final_message=True,
         )
+        tool = {"type": "function", "function": {"name": "f"}}
+        with_tools = llm.chat(talk, greedy, tools=[tool], chat_template=TOOLS_TEMPLATE)
     assert one[0].prompt == "<system>be brief\n<user>hi\n<assistant>"
     assert both[1].prompt == "<user>hi\n<assistant>"  # text parts joined
     assert custom[0].prompt == "hi|"
     assert opened[0].prompt == "<system>be brief\n<user>hi\n<assistant>ok"  # left open to continue
+    assert with_tools[0].prompt == "f;hi"  # the tools reach the template (nothing parses the reply)
     assert both[0].prompt_token_ids == one[0].prompt_token_ids
     for out in (one[0], both[1], custom[0]):
         assert out.outputs[0].token_ids == _reference(model_dir, out.prompt_token_ids, 5)

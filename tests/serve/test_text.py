@@ -55,3 +55,21 @@ def test_a_stop_string_spanning_tokens_cuts_the_text_at_its_start(byte_bpe):
     text = StreamingText(byte_bpe, stop=("テキスト",))
     sent = "".join(text.update(ids[: n + 1]) for n in range(len(ids)) if not text.stopped)
     assert text.stopped and sent + text.flush() == TEXT[: TEXT.index("テキスト")]
+
+
+@pytest.mark.parametrize("skip, expected", [(True, "abc"), (False, "ab<s>c")])
+def test_special_tokens_are_in_the_text_only_when_asked(tmp_path, skip, expected):
+    """vLLM's `skip_special_tokens` (the hermes tool-call parser turns it off: its tags are special
+    tokens in some vocabularies)."""
+    from shiftlm.serve.engine.tokenizer import load_tokenizer, write_char_tokenizer
+
+    write_char_tokenizer(tmp_path, vocab_size=120)
+    tokenizer = load_tokenizer(tmp_path)
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    ids = (
+        tokenizer.encode("ab", add_special_tokens=False)
+        + [bos]
+        + tokenizer.encode("c", add_special_tokens=False)
+    )
+    text = StreamingText(tokenizer, skip_special_tokens=skip)
+    assert "".join(text.update(ids[: i + 1]) for i in range(len(ids))) + text.flush() == expected

@@ -190,7 +190,7 @@ class SingleRequest(Request):
         seq = Sequence(request_id, list(prompt_ids), params, arrival_time=now)
         sample = _Sample(
             params,
-            StreamingText(ctx.tokenizer, params.stop, params.include_stop_str_in_output),
+            _text(ctx, params),
             make_generator(params, 0),
             len(prompt_ids),
             matcher=_matcher(ctx, params),
@@ -239,7 +239,7 @@ class StreamRequest(Request):
         samples = [
             _Sample(
                 p,
-                StreamingText(ctx.tokenizer, p.stop, p.include_stop_str_in_output),
+                _text(ctx, p),
                 make_generator(p, 0),
                 len(prompt_ids) + len(prefix),
                 matcher=_matcher(ctx, p),
@@ -285,3 +285,9 @@ def _matcher(ctx: RequestContext, params: SamplingParams) -> Matcher | None:
     if ctx.grammars is None:
         raise ValueError("this engine takes no structured outputs (RequestContext.grammars is None)")
     return ctx.grammars.matcher(params.structured_outputs)
+
+
+def _text(ctx: RequestContext, params: SamplingParams) -> StreamingText:
+    return StreamingText(
+        ctx.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+    )

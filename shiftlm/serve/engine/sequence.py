@@ -37,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # drawing one ends the sample (finish "stop"), even with ignore_eos
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
+    skip_special_tokens: bool = True  # the text leaves out special tokens (vLLM's default)
     ignore_eos: bool = False
     n: int = 1
     presence_penalty: float = 0.0

@@ -27,10 +27,18 @@ class Tokenizer(Protocol):
 class StreamingText:
     """Turns the growing list of output tokens of one sample into text deltas."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         """`include_stop`: the text ends with the stop string that ended it (vLLM's
-        `include_stop_str_in_output`), else just before it."""
+        `include_stop_str_in_output`), else just before it; `skip_special_tokens`: special tokens
+        add no text (vLLM's default; tool-call tags are special tokens in some vocabularies)."""
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop
         self._longest_stop = max((len(s) for s in stop), default=0)
@@ -49,10 +57,10 @@ class StreamingText:
             return ""
         decode = self.tokenizer.decode
         window = output_ids[self._prefix :]
-        full = decode(window, skip_special_tokens=True)
+        full = decode(window, skip_special_tokens=self.skip_special_tokens)
         if full.endswith("\ufffd"):
             return ""  # a character split over tokens: wait for the rest of it
-        known = decode(output_ids[self._prefix : self._read], skip_special_tokens=True)
+        known = decode(output_ids[self._prefix : self._read], skip_special_tokens=self.skip_special_tokens)
         new = full[len(known) :]
         self._prefix, self._read = self._read, len(output_ids)
         before = len(self.text)

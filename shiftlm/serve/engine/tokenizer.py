@@ -3,7 +3,9 @@ tests and benchmarks write next to tiny random checkpoints (which ship none)."""
 
 from __future__ import annotations
 
+import json
 import string
+from collections.abc import Sequence
 from pathlib import Path
 
 from shiftlm.errors import ConfigError
@@ -21,6 +23,59 @@ _RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", 
              "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}  # fmt: skip
 
 
+def choose_chat_template(tokenizer, *chosen: str | None) -> str | None:
+    """The first template given (a request's, then the server's --chat-template), else the
+    tokenizer's own (None: the model has none)."""
+    return next((t for t in chosen if t), None) or getattr(tokenizer, "chat_template", None)
+
+
+def chat_messages(conversation, where: str = "") -> list[dict]:
+    """OpenAI chat messages (dicts) as chat templates take them: content as plain text (OpenAI's
+    text parts joined), `name` and `tool_call_id` kept, and each assistant tool call's `arguments`
+    (a JSON string on the wire) parsed into the dict that templates expect, as vLLM passes them. The
+    server's messages and `LLM.chat`'s both come here; `where` prefixes the errors."""
+    if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence) or not conversation:
+        raise InvalidRequest(f"{where}a conversation is a non-empty list of messages", "messages")
+    return [_chat_message(message, f"{where}message {j}") for j, message in enumerate(conversation)]
+
+
+def _chat_message(message, where: str) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequest(f"{where} is not a {{'role': ..., 'content': ...}} dict", "messages")
+    content = message.get("content") or ""
+    if not isinstance(content, str):  # OpenAI's content parts: only text ones
+        try:
+            if any(part["type"] != "text" for part in content):
+                raise KeyError("type")
+            content = "".join(part["text"] for part in content)
+        except (TypeError, KeyError):
+            raise InvalidRequest(
+                f"{where}: content is text or a list of {{'type': 'text', 'text': ...}} parts", "messages"
+            ) from None
+    out = {"role": message["role"], "content": content}
+    out.update({k: message[k] for k in ("name", "tool_call_id") if message.get(k) is not None})
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            _tool_call(call, f"{where}: tool call {i}") for i, call in enumerate(message["tool_calls"])
+        ]
+    return out
+
+
+def _tool_call(call, where: str) -> dict:
+    try:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(arguments, dict) or not isinstance(function["name"], str):
+            raise ValueError
+    except (TypeError, KeyError, AttributeError, ValueError):
+        raise InvalidRequest(
+            f"{where} needs function.name and function.arguments, a JSON object", "messages"
+        ) from None
+    return {**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
 def render_chat(
     tokenizer,
     messages: list[dict],
@@ -28,12 +83,13 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
-    """One conversation (`{"role", "content"}` dicts, content already plain text) as the prompt text the
-    chat template makes of it: the server's /v1/chat/completions and /tokenize and `LLM.chat` all
-    render here. `continue_final_message`: the last (assistant) message is left open for the model
-    to continue (vLLM's and transformers' flag); `template_kwargs`: more template variables (vLLM's
-    `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    """One conversation (`chat_messages`) as the prompt text the chat template makes of it: the
+    server's /v1/chat/completions and /tokenize and `LLM.chat` all render here. `continue_final_message`:
+    the last (assistant) message is left open for the model to continue (vLLM's and transformers'
+    flag); `template_kwargs`: more template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    `enable_thinking`); `tools`: OpenAI's tool definitions, for the templates that describe them."""
     if continue_final_message and add_generation_prompt:
         raise InvalidRequest(
             "continue_final_message continues the last message: send add_generation_prompt: false with it",
@@ -44,6 +100,7 @@ def render_chat(
         raise InvalidRequest(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
     return tokenizer.apply_chat_template(
         messages,
+        tools=tools,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,

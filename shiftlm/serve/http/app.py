@@ -31,8 +31,9 @@ from starlette.requests import ClientDisconnect
 
 from shiftlm.serve.engine.async_engine import AsyncEngine
 from shiftlm.serve.engine.errors import EngineError
+from shiftlm.serve.engine.structured import StructuredOutputsParams
 from shiftlm.serve.engine.text import Tokenizer
-from shiftlm.serve.engine.tokenizer import render_chat
+from shiftlm.serve.engine.tokenizer import chat_messages, choose_chat_template, render_chat
 from shiftlm.serve.http.middleware import GuardMiddleware
 from shiftlm.serve.http.protocol import (
     RETRY_AFTER_BUSY,
@@ -41,12 +42,14 @@ from shiftlm.serve.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     SamplingFields,
     TokenizeRequest,
     api_error,
 )
 from shiftlm.serve.http.responses import Choices, finished_unless_gone, merged, render_response, render_stream
 from shiftlm.serve.http.streams_api import add_stream_routes
+from shiftlm.serve.http.tools import ToolChoice
 
 log = logging.getLogger("shiftlm.serve")
 
@@ -60,6 +63,8 @@ class ApiOptions:
     chat_template: str | None = None  # overrides the tokenizer's own
     step_timeout: float | None = None  # /health is 503 while a step has run longer than half of it
     body_timeout: float = 30.0  # a body that stalls this long gets a 408 (middleware.py)
+    # what finds tool calls in replies to tool_choice "auto" (tools.TOOL_CALL_PARSERS); None: "auto" is off
+    tool_call_parser: str | None = None
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -165,23 +170,46 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
 
     add_stream_routes(app, engine, tokenizer, model_name, options.default_max_tokens, tokenize)
 
-    async def check_grammar(body: SamplingFields) -> None:
-        """Compile a structured-output grammar off the event loop (a large schema takes a while);
-        the engine's own check then finds it in its cache."""
+    async def check_grammar(
+        body: SamplingFields, tools: ToolChoice | None = None
+    ) -> StructuredOutputsParams | None:
+        """The request's grammar (its tools', else its own), compiled off the event loop (a large
+        schema takes a while); the engine's own check then finds it in its cache."""
+        tool_spec = None
         try:
             spec = body.structured()
+            tool_spec = tools.structured() if tools is not None else None
+            if spec is not None and tool_spec is not None:
+                raise ApiError(
+                    400,
+                    "a named or required tool_choice keeps the reply to the tool's arguments: send "
+                    "response_format or structured_outputs without it",
+                    "tool_choice",
+                )
+            spec = spec or tool_spec
             if spec is not None:
                 await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.check_grammar, spec)
+            return tool_spec
         except EngineError as err:
-            if body.structured_outputs is None and getattr(err, "param", None) == "structured_outputs":
-                err.param = "response_format"  # name what the client sent
+            if getattr(err, "param", None) == "structured_outputs":  # name what the client sent
+                if tool_spec is not None:
+                    err.param = "tools"
+                elif body.structured_outputs is None:
+                    err.param = "response_format"
             raise api_error(err) from None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}", "model")
 
-    def admit(body: SamplingFields, prompts: list[list[int]], default_tokens: int, logprobs, prompt_logprobs):
+    def admit(
+        body: SamplingFields,
+        prompts: list[list[int]],
+        default_tokens: int,
+        logprobs,
+        prompt_logprobs,
+        structured=None,
+    ):
         check_model(body.model)
         if (field := body.unsupported_field()) is not None:
             fix = "remove it from the request"
@@ -191,7 +219,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         if body.max_tokens is None:  # the default never asks for more than the context (or cache) has left
             default_tokens = min(default_tokens, engine.max_tokens_left(max(map(len, prompts)), body.n))
         try:
-            params = body.sampling_params(default_tokens, logprobs, prompt_logprobs, engine.vocab_size)
+            params = body.sampling_params(
+                default_tokens, logprobs, prompt_logprobs, engine.vocab_size, structured
+            )
             return params, engine.submit(prompts, params)
         except EngineError as err:
             raise api_error(err) from None
@@ -242,7 +272,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         body: ChatCompletionRequest | TokenizeRequest, add_special_tokens=False
     ) -> list[int]:
         """The token ids of a conversation as the chat template renders it."""
-        template = options.chat_template or getattr(tokenizer, "chat_template", None)
+        template = choose_chat_template(tokenizer, options.chat_template)
         if not template:
             raise ApiError(
                 400,
@@ -255,7 +285,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 f"{len(body.messages)} messages cannot fit the context of {engine.max_model_len} tokens",
                 "messages",
             )
-        messages = [{"role": m.role, "content": _utf8(m.text(), "messages")} for m in body.messages]
+        try:
+            messages = chat_messages([m.model_dump(exclude_none=True) for m in body.messages])
+        except EngineError as err:
+            raise api_error(err) from None
+        for message in messages:
+            _utf8(message["content"], "messages")
+        tools = body.tool_dicts()
 
         def render() -> list[int]:
             text = render_chat(
@@ -265,6 +301,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
                 body.add_generation_prompt,
                 body.continue_final_message,
                 body.chat_template_kwargs,
+                tools,
             )
             check_size(len(text), "messages")  # the rendered template, before tokenizing it
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -304,17 +341,33 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             raise ApiError(400, f"token ids must be in [0, {engine.vocab_size})", "tokens")
         return {"prompt": await tokenize(lambda: tokenizer.decode(body.tokens), 0, "tokens")}
 
+    def tool_choice(body: ChatCompletionRequest) -> ToolChoice | None:
+        choice = body.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+        try:
+            return ToolChoice.of(
+                body.tool_dicts(), choice, options.tool_call_parser, body.parallel_tool_calls
+            )
+        except EngineError as err:
+            raise api_error(err) from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         refuse_if_full(1)
+        tools = tool_choice(body)
         prompt_ids = await chat_prompt(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         default = max(1, engine.max_model_len - len(prompt_ids) - 1)
-        await check_grammar(body)
-        params, streams = admit(body, [prompt_ids], default, logprobs, None)
-        choices = Choices("chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True)
+        structured = await check_grammar(body, tools)
+        if tools is not None:
+            body.skip_special_tokens = tools.skip_special_tokens(body.skip_special_tokens)
+        params, streams = admit(body, [prompt_ids], default, logprobs, None, structured)
+        choices = Choices(
+            "chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True, tools=tools
+        )
         return await run(request, body, streams, choices)
 
     return GuardMiddleware(app, options.max_request_bytes, options.api_key, options.body_timeout)

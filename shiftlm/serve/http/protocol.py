@@ -2,9 +2,10 @@
 
 The fields of OpenAI's completions and chat APIs that shiftlm implements are declared here, with
 vLLM's usual extensions (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`,
-`structured_outputs`). A field shiftlm does not implement (tools, suffix, ...) is refused with a 400 that names it, never silently
-ignored: a client that relies on it must learn at once. Only fields that change nothing about the
-output (`user`, `metadata`, ...) are accepted and ignored.
+`structured_outputs`, `skip_special_tokens`), and chat's `tools` (http/tools.py). A field shiftlm does
+not implement (suffix, ...) is refused with a 400 that names it, never silently ignored: a client
+that relies on it must learn at once. Only fields that change nothing about the output (`user`,
+`metadata`, ...) are accepted and ignored.
 
 A completion prompt may be a string, a list of strings, a list of token ids, or a list of such lists
 (one choice set per prompt, as OpenAI and vLLM answer them).
@@ -98,7 +99,7 @@ def api_error(err: EngineError) -> ApiError:
 
 
 # Accepted and ignored: they do not change what is generated.
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id"}
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "request_id"}
 
 
 class StreamOptions(BaseModel):
@@ -158,6 +159,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -205,9 +207,11 @@ class SamplingFields(BaseModel):
         logprobs: int | None,
         prompt_logprobs: int | None,
         vocab_size: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """The request's SamplingParams; `top_k` past the vocabulary (or -1) keeps every token, as in
-        vLLM, so no integer a client sends can overflow the sampler's int64 tensors."""
+        """The request's SamplingParams (`structured`: its tools' grammar, else its own); `top_k` past
+        the vocabulary (or -1) keeps every token, as in vLLM, so no integer a client sends can
+        overflow the sampler's int64 tensors."""
         top_k = 0 if self.top_k == -1 else self.top_k
         if vocab_size is not None and top_k >= vocab_size:
             top_k = 0
@@ -222,6 +226,7 @@ class SamplingFields(BaseModel):
             stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             ignore_eos=self.ignore_eos,
             n=self.n,
             presence_penalty=self.presence_penalty,
@@ -232,7 +237,7 @@ class SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             min_tokens=self.min_tokens,
             cache_salt=self.cache_salt,
-            structured_outputs=self.structured(),
+            structured_outputs=structured or self.structured(),
         )
 
 
@@ -257,31 +262,78 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict = "{}"  # a JSON string on the wire; a dict as some clients send it
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant message made (OpenAI's `message.tool_calls` item)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
 
 
-class ChatCompletionRequest(SamplingFields):
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatRendering(BaseModel):
+    """What renders a conversation's prompt: /v1/chat/completions' fields that /tokenize takes too."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+    def tool_dicts(self) -> list[dict] | None:
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+class ChatCompletionRequest(ChatRendering, SamplingFields):
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def unsupported_field(self) -> str | None:
         for message in self.messages:
             for name, value in (message.model_extra or {}).items():
-                if value is not None and name != "name":
+                if value is not None:
                     return f"messages.{name}"
         return super().unsupported_field()
 
@@ -291,13 +343,14 @@ class ChatCompletionRequest(SamplingFields):
         logprobs: int | None,
         prompt_logprobs: int | None,
         vocab_size: int | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs, vocab_size)
+        return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs, vocab_size, structured)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatRendering):
     """vLLM's /tokenize: a prompt, or chat messages as /v1/chat/completions renders them."""
 
     model_config = ConfigDict(extra="forbid")
@@ -305,9 +358,6 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, the template's own for messages
     return_token_strs: bool = False
 

@@ -25,12 +25,15 @@ from shiftlm.serve.http.protocol import (
     now,
     usage,
 )
+from shiftlm.serve.http.tools import merge_calls
 
 
 class Choices:
     """The growing state of every choice of one request."""
 
-    def __init__(self, prefix, body, params, prompts, texts, tokenizer, chat, echo=False, drop_output=False):
+    def __init__(
+        self, prefix, body, params, prompts, texts, tokenizer, chat, echo=False, drop_output=False, tools=None
+    ):
         self.response_id, self.created, self.model = new_id(prefix), now(), body.model
         self.chat, self.echo, self.drop_output = chat, echo, drop_output
         self.n, self.prompts = params.n, prompts
@@ -41,6 +44,9 @@ class Choices:
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.finish: list[str | None] = [None] * count
         self.stop_reason: list[int | str | None] = [None] * count  # vLLM's field
+        self.tools = tools  # a chat's tools.ToolChoice: each choice's text goes through its parser
+        self.calls = [tools.stream() for _ in range(count)] if tools is not None else None
+        self.tool_calls: list[list[dict]] = [[] for _ in range(count)]  # `delta.tool_calls` items
         self.tokens = [0] * count
         self.started = [False] * count
         self.offsets = [0] * count
@@ -68,12 +74,20 @@ class Choices:
                 entries += list(zip(self.prompts[prompt_index], out.prompt_logprobs))
         if self.want_logprobs and out.logprobs is not None and not self.drop_output:
             entries.append((out.logprobs.token_id, out.logprobs))
+        finish, calls = out.finish_reason, []
+        if self.calls is not None:
+            text, calls = self.calls[i].feed(text)
+            if finish is not None:
+                rest, more = self.calls[i].finish()
+                text, calls = text + rest, calls + more
+                finish = self.tools.finish_reason(finish, self.calls[i].count > 0)
+            self.tool_calls[i] += calls
         self.text[i] += text
         self.logprobs[i] += entries
-        self.finish[i] = out.finish_reason
+        self.finish[i] = finish
         self.stop_reason[i] = out.stop_reason
         self.tokens[i] = 0 if self.drop_output else out.completion_tokens
-        return self._choice(i, text, entries, out.finish_reason, first) if render else None
+        return self._choice(i, text, entries, finish, first, calls) if render else None
 
     def _logprobs(self, i: int, entries: list) -> dict[str, Any] | None:
         if not entries and not (self.want_logprobs or self.echo):
@@ -84,11 +98,15 @@ class Choices:
         self.offsets[i] += sum(len(token) for token in body["tokens"])
         return body
 
-    def _choice(self, i: int, text: str, entries: list, finish: str | None, first: bool) -> dict[str, Any]:
+    def _choice(
+        self, i: int, text: str, entries: list, finish: str | None, first: bool, calls: list
+    ) -> dict[str, Any]:
         logprobs = self._logprobs(i, entries) if (self.want_logprobs or entries) else None
         ended = {"finish_reason": finish, "stop_reason": self.stop_reason[i]}
         if self.chat:
-            delta = {"content": text, **({"role": "assistant"} if first else {})}
+            delta = {"content": text or (None if calls else ""), **({"role": "assistant"} if first else {})}
+            if calls:
+                delta["tool_calls"] = calls
             return {"index": i, "delta": delta, "logprobs": logprobs, **ended}
         return {"index": i, "text": text, "logprobs": logprobs, **ended}
 
@@ -109,6 +127,8 @@ def render_response(choices: Choices) -> dict[str, Any]:
         ended = {"finish_reason": choices.finish[i], "stop_reason": choices.stop_reason[i]}
         if choices.chat:
             message = {"role": "assistant", "content": text}
+            if choices.tool_calls[i]:
+                message.update(content=text or None, tool_calls=merge_calls(choices.tool_calls[i]))
             items.append({"index": i, "message": message, "logprobs": logprobs, **ended})
         else:
             items.append({"index": i, "text": text, "logprobs": logprobs, **ended})
