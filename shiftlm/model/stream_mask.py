@@ -53,15 +53,22 @@ def stream_visibility(
     k_stream: torch.Tensor,
     k_pos: torch.Tensor,
     k_valid: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Queries [..., Q] and keys [..., C] tagged (stream, position) -> (mask [..., Q, C], True where
-    the query reads the key; shift [..., Q, C] for hogwild, else None). `k_valid` drops key slots."""
+    the query reads the key; shift [..., Q, C] for hogwild, else None). `k_valid` drops key slots;
+    `window` (a sliding-window model's; isolated streams only) keeps keys less than it behind the
+    query by position, so each stream attends exactly as the one sequence of its own tokens would."""
+    if window is not None and layout != ISOLATED:
+        raise ValueError("a sliding window is defined for isolated streams only")
     qs, qp = q_stream.unsqueeze(-1), q_pos.unsqueeze(-1)
     ks, kp = k_stream.unsqueeze(-2), k_pos.unsqueeze(-2)
     not_later = kp <= qp
     mask = not_later & ((ks == PROMPT) | (ks == qs))  # the prompt causally, own stream up to itself
     if layout != ISOLATED:
         mask |= (ks != PROMPT) & (qs != PROMPT) & (kp < qp)  # every stream's earlier timesteps
+    if window is not None:
+        mask &= qp - kp < window
     if k_valid is not None:
         mask &= k_valid.unsqueeze(-2)
     shift = _hogwild_shift(mask, q_stream, k_stream) if layout == HOGWILD else None

@@ -203,3 +203,26 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(model_dir):
     assert [len(o.outputs[0].token_ids) for o in outs] == [22, 18]
     assert {o.outputs[0].finish_reason for o in outs} == {"length"}
     assert [len(sample.token_ids) for sample in shared[0].outputs] == [(64 - 2) // 4] * 4
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(tp=1, sp=2)], ids=["1rank", "sp2-shift"])
+def test_n_samples_of_a_sliding_window_model_are_each_its_own_sequence(tmp_path, layout):
+    """The n samples run as one isolated group in the cache; each must attend as the one sequence of
+    its own tokens, sliding window included (6 tokens here: a 16-token prompt and 20 new tokens pass
+    it many times). Before the window joined the group's mask, sample 1 of 3 differed from the same
+    seed run alone."""
+    from shiftlm import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(tmp_path / "mistral", "mistral")
+    write_char_tokenizer(path, vocab_size=256)
+
+    def params(**kw):
+        return SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, **kw)
+
+    with LLM(str(path), **layout) as llm:
+        group = llm.generate(["hello there, how"], params(n=3, seed=7))[0].outputs
+        alone = [llm.generate(["hello there, how"], params(seed=7 + i))[0].outputs[0] for i in range(3)]
+        with pytest.raises(InvalidRequest, match="timestep stream groups need a model without a sliding"):
+            llm._engine.check_streams([1, 2], [[], []], [params(), params()], "timestep")
+    assert [sample.token_ids for sample in group] == [sample.token_ids for sample in alone]
+    assert len({tuple(sample.token_ids) for sample in group}) == 3

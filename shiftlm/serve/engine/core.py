@@ -79,7 +79,7 @@ class Engine:
         self._running: Launched | None = None  # the step launched ahead (async_scheduling)
         self.scheduler = Scheduler(config)
         self.vocab_size = vocab_size
-        self.sliding_window = sliding_window  # the model's (stream groups need none)
+        self.sliding_window = sliding_window  # the model's (only isolated stream groups may have one)
         self.clock = clock
         self.metrics = ServingMetrics()
         # one JSON line per step: mode, tokens, sequences, decode rows, model seconds

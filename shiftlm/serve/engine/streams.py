@@ -57,8 +57,10 @@ def check_streams(engine, prompt_ids, prefixes, params: list[SamplingParams], la
                 "streams",
             )
     check_group_fits(engine, prompt_ids, prefixes, params, layout, "streams")
-    if engine.sliding_window is not None:
-        raise InvalidRequest("stream groups need a model without a sliding window", "layout")
+    if engine.sliding_window is not None and layout != "isolated":
+        raise InvalidRequest(
+            f"{layout} stream groups need a model without a sliding window; use layout isolated", "layout"
+        )
     return layout_code(layout)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from shiftlm.model.stream_mask import ISOLATED
 from shiftlm.serve.plan import Mode, StepPlan
 from shiftlm.serve.worker.paged_attention import AttentionGroup, FlatBatch
 from shiftlm.serve.worker.stream_plan import stream_group, tag_tokens
@@ -141,7 +142,8 @@ def decode_plan(
             chunk = _group(which, rows, starts, lengths, offsets, tables, block_size, None)
             ends, lens = (starts + lengths)[which], prompt_lens[which]
             args = (row_streams, positions, rows[which], ends, lens, tables, block_size, inv_freq)
-            groups.append(stream_group(chunk, layout, *args))
+            window = sliding_window if layout == ISOLATED else None  # others are refused (streams.py)
+            groups.append(stream_group(chunk, layout, *args, window))
     # Ulysses splits the tokens evenly over sp: SP x TP steps pad to a multiple of it; full-TP steps,
     # where every rank takes every token, need no padding row
     padding = -num_tokens % pad_to_multiple if MODES[mode] is Mode.SP_TP else 0

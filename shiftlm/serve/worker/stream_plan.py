@@ -54,9 +54,11 @@ def stream_group(
     tables,
     block_size: int,
     inv_freq: torch.Tensor | None,
+    window: int | None = None,
 ) -> AttentionGroup:
     """`group` (the chunks of one layout, padded as prefill chunks) with the visibility mask of
-    `stream_visibility` over each chunk's whole context, and the query rotation for hogwild."""
+    `stream_visibility` over each chunk's whole context (`window`: the model's sliding window, which
+    only isolated groups may have), and the query rotation for hogwild."""
     q_stream, q_pos = row_streams[group.query_rows], positions[group.query_rows]  # [S, Q]
     context = group.mask.shape[-1]
     index = torch.arange(context, device=rows.device)
@@ -66,7 +68,7 @@ def stream_group(
     in_prompt = index < prompt_lens.unsqueeze(1)
     k_stream = torch.where(in_prompt | ~valid, PROMPT, cached[..., 0])
     k_pos = torch.where(in_prompt, index, cached[..., 1])
-    mask, shift = stream_visibility(layout, q_stream, q_pos, k_stream, k_pos, valid)
+    mask, shift = stream_visibility(layout, q_stream, q_pos, k_stream, k_pos, valid, window)
     rotation = None
     if shift is not None:
         if inv_freq is None:
