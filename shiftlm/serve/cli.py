@@ -144,6 +144,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.1-3.3's JSON calls)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split a reasoning model's thinking (before </think>) into reasoning_content (vLLM's flag): "
+        "deepseek_r1 (the prompt opens <think>: DeepSeek-R1 and distills, QwQ, Qwen3 *-Thinking-2507) "
+        "or qwen3 (the model writes <think> itself)",
+    )
+    parser.add_argument(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",

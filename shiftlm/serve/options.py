@@ -25,6 +25,7 @@ from shiftlm.errors import CheckpointError, ConfigError
 from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.http.app import ApiOptions
+from shiftlm.serve.http.reasoning import REASONING_PARSERS
 from shiftlm.serve.http.tools import TOOL_CALL_PARSERS
 from shiftlm.serve.plan import MODE_NAMES
 from shiftlm.serve.worker import ATTENTION_BACKENDS
@@ -55,6 +56,7 @@ class ServeOptions:
     structured_outputs_any_whitespace: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed out of replies
     tool_call_parser: str | None = None  # http/tools.TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # http/reasoning.REASONING_PARSERS
     attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"
     port: int = 8000
@@ -185,6 +187,7 @@ class ServeOptions:
             step_timeout=self.step_timeout,
             body_timeout=self.body_timeout,
             tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
+            reasoning_parser=self.reasoning_parser,
         )
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         setup = ServeSetup(
@@ -259,6 +262,10 @@ class ServeOptions:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(
                 f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"--reasoning-parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError(

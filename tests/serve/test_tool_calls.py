@@ -1,8 +1,10 @@
 """Tool calling on /v1/chat/completions (serve/http/tools.py): the parsers give one answer however the
 text is split into stream deltas; a named or `required` tool_choice holds a random model's reply to
 the tools' schemas; `auto` finds the calls in the reply; earlier calls and tool results reach the chat
-template; every misuse is a 400 naming the field. The server is started as users start it, with
-vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`, and driven with the openai client."""
+template; every misuse is a 400 naming the field; a reasoning model's thinking goes to
+`reasoning_content` before its calls are parsed. The server is started as users start it, with
+vLLM's `--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3`, and driven
+with the openai client."""
 
 from __future__ import annotations
 
@@ -228,6 +230,7 @@ def server(tmp_path_factory):
     copy_tokenizer(train_bpe(documents * 20, 320, tmp_path_factory.mktemp("bpe") / "tok"), path)
     args = ["--model", str(path), "--served-model-name", MODEL, "--num-blocks", "128", "--block-size", "8"]
     args += ["--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args += ["--reasoning-parser", "qwen3"]
     with local_server(args, log_path=str(path.parent / "server.log")) as live:
         yield live.url
 
@@ -304,6 +307,24 @@ def test_auto_finds_the_calls_the_model_writes(server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     plain = client.chat.completions.create(extra_body={"structured_outputs": {"regex": "[a-c]{3}"}}, **COMMON)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "stop"
+
+
+def test_thinking_goes_to_reasoning_content_and_calls_are_parsed_after_it(server):
+    client = _client(server)
+    written = r'<think>(plan a|plan b)</think>Ok\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+    extra = {"structured_outputs": {"regex": written}}
+    out = client.chat.completions.create(extra_body=extra, **COMMON)
+    message = out.choices[0].message
+    assert message.reasoning_content in ("plan a", "plan b") and message.content == "Ok."
+    assert [c.function.name for c in message.tool_calls] == ["get_time"]
+    chunks = list(client.chat.completions.create(stream=True, extra_body=extra, **COMMON))
+    deltas = [c.delta for chunk in chunks for c in chunk.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == "Ok."
+    hidden = client.chat.completions.create(extra_body={**extra, "include_reasoning": False}, **COMMON)
+    assert hidden.choices[0].message.reasoning_content is None and hidden.choices[0].message.content == "Ok."
+    plain = client.chat.completions.create(extra_body={"structured_outputs": {"regex": "[a-c]{3}"}}, **COMMON)
+    assert plain.choices[0].message.reasoning_content is None  # qwen3: no <think>, all answer
 
 
 def test_a_conversation_with_calls_and_results_renders_and_answers(server):

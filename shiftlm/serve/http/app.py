@@ -47,6 +47,7 @@ from shiftlm.serve.http.protocol import (
     TokenizeRequest,
     api_error,
 )
+from shiftlm.serve.http.reasoning import REASONING_PARSERS
 from shiftlm.serve.http.responses import Choices, finished_unless_gone, merged, render_response, render_stream
 from shiftlm.serve.http.streams_api import add_stream_routes
 from shiftlm.serve.http.tools import ToolChoice
@@ -65,6 +66,7 @@ class ApiOptions:
     body_timeout: float = 30.0  # a body that stalls this long gets a 408 (middleware.py)
     # what finds tool calls in replies to tool_choice "auto" (tools.TOOL_CALL_PARSERS); None: "auto" is off
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS: thinking -> reasoning_content
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -81,6 +83,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     model_name = options.model_name
     max_chars = engine.max_model_len * max_chars_per_token(tokenizer)
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shiftlm-tokenize")
+    thinking = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -366,7 +369,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             body.skip_special_tokens = tools.skip_special_tokens(body.skip_special_tokens)
         params, streams = admit(body, [prompt_ids], default, logprobs, None, structured)
         choices = Choices(
-            "chatcmpl", body, params, [prompt_ids], [prompt_ids], tokenizer, chat=True, tools=tools
+            "chatcmpl",
+            body,
+            params,
+            [prompt_ids],
+            [prompt_ids],
+            tokenizer,
+            chat=True,
+            tools=tools,
+            reasoning=thinking,
         )
         return await run(request, body, streams, choices)
 

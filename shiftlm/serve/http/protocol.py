@@ -329,6 +329,7 @@ class ChatCompletionRequest(ChatRendering, SamplingFields):
     top_logprobs: int | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false leaves the thinking out (--reasoning-parser)
 
     def unsupported_field(self) -> str | None:
         for message in self.messages:

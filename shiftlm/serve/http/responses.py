@@ -32,8 +32,21 @@ class Choices:
     """The growing state of every choice of one request."""
 
     def __init__(
-        self, prefix, body, params, prompts, texts, tokenizer, chat, echo=False, drop_output=False, tools=None
+        self,
+        prefix,
+        body,
+        params,
+        prompts,
+        texts,
+        tokenizer,
+        chat,
+        echo=False,
+        drop_output=False,
+        tools=None,
+        reasoning=None,
     ):
+        """A chat's `tools` (tools.ToolChoice) and `reasoning` (a reasoning.REASONING_PARSERS class)
+        take each choice's text apart: thinking first, then tool calls in what follows it."""
         self.response_id, self.created, self.model = new_id(prefix), now(), body.model
         self.chat, self.echo, self.drop_output = chat, echo, drop_output
         self.n, self.prompts = params.n, prompts
@@ -47,6 +60,9 @@ class Choices:
         self.tools = tools  # a chat's tools.ToolChoice: each choice's text goes through its parser
         self.calls = [tools.stream() for _ in range(count)] if tools is not None else None
         self.tool_calls: list[list[dict]] = [[] for _ in range(count)]  # `delta.tool_calls` items
+        self.thinking = [reasoning() for _ in range(count)] if reasoning is not None else None
+        self.show_reasoning = getattr(body, "include_reasoning", True)  # vLLM's field
+        self.reasoning = [""] * count
         self.tokens = [0] * count
         self.started = [False] * count
         self.offsets = [0] * count
@@ -74,7 +90,14 @@ class Choices:
                 entries += list(zip(self.prompts[prompt_index], out.prompt_logprobs))
         if self.want_logprobs and out.logprobs is not None and not self.drop_output:
             entries.append((out.logprobs.token_id, out.logprobs))
-        finish, calls = out.finish_reason, []
+        finish, calls, reasoning = out.finish_reason, [], ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking[i].feed(text)
+            if finish is not None:
+                more, rest = self.thinking[i].finish()
+                reasoning, text = reasoning + more, text + rest
+            reasoning = reasoning if self.show_reasoning else ""
+            self.reasoning[i] += reasoning
         if self.calls is not None:
             text, calls = self.calls[i].feed(text)
             if finish is not None:
@@ -87,7 +110,7 @@ class Choices:
         self.finish[i] = finish
         self.stop_reason[i] = out.stop_reason
         self.tokens[i] = 0 if self.drop_output else out.completion_tokens
-        return self._choice(i, text, entries, finish, first, calls) if render else None
+        return self._choice(i, text, entries, finish, first, calls, reasoning) if render else None
 
     def _logprobs(self, i: int, entries: list) -> dict[str, Any] | None:
         if not entries and not (self.want_logprobs or self.echo):
@@ -99,7 +122,7 @@ class Choices:
         return body
 
     def _choice(
-        self, i: int, text: str, entries: list, finish: str | None, first: bool, calls: list
+        self, i: int, text: str, entries: list, finish: str | None, first: bool, calls: list, reasoning: str
     ) -> dict[str, Any]:
         logprobs = self._logprobs(i, entries) if (self.want_logprobs or entries) else None
         ended = {"finish_reason": finish, "stop_reason": self.stop_reason[i]}
@@ -107,6 +130,8 @@ class Choices:
             delta = {"content": text or (None if calls else ""), **({"role": "assistant"} if first else {})}
             if calls:
                 delta["tool_calls"] = calls
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             return {"index": i, "delta": delta, "logprobs": logprobs, **ended}
         return {"index": i, "text": text, "logprobs": logprobs, **ended}
 
@@ -129,6 +154,8 @@ def render_response(choices: Choices) -> dict[str, Any]:
             message = {"role": "assistant", "content": text}
             if choices.tool_calls[i]:
                 message.update(content=text or None, tool_calls=merge_calls(choices.tool_calls[i]))
+            if choices.thinking is not None:
+                message["reasoning_content"] = choices.reasoning[i] or None
             items.append({"index": i, "message": message, "logprobs": logprobs, **ended})
         else:
             items.append({"index": i, "text": text, "logprobs": logprobs, **ended})

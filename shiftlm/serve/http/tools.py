@@ -184,7 +184,7 @@ class HermesCalls(CallStream):
                 self.seen_tag = True
             self.in_call = not self.in_call
         if not self.in_call and not self.seen_tag:  # the first content streams, less a possible tag
-            keep = _partial_suffix(self.buffer, self.OPEN)
+            keep = partial_suffix(self.buffer, self.OPEN)
             content.append(self.buffer[: len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep :]
         return "".join(content), calls
@@ -262,7 +262,7 @@ def _json_objects(text: str) -> list[tuple[str, str] | None]:
     return found
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is the start of `tag`."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
