@@ -193,7 +193,7 @@ class SingleRequest(Request):
             _text(ctx, params),
             make_generator(params, 0),
             len(prompt_ids),
-            matcher=_matcher(ctx, params),
+            matcher=_matcher(ctx, params, prompt_ids),
         )
         return cls(ctx, seq, [sample], now)
 
@@ -242,7 +242,7 @@ class StreamRequest(Request):
                 _text(ctx, p),
                 make_generator(p, 0),
                 len(prompt_ids) + len(prefix),
-                matcher=_matcher(ctx, p),
+                matcher=_matcher(ctx, p, [*prompt_ids, *prefix]),
             )
             for p, prefix in zip(params, prefixes)
         ]
@@ -279,12 +279,12 @@ class StreamRequest(Request):
         return outputs
 
 
-def _matcher(ctx: RequestContext, params: SamplingParams) -> Matcher | None:
+def _matcher(ctx: RequestContext, params: SamplingParams, prompt_ids) -> Matcher | None:
     if params.structured_outputs is None:
         return None
     if ctx.grammars is None:
         raise ValueError("this engine takes no structured outputs (RequestContext.grammars is None)")
-    return ctx.grammars.matcher(params.structured_outputs)
+    return ctx.grammars.matcher(params.structured_outputs, params.structured_after_thinking, prompt_ids)
 
 
 def _text(ctx: RequestContext, params: SamplingParams) -> StreamingText:

@@ -49,6 +49,9 @@ class SamplingParams:
     min_tokens: int = 0
     cache_salt: str | None = None  # starts the prefix cache's hash chain (kv_blocks.root_hash)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output keeps to
+    # the grammar holds the reply from the end of its thinking (`</think>`), as vLLM's structured
+    # outputs with a reasoning parser (`shiftlm serve --reasoning-parser` sets it)
+    structured_after_thinking: bool = False
 
     def validate(self) -> None:
         finite = all(

@@ -27,6 +27,7 @@ import torch
 
 from shiftlm.extras import missing_extra
 from shiftlm.serve.engine.errors import InvalidRequest
+from shiftlm.serve.engine.tokenizer import opens_thinking, think_tokens
 
 PARAM = "structured_outputs"
 
@@ -86,23 +87,45 @@ class StructuredOutputsParams:
 
 
 class Matcher:
-    """One sample's place in its grammar."""
+    """One sample's place in its grammar. With `think` (the `<think>` and `</think>` token ids of a
+    reasoning model) the grammar holds only the answer, as vLLM's structured outputs with a
+    reasoning parser: nothing is masked while the sample thinks (`thinking`: the prompt left a
+    `<think>` open), and where it may start to think, `<think>` is allowed beside the grammar's
+    tokens."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self._matcher, self._words = matcher, (vocab_size + 31) // 32
+    def __init__(
+        self, matcher, vocab_size: int, think: tuple[int, int] | None = None, thinking: bool = False
+    ):
+        self._matcher, self._words, self._think = matcher, (vocab_size + 31) // 32, think
+        self.state = "answer" if think is None else ("thinking" if thinking else "may_think")
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor | None:
         """The tokens the grammar allows next: an int32 bitmask [ceil(vocab / 32)] on the host, bit
-        `t % 32` of word `t // 32` set for token t."""
+        `t % 32` of word `t // 32` set for token t (None: any token, while the sample thinks)."""
+        if self.state == "thinking":
+            return None
         mask = torch.empty(self._words, dtype=torch.int32)
         self._matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        if self.state == "may_think":
+            word, bit = divmod(self._think[0], 32)
+            mask[word] |= _bit(bit)
         return mask
 
     def accept(self, token: int) -> bool:
         """Advance by the drawn token; whether the grammar is complete (it takes no more tokens)."""
+        if self.state != "answer":
+            if self.state == "thinking" or token == self._think[0]:
+                self.state = "answer" if token == self._think[1] else "thinking"
+                return False
+            self.state = "answer"  # the first token of an answer without thinking
         if not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar rejected token {token}: {self._matcher.get_error()}")
         return self._matcher.is_stopped()
+
+
+def _bit(bit: int) -> torch.Tensor:
+    """Bit `bit` of an int32 word (bit 31 is the sign bit)."""
+    return torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
 
 
 class Grammars:
@@ -179,9 +202,17 @@ class Grammars:
             )
         return start
 
-    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        """A new sample's matcher, at the grammar's start."""
-        return Matcher(self._compile(spec).deep_copy(), self.vocab_size)
+    def matcher(self, spec: StructuredOutputsParams, after_thinking: bool = False, prompt_ids=()) -> Matcher:
+        """A new sample's matcher, at the grammar's start; `after_thinking`: the grammar waits for the
+        end of the sample's thinking (`Matcher`), which the prompt may have opened. Without single
+        `<think>` / `</think>` tokens in the vocabulary it does not wait."""
+        think = self.think_tokens() if after_thinking else None
+        thinking = opens_thinking(prompt_ids, think)
+        return Matcher(self._compile(spec).deep_copy(), self.vocab_size, think, thinking)
+
+    @functools.cache  # noqa: B019 - one Grammars per engine, for the engine's life
+    def think_tokens(self) -> tuple[int, int] | None:
+        return think_tokens(self.tokenizer)
 
 
 def _one_line(error: str) -> str:

@@ -109,6 +109,21 @@ def render_chat(
     )
 
 
+def think_tokens(tokenizer) -> tuple[int, int] | None:
+    """The ids of `<think>` and `</think>` if each is one token of this vocabulary (reasoning models')."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in ("<think>", "</think>")]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
+def opens_thinking(prompt_ids, think: tuple[int, int] | None) -> bool:
+    """Whether the prompt leaves a thinking block open (its last think tag is `<think>`), as the
+    templates of DeepSeek-R1's distills, QwQ and Qwen3's *-Thinking models end a prompt."""
+    if think is None:
+        return False
+    last = {token: i for i, token in enumerate(prompt_ids) if token in think}
+    return last.get(think[0], -1) > last.get(think[1], -1)
+
+
 def load_tokenizer(model_dir: str | Path):
     """The checkpoint's tokenizer (`AutoTokenizer`); a clear error if the directory has none."""
     from transformers import AutoTokenizer

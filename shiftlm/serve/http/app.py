@@ -212,6 +212,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         logprobs,
         prompt_logprobs,
         structured=None,
+        after_thinking=False,
     ):
         check_model(body.model)
         if (field := body.unsupported_field()) is not None:
@@ -223,7 +224,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             default_tokens = min(default_tokens, engine.max_tokens_left(max(map(len, prompts)), body.n))
         try:
             params = body.sampling_params(
-                default_tokens, logprobs, prompt_logprobs, engine.vocab_size, structured
+                default_tokens, logprobs, prompt_logprobs, engine.vocab_size, structured, after_thinking
             )
             return params, engine.submit(prompts, params)
         except EngineError as err:
@@ -367,7 +368,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         structured = await check_grammar(body, tools)
         if tools is not None:
             body.skip_special_tokens = tools.skip_special_tokens(body.skip_special_tokens)
-        params, streams = admit(body, [prompt_ids], default, logprobs, None, structured)
+        # with a reasoning parser a grammar holds the answer, after the thinking (as vLLM)
+        params, streams = admit(body, [prompt_ids], default, logprobs, None, structured, thinking is not None)
         choices = Choices(
             "chatcmpl",
             body,

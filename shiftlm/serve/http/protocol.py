@@ -208,8 +208,10 @@ class SamplingFields(BaseModel):
         prompt_logprobs: int | None,
         vocab_size: int | None = None,
         structured: StructuredOutputsParams | None = None,
+        after_thinking: bool = False,
     ) -> SamplingParams:
-        """The request's SamplingParams (`structured`: its tools' grammar, else its own); `top_k` past
+        """The request's SamplingParams (`structured`: its tools' grammar, else its own, which holds
+        the reply from the end of its thinking if `after_thinking`); `top_k` past
         the vocabulary (or -1) keeps every token, as in vLLM, so no integer a client sends can
         overflow the sampler's int64 tensors."""
         top_k = 0 if self.top_k == -1 else self.top_k
@@ -238,6 +240,7 @@ class SamplingFields(BaseModel):
             min_tokens=self.min_tokens,
             cache_salt=self.cache_salt,
             structured_outputs=structured or self.structured(),
+            structured_after_thinking=after_thinking,
         )
 
 
@@ -345,10 +348,13 @@ class ChatCompletionRequest(ChatRendering, SamplingFields):
         prompt_logprobs: int | None,
         vocab_size: int | None = None,
         structured: StructuredOutputsParams | None = None,
+        after_thinking: bool = False,
     ) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens, logprobs, prompt_logprobs, vocab_size, structured)
+        return super().sampling_params(
+            default_max_tokens, logprobs, prompt_logprobs, vocab_size, structured, after_thinking
+        )
 
 
 class TokenizeRequest(ChatRendering):

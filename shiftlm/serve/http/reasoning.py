@@ -1,16 +1,16 @@
 """Reasoning content on /v1/chat/completions: the thinking of a reasoning model (DeepSeek-R1, Qwen3,
 QwQ) split from its answer, as vLLM's `--reasoning-parser` does.
 
-    split = REASONING_PARSERS["qwen3"]()
-    reasoning, content = split.feed(delta)    # per stream delta; split.finish() at the end
+    split = REASONING_PARSERS["qwen3"](opened=False)  # opened: the prompt left <think> open
+    reasoning, content = split.feed(delta)              # per stream delta; split.finish() at the end
 
 The thinking is what comes before `</think>` (a leading `<think>` dropped); it goes to the message's
 `reasoning_content` (and a stream delta's), the rest to `content`, where tool calls are parsed. The
-parsers differ in where the thinking starts: `deepseek_r1` takes a reply to begin in it (the
-templates of DeepSeek-R1 and its distills, QwQ and Qwen3's *-Thinking-2507 models open `<think>` in
-the prompt), so a reply without `</think>` is thinking cut short (`max_tokens`); with `qwen3` the
-model writes `<think>` itself when it thinks, so a reply that does not open one is all answer
-(thinking off: `chat_template_kwargs: {"enable_thinking": false}`). Streamed and whole, the same
+reply starts inside the thinking when the prompt left a `<think>` open (the templates of DeepSeek-R1's
+distills, QwQ and Qwen3's *-Thinking-2507 models end so). Otherwise the parsers differ: `deepseek_r1`
+takes the reply to begin in the thinking all the same, so a reply without `</think>` is thinking cut
+short (`max_tokens`); with `qwen3` the model writes `<think>` itself when it thinks, so a reply that
+does not open one is all answer (thinking off: `chat_template_kwargs: {"enable_thinking": false}`). Streamed and whole, the same
 parser gives one answer (tests/serve/test_reasoning.py).
 """
 
@@ -27,9 +27,11 @@ class ThinkSplit:
 
     starts_thinking = True
 
-    def __init__(self):
+    def __init__(self, opened: bool = False):
+        """`opened`: the prompt left a `<think>` open (`tokenizer.opens_thinking`): the reply starts
+        inside the thinking, whichever the parser."""
         self.buffer = ""  # text not sent yet: what may still be the start of a tag
-        self.state = "start"  # start (may open <think>) -> thinking -> answer
+        self.state = "thinking" if opened else "start"  # start (may open <think>) -> thinking -> answer
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buffer += text

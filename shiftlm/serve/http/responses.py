@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from shiftlm.serve.engine.errors import EngineError
+from shiftlm.serve.engine.tokenizer import opens_thinking, think_tokens
 from shiftlm.serve.http.protocol import (
     api_error,
     chat_logprobs,
@@ -60,7 +61,10 @@ class Choices:
         self.tools = tools  # a chat's tools.ToolChoice: each choice's text goes through its parser
         self.calls = [tools.stream() for _ in range(count)] if tools is not None else None
         self.tool_calls: list[list[dict]] = [[] for _ in range(count)]  # `delta.tool_calls` items
-        self.thinking = [reasoning() for _ in range(count)] if reasoning is not None else None
+        if reasoning is not None:  # a reply starts inside the thinking if its prompt left one open
+            think = think_tokens(tokenizer)
+            opened = [opens_thinking(prompts[k // self.n], think) for k in range(count)]
+        self.thinking = [reasoning(opened[k]) for k in range(count)] if reasoning is not None else None
         self.show_reasoning = getattr(body, "include_reasoning", True)  # vLLM's field
         self.reasoning = [""] * count
         self.tokens = [0] * count
