@@ -24,17 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from shiftlm.serve.engine.async_engine import AsyncEngine
 from shiftlm.serve.engine.errors import EngineError
 from shiftlm.serve.engine.structured import StructuredOutputsParams
 from shiftlm.serve.engine.text import Tokenizer
 from shiftlm.serve.engine.tokenizer import chat_messages, choose_chat_template, render_chat
-from shiftlm.serve.http.middleware import GuardMiddleware
+from shiftlm.serve.http.middleware import GuardMiddleware, add_error_handlers
 from shiftlm.serve.http.protocol import (
     RETRY_AFTER_BUSY,
     RETRY_AFTER_DOWN,
@@ -85,37 +82,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shiftlm-tokenize")
     thinking = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        if first.get("type") == "json_invalid":
-            return await _api_error(
-                _, ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
-            )
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        message = (
-            f"invalid request body: {where}: {first.get('msg')}"
-            if where
-            else f"invalid request body: {first.get('msg')}"
-        )
-        return await _api_error(_, ApiError(400, message, where or None))
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return await _api_error(_, ApiError(error.status_code, str(error.detail)))
-
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(_: Request, error: ClientDisconnect) -> JSONResponse:
-        return JSONResponse({}, status_code=499)  # the client (or a shutdown) closed the connection
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, error: Exception) -> JSONResponse:
-        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
-        return await _api_error(request, ApiError(500, f"internal error: {type(error).__name__}"))
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -6,7 +6,8 @@ limit is refused from its Content-Length, or, when chunked, as soon as the bytes
 (so a 50 MB body never sits in memory); a body that stalls for `body_timeout` seconds gets a 408 and
 its connection is closed. With an API key, every `/v1/*` route and the API's own description (`/docs`,
 `/redoc`, `/openapi.json`) need `Authorization: Bearer KEY` (401 otherwise), as vLLM guards `/v1`;
-`/health` and `/metrics` stay open for probes.
+`/health` and `/metrics` stay open for probes. Behind them, `add_error_handlers` gives every error
+FastAPI meets (a bad body, an unknown route, an unexpected exception) the same JSON shape.
 """
 
 from __future__ import annotations
@@ -14,10 +15,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
 from shiftlm.serve.http.protocol import ApiError
+
+log = logging.getLogger("shiftlm.serve")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -107,3 +117,41 @@ class GuardMiddleware:
         except BodyTooLarge as err:
             if not started:
                 await send_error(send, err.status, err.message, ApiError.TYPES[err.status])
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI's `{"error": {...}}` body for every error: an `ApiError` as raised, an invalid body or
+    unparsable JSON (400 naming the field), FastAPI's own HTTP errors (404, 405), a client that went
+    away (499, no body), and anything unexpected (500, logged with its traceback)."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            return await _api_error(
+                _, ApiError(400, f"the request body is not valid JSON: {first.get('msg')}")
+            )
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = (
+            f"invalid request body: {where}: {first.get('msg')}"
+            if where
+            else f"invalid request body: {first.get('msg')}"
+        )
+        return await _api_error(_, ApiError(400, message, where or None))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+        return await _api_error(_, ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, error: ClientDisconnect) -> JSONResponse:
+        return JSONResponse({}, status_code=499)  # the client (or a shutdown) closed the connection
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, error: Exception) -> JSONResponse:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
+        return await _api_error(request, ApiError(500, f"internal error: {type(error).__name__}"))

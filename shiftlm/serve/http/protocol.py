@@ -390,37 +390,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def completion_logprobs(entries: list, decode, offset: int = 0) -> dict[str, Any]:
-    """The legacy completions `logprobs` object for a list of `TokenLogprob | (token_id, None)`;
-    `offset` is the text offset of the first token."""
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for token_id, entry in entries:
-        text = decode(token_id)
-        tokens.append(text)
-        text_offset.append(offset)
-        offset += len(text)
-        token_logprobs.append(None if entry is None else entry.logprob)
-        top_logprobs.append(None if entry is None else {decode(i): lp for i, lp in entry.top})
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    }
-
-
-def chat_logprobs(entries: list, decode) -> dict[str, Any]:
-    """The chat `logprobs` object ({"content": [...]}) for a list of TokenLogprob."""
-
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = decode(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-
-    return {
-        "content": [
-            {**item(entry.token_id, entry.logprob), "top_logprobs": [item(i, lp) for i, lp in entry.top]}
-            for entry in entries
-        ]
-    }

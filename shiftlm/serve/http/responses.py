@@ -18,14 +18,7 @@ from typing import Any
 
 from shiftlm.serve.engine.errors import EngineError
 from shiftlm.serve.engine.tokenizer import opens_thinking, think_tokens
-from shiftlm.serve.http.protocol import (
-    api_error,
-    chat_logprobs,
-    completion_logprobs,
-    new_id,
-    now,
-    usage,
-)
+from shiftlm.serve.http.protocol import api_error, new_id, now, usage
 from shiftlm.serve.http.tools import merge_calls
 
 
@@ -246,3 +239,37 @@ async def _disconnected(request) -> None:
     disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def completion_logprobs(entries: list, decode, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for a list of `TokenLogprob | (token_id, None)`;
+    `offset` is the text offset of the first token."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, entry in entries:
+        text = decode(token_id)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+        token_logprobs.append(None if entry is None else entry.logprob)
+        top_logprobs.append(None if entry is None else {decode(i): lp for i, lp in entry.top})
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(entries: list, decode) -> dict[str, Any]:
+    """The chat `logprobs` object ({"content": [...]}) for a list of TokenLogprob."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {
+        "content": [
+            {**item(entry.token_id, entry.logprob), "top_logprobs": [item(i, lp) for i, lp in entry.top]}
+            for entry in entries
+        ]
+    }
