@@ -212,7 +212,8 @@ class Grammars:
 
     @functools.cache  # noqa: B019 - one Grammars per engine, for the engine's life
     def think_tokens(self) -> tuple[int, int] | None:
-        return think_tokens(self.tokenizer)
+        think = think_tokens(self.tokenizer)
+        return think if think is not None and max(think) < self.vocab_size else None  # in the logits
 
 
 def _one_line(error: str) -> str:
