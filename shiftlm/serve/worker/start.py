@@ -6,6 +6,11 @@
 
 `serve/options.py` resolves the flags into these options once (device, dtype, model config, the
 SHIFTLM_* environment); nothing here reads a flag or a config file again.
+
+A local CPU (gloo) worker that dies while the ranks start (it raises, is killed, runs out of memory,
+cannot import or unpickle its arguments) fails rank 0 at its next wait for the ranks, within a
+fraction of a second, with `RankStartError` naming the rank and how it exited; the other workers are
+killed, and a later start in the same process (a notebook's next `LLM`) begins afresh.
 """
 
 from __future__ import annotations
@@ -18,17 +23,33 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_exits
 
 from shiftlm.config import ModelConfig
-from shiftlm.errors import error_line
+from shiftlm.errors import ConfigError, error_line
 from shiftlm.parallel import ParallelConfig
+from shiftlm.serve.worker.ranks import describe_exit
 
-# A rank that dies during startup must fail the others within minutes. Waiting for the next plan while
-# the server idles uses the runner's own group, with a timeout of days (runner.PLAN_WAIT_TIMEOUT); a
-# stalled rank is caught by the rank monitor (worker/ranks.py) in seconds instead.
+# A rank stuck during startup fails the others after this long (a local worker that exits fails them at
+# once: `watched_store`). Waiting for the next plan while the server idles uses the runner's own group,
+# with a timeout of days (runner.PLAN_WAIT_TIMEOUT); a stalled rank is caught by the rank monitor
+# (worker/ranks.py) in seconds instead.
 STARTUP_TIMEOUT = datetime.timedelta(minutes=5)
+STORE_POLL = 0.05  # seconds between rank 0's looks at the store (and its workers) while it waits
+# A collective that a worker's sudden death broke (SIGKILL, the OOM killer) raises on rank 0 a moment
+# before that exit can be read (measured: under 1 ms). A worker that fails in Python prints its own
+# line and takes ~0.7 s to exit: not waited for, so that rank 0's own error is never put on a worker.
+EXIT_GRACE = 0.2
 _LISTENERS: list[socket.socket] = []
+# The Python side of rank 0's watched store (its methods), kept while groups made through it may call
+# it: torch holds only its C++ side. The next start replaces it; a process's groups are gone by then.
+_WATCHED_STORE: list = []
+
+
+class RankStartError(RuntimeError):
+    """A local worker rank died while the ranks were starting: which, and how it exited."""
 
 
 @dataclass(frozen=True)
@@ -201,17 +222,14 @@ def worker_main(rank: int, store_port: int, options: RunnerOptions, clock, paren
 def start_ranks(options: RunnerOptions, rank: int, under_torchrun: bool):
     """Join (under torchrun) or start (ranks 1..P-1 as local processes) the serving ranks and load this
     rank's runner: (runner, [(rank, process, heartbeat)] of the local workers). On a failure the
-    workers started are stopped and the error is raised."""
-    workers = []
-    try:
-        if under_torchrun:
-            init_distributed(rank, options)
-        else:
-            workers = start_local_ranks(options)
+    workers started are killed and the error is raised. Under torchrun a dead rank is torchrun's to
+    handle (its agent stops the group)."""
+    if under_torchrun:
+        init_distributed(rank, options)
+        return load_runner(options), []
+    workers = start_local_ranks(options)
+    with _undone_on_failure(workers, joined=bool(workers)):  # a single rank joins no group
         return load_runner(options), workers
-    except BaseException:
-        stop_local_ranks(workers)
-        raise
 
 
 def stop_local_ranks(workers: list, timeout: float = 10.0) -> None:
@@ -230,15 +248,119 @@ def start_local_ranks(options: RunnerOptions) -> list[tuple[int, object, object]
     store = local_store(world_size)
     ctx = mp.get_context("spawn")
     workers = []
-    for rank in range(1, world_size):
-        clock = ctx.Value("d", 0.0, lock=False)
-        args = (rank, store.port, options, clock, os.getpid())
-        workers.append((rank, ctx.Process(target=worker_main, args=args, daemon=True), clock))
-    with _caller_script_hidden():
-        for _, proc, _ in workers:
-            proc.start()
-    init_distributed(0, options, store)
+    with _undone_on_failure(workers, joined=False):
+        with _caller_script_hidden():
+            for rank in range(1, world_size):
+                clock = ctx.Value("d", 0.0, lock=False)
+                args = (rank, store.port, options, clock, os.getpid())
+                proc = ctx.Process(target=worker_main, args=args, daemon=True)
+                proc.start()
+                workers.append((rank, proc, clock))
+        # gloo's groups meet in the store (here and in every `new_group` of the load), so watching its
+        # waits covers the whole start. An NCCL group keeps its store for life and polls it from a C++
+        # thread, which must not call into Python: it gets the store itself (and meets later anyway).
+        if options.backend == "gloo":
+            store = watched_store(store, workers)
+        init_distributed(0, options, store)
+    _WATCHED_STORE[:] = [store]
     return workers
+
+
+def watched_store(store, workers: list):
+    """`store` for rank 0, with every wait a poll of the store that raises `RankStartError` as soon as
+    a worker has exited: a rank that died before joining a group never sets its key, and the store's
+    own wait would sit out the group's timeout (STARTUP_TIMEOUT; gloo's 30 minutes for `new_group`)."""
+    import torch.distributed as dist
+
+    class WatchedStore(dist.Store):
+        def wait(self, keys, timeout=None):
+            timeout = timeout or store.timeout
+            deadline = time.monotonic() + timeout.total_seconds()
+            pause = 0.001  # most keys are there already, or within milliseconds
+            while not store.check(keys):
+                failure = dead_worker(workers)
+                if failure is not None:
+                    raise failure
+                if time.monotonic() > deadline:
+                    raise dist.DistStoreError(
+                        f"the ranks did not meet within {timeout} (rank 0 waited for {keys} in the store)"
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, STORE_POLL)
+
+        def get(self, key):
+            self.wait([key])
+            return store.get(key)
+
+        # the rest as the store does them: torch calls a Python store's methods by name, and finds
+        # none in a C++ function (`set = store.set` would raise "Not implemented")
+        def set(self, key, value):
+            store.set(key, value)
+
+        def add(self, key, value):
+            return store.add(key, value)
+
+        def check(self, keys):
+            return store.check(keys)
+
+        def compare_set(self, key, expected, desired):
+            return store.compare_set(key, expected, desired)
+
+        def delete_key(self, key):
+            return store.delete_key(key)
+
+        def num_keys(self):
+            return store.num_keys()
+
+    return WatchedStore()
+
+
+def dead_worker(workers: list, grace: float = 0.0) -> RankStartError | None:
+    """The first local worker that has exited, as the error to raise (None: all live), waiting up to
+    `grace` seconds for one to."""
+    ended = wait_for_exits([proc.sentinel for _, proc, _ in workers], grace) if workers else []
+    for rank, proc, _ in workers:
+        if proc.sentinel in ended:
+            proc.join()  # its sentinel closes with its files, a moment before its exit status is there
+            how = describe_exit(proc.exitcode)
+            return RankStartError(f"rank {rank} (pid {proc.pid}) died while the ranks were starting ({how})")
+    return None
+
+
+@contextlib.contextmanager
+def _undone_on_failure(workers: list, joined: bool):
+    """If the body raises, undo the start (`_undo_start`). A worker that died suddenly is named rather
+    than the collective it broke ("connection reset by peer"); a `ConfigError`, which every rank meets
+    alike, is left as rank 0 says it."""
+    try:
+        yield
+    except Exception as err:
+        cause = None if isinstance(err, (ConfigError, RankStartError)) else dead_worker(workers, EXIT_GRACE)
+        _undo_start(workers, joined)
+        if cause is None:
+            raise
+        raise cause from err
+    except BaseException:
+        _undo_start(workers, joined)
+        raise
+
+
+def _undo_start(workers: list, joined: bool) -> None:
+    """Kill the workers (starting, they have nothing to drain) and leave torch.distributed as it was,
+    so that the next start in this process meets its new workers: this start's group (`joined`) left
+    behind, or the group count of a failed `init_process_group`, would name the next groups apart."""
+    import torch.distributed as dist
+
+    from shiftlm.comm import shm
+
+    for _, proc, _ in workers:
+        proc.kill()
+        proc.join()
+    if joined:  # as `LLM.close` leaves it
+        shm.disable_all()
+        dist.destroy_process_group()
+    elif not dist.is_initialized():  # no group to count (a group there is the caller's own: kept)
+        dist.distributed_c10d._world.group_count = 0
 
 
 @contextlib.contextmanager
