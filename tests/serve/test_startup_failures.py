@@ -73,10 +73,10 @@ def stuck_before_joining(rank, *args):
     time.sleep(QUICK)
 
 
-def offline_start(model_dir: str, stand_in: str, tp: int, sp: int, timeout: float) -> None:
+def offline_start(model_dir: str, stand_in: str, tp: int, sp: int, timeout: float, again: bool) -> None:
     """In the test's fresh process: `LLM(model_dir)` with the workers running `stand_in` and a
-    STARTUP_TIMEOUT of `timeout` seconds, then an `LLM` with real workers in the same process.
-    Prints what happened, as JSON."""
+    STARTUP_TIMEOUT of `timeout` seconds, then (`again`) an `LLM` with real workers in the same
+    process. Prints what happened, as JSON."""
     from shiftlm import LLM, SamplingParams
 
     real = start.worker_main, start.STARTUP_TIMEOUT
@@ -92,14 +92,18 @@ def offline_start(model_dir: str, stand_in: str, tp: int, sp: int, timeout: floa
     seconds = time.monotonic() - began
     left = [proc.pid for proc in set(mp.active_children()) - before]
     start.worker_main, start.STARTUP_TIMEOUT = real
-    with LLM(model_dir, sp=2, device="cpu") as llm:
-        tokens = llm.generate("ab", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+    tokens = None
+    if again:
+        with LLM(model_dir, sp=2, device="cpu") as llm:
+            tokens = llm.generate("ab", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
     print(json.dumps(dict(error=error, seconds=seconds, left=left, tokens=tokens)))
 
 
-def _offline(model_dir, stand_in: str, tp: int = 1, sp: int = 2, timeout: float | None = None) -> dict:
+def _offline(
+    model_dir, stand_in: str, tp: int = 1, sp: int = 2, timeout: float | None = None, again: bool = False
+) -> dict:
     timeout = timeout or start.STARTUP_TIMEOUT.total_seconds()
-    call = f"offline_start({str(model_dir)!r}, {stand_in!r}, {tp}, {sp}, {timeout})"
+    call = f"offline_start({str(model_dir)!r}, {stand_in!r}, {tp}, {sp}, {timeout}, {again})"
     program = f"from tests.serve.test_startup_failures import offline_start; {call}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # two starts, the second a full one; a failure that waits out the rendezvous takes 300 s or more
@@ -113,7 +117,7 @@ def _offline(model_dir, stand_in: str, tp: int = 1, sp: int = 2, timeout: float 
 def test_a_worker_dying_before_the_rendezvous_fails_the_llm_at_once(model_dir):
     """Rank 1 of four exits before joining: `LLM` raises in seconds naming it, ranks 2 and 3 (waiting
     in the rendezvous) are stopped too, and the next `LLM` of the process starts and generates."""
-    out = _offline(model_dir, "unreachable_store", tp=2, sp=2)
+    out = _offline(model_dir, "unreachable_store", tp=2, sp=2, again=True)
     assert out["error"] is not None and out["error"].startswith("RankStartError: rank 1 (pid ")
     assert out["error"].endswith("died while the ranks were starting (exit code 1)")
     assert out["seconds"] < QUICK
@@ -135,7 +139,6 @@ def test_a_worker_dying_while_loading_fails_the_llm_at_once(model_dir, stand_in,
     assert out["error"].endswith(f"died while the ranks were starting ({how})")
     assert out["seconds"] < QUICK
     assert out["left"] == []
-    assert len(out["tokens"]) == 2
 
 
 def test_a_worker_alive_but_stuck_fails_the_llm_at_the_startup_timeout(model_dir):
@@ -146,7 +149,6 @@ def test_a_worker_alive_but_stuck_fails_the_llm_at_the_startup_timeout(model_dir
     )
     assert 3 < out["seconds"] < QUICK
     assert out["left"] == []
-    assert len(out["tokens"]) == 2
 
 
 @pytest.mark.parametrize("sp", [1, 2])
