@@ -79,10 +79,16 @@ def _exit_at_once() -> None:
 
 
 @needs_kernels
-def test_a_peer_that_exited_is_named_not_waited_for(tmp_path):
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_peer_that_exited_is_named_not_waited_for(tmp_path, reaped):
+    """Reaped or not: a worker rank that died while rank 0, its parent, waits in a collective is a
+    zombie until rank 0 reaps it, and `kill(pid, 0)` still succeeds for one (rank 0 waited for ever)."""
     peer = mp.get_context("spawn").Process(target=_exit_at_once)
     peer.start()
-    peer.join()
+    if reaped:
+        peer.join()
+    else:
+        os.waitid(os.P_PID, peer.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped
     channel = _channel(tmp_path, 0, 2)
     other = _channel(tmp_path, 1, 2, create=False)
     kernels.load().shm_init(other.segment, 1, 2, 4096)

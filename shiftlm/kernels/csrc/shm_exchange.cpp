@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -47,6 +48,22 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield" ::: "memory");
 #endif
+}
+
+// Whether process `pid` has exited: gone (ESRCH), or a zombie that its parent has not reaped yet (a
+// worker rank that died while rank 0, its parent, waits here: kill(pid, 0) still succeeds for it).
+bool exited(int64_t pid) {
+  if (pid <= 0) return false;
+  if (kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  char path[64], stat[512];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* file = std::fopen(path, "r");
+  if (file == nullptr) return false;
+  const size_t n = std::fread(stat, 1, sizeof(stat) - 1, file);
+  std::fclose(file);
+  stat[n] = '\0';
+  const char* paren = std::strrchr(stat, ')');  // "pid (comm) S ...": the state follows the name
+  return paren != nullptr && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
 struct Segment {
@@ -110,7 +127,7 @@ void wait_all(const Segment& s, int64_t gen, const Policy& p) {
         sched_yield();
       } else {
         const int64_t pid = __atomic_load_n(&h->pid, __ATOMIC_ACQUIRE);
-        if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        if (exited(pid)) {
           throw std::runtime_error("shm collective: local rank " + std::to_string(j) + " (pid " +
                                    std::to_string(pid) + ") exited");
         }
@@ -327,7 +344,7 @@ int64_t doorbell_wait(const torch::Tensor& seg, int64_t rank, int64_t seen, std:
     } else {
       for (int64_t peer : peers) {
         const int64_t pid = __atomic_load_n(&doorbell_of(base, peer)->pid, __ATOMIC_ACQUIRE);
-        if (pid > 0 && kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+        if (exited(pid)) {
           throw std::runtime_error("shm p2p: local rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
                                    ") exited");
         }
