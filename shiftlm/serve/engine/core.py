@@ -101,8 +101,7 @@ class Engine:
         context leaves and, for n > 1 samples (one group in the cache), each one's share of the cache."""
         left = self.max_model_len - prompt_len
         if n > 1:
-            config = self.scheduler.config
-            left = min(left, (config.num_blocks * config.block_size - prompt_len) // n)
+            left = min(left, (self.scheduler.config.cache_tokens - prompt_len) // n)
         return max(1, left)
 
     def stats(self) -> EngineStats:

@@ -52,8 +52,13 @@ class SchedulerConfig:
     policy: ShiftPolicy = ShiftPolicy(64)
     enable_prefix_caching: bool = True
 
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the KV cache holds (each rank holds them all, for its share of the heads)."""
+        return self.num_blocks * self.block_size
+
     def __post_init__(self) -> None:
-        if self.max_model_len > self.num_blocks * self.block_size:
+        if self.max_model_len > self.cache_tokens:
             raise ValueError(
                 f"max_model_len {self.max_model_len} does not fit in {self.num_blocks} blocks of "
                 f"{self.block_size} tokens; lower max_model_len or raise num_blocks"

@@ -78,12 +78,12 @@ def check_group_fits(
     )
     config = engine.scheduler.config
     needed = len(prompt_ids) + sum(len(x) + p.max_tokens for x, p in zip(prefixes, params))
-    if needed > config.num_blocks * config.block_size:
+    if needed > config.cache_tokens:
         raise InvalidRequest(
             f"too many {what} for the cache: the group needs {needed} KV slots (the prompt once, then "
             + ("every stream's prefix and max_tokens" if param == "streams" else "max_tokens per sample")
             + f") but the cache holds "
-            f"{config.num_blocks * config.block_size} (--num-blocks x --block-size); {fix}",
+            f"{config.cache_tokens} (--num-blocks x --block-size); {fix}",
             param,
         )
     probe = StreamGroup(
@@ -103,4 +103,4 @@ def check_group_fits(
 def max_step_cost(config: SchedulerConfig) -> int:
     """The most query-key scores one group may add to a step: a full step's token budget, each
     token reading the whole cache (what no ordinary step exceeds), so no group slows a step more."""
-    return config.max_tokens_per_step * config.num_blocks * config.block_size
+    return config.max_tokens_per_step * config.cache_tokens
