@@ -16,7 +16,7 @@
 
 A stream is fed the sample's text deltas and returns what may be sent so far: content that can no
 longer be part of a call, and calls whose text is complete. The non-streaming reply is the same
-stream fed the whole text, so both ways give one answer (tests/serve/test_tool_calls.py checks it at
+stream fed the whole text, so both ways give one answer (tests/serve/test_tool_parsers.py checks it at
 every split of the text).
 """
 
