@@ -30,7 +30,13 @@ from shiftlm.serve.engine.async_engine import AsyncEngine
 from shiftlm.serve.engine.errors import EngineError
 from shiftlm.serve.engine.structured import StructuredOutputsParams
 from shiftlm.serve.engine.text import Tokenizer
-from shiftlm.serve.engine.tokenizer import chat_messages, choose_chat_template, render_chat
+from shiftlm.serve.engine.tokenizer import (
+    chat_messages,
+    choose_chat_template,
+    opens_thinking,
+    render_chat,
+    think_tokens,
+)
 from shiftlm.serve.http.middleware import GuardMiddleware, add_error_handlers
 from shiftlm.serve.http.protocol import (
     RETRY_AFTER_BUSY,
@@ -80,7 +86,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
     model_name = options.model_name
     max_chars = engine.max_model_len * max_chars_per_token(tokenizer)
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shiftlm-tokenize")
-    thinking = REASONING_PARSERS[options.reasoning_parser] if options.reasoning_parser else None
+    thinking = None
+    if options.reasoning_parser:
+        parser, think = REASONING_PARSERS[options.reasoning_parser], think_tokens(tokenizer)  # once
+
+        def thinking(prompt_ids):  # a reply starts inside the thinking if its prompt left one open
+            return parser(opens_thinking(prompt_ids, think))
 
     add_error_handlers(app)
 

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from shiftlm.serve.engine.errors import EngineError
-from shiftlm.serve.engine.tokenizer import opens_thinking, think_tokens
 from shiftlm.serve.http.protocol import api_error, new_id, now, usage
 from shiftlm.serve.http.tools import merge_calls
 
@@ -39,7 +38,7 @@ class Choices:
         tools=None,
         reasoning=None,
     ):
-        """A chat's `tools` (tools.ToolChoice) and `reasoning` (a reasoning.REASONING_PARSERS class)
+        """A chat's `tools` (tools.ToolChoice) and `reasoning` (prompt ids -> a reasoning.ThinkSplit)
         take each choice's text apart: thinking first, then tool calls in what follows it."""
         self.response_id, self.created, self.model = new_id(prefix), now(), body.model
         self.chat, self.echo, self.drop_output = chat, echo, drop_output
@@ -54,10 +53,7 @@ class Choices:
         self.tools = tools  # a chat's tools.ToolChoice: each choice's text goes through its parser
         self.calls = [tools.stream() for _ in range(count)] if tools is not None else None
         self.tool_calls: list[list[dict]] = [[] for _ in range(count)]  # `delta.tool_calls` items
-        if reasoning is not None:  # a reply starts inside the thinking if its prompt left one open
-            think = think_tokens(tokenizer)
-            opened = [opens_thinking(prompts[k // self.n], think) for k in range(count)]
-        self.thinking = [reasoning(opened[k]) for k in range(count)] if reasoning is not None else None
+        self.thinking = [reasoning(prompts[k // self.n]) for k in range(count)] if reasoning else None
         self.show_reasoning = getattr(body, "include_reasoning", True)  # vLLM's field
         self.reasoning = [""] * count
         self.tokens = [0] * count
