@@ -124,6 +124,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "flag); off by default until measured on a GPU (docs/serving.md)",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts each decode\'s next tokens from the '
+        "latest earlier occurrence of its last n tokens and verifies them in one step (the output is "
+        "unchanged: docs/serving.md)",
+    )
+    parser.add_argument(
         "--structured-outputs-any-whitespace",
         action="store_true",
         help="let structured JSON outputs put any whitespace between tokens (vLLM's default); by "

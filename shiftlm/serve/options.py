@@ -24,6 +24,7 @@ from shiftlm.config import ModelConfig
 from shiftlm.errors import CheckpointError, ConfigError
 from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.speculative import SpeculativeConfig
 from shiftlm.serve.http.app import ApiOptions
 from shiftlm.serve.http.reasoning import REASONING_PARSERS
 from shiftlm.serve.http.tools import TOOL_CALL_PARSERS
@@ -52,6 +53,7 @@ class ServeOptions:
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batches captured (decode_graphs.capture_sizes)
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
+    speculative_config: str | dict | None = None  # vLLM's JSON, or its dict (engine/speculative.py)
     # structured JSON outputs may put any whitespace between tokens (vLLM's default); else ", " / ": "
     structured_outputs_any_whitespace: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed out of replies
@@ -314,6 +316,15 @@ class ServeOptions:
             raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError("--num-blocks must be >= 1")
+        if self.speculative() is not None and self.async_scheduling:
+            raise ConfigError(
+                "--speculative-config and --async-scheduling cannot be combined: a step's drafts "
+                "follow the tokens the previous step kept; drop one of them"
+            )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed (ConfigError naming the key when it is wrong)."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
 
 @dataclass(frozen=True)
@@ -365,6 +376,7 @@ class ServeSetup:
             max_model_len=flags.max_model_len if flags.max_model_len is not None else fits,
             policy=ShiftPolicy.named(flags.mode, threshold),
             enable_prefix_caching=flags.enable_prefix_caching,
+            speculative=flags.speculative(),
         )
         return dataclasses.replace(self, scheduler=scheduler)
 

@@ -51,6 +51,9 @@ class ScheduledChunk:
     argmax_only: bool = False  # with `sample`: only the argmax is needed (SamplingParams.argmax_only)
     streams: tuple[int, ...] = ()  # stream groups: each token's stream (-1: prompt) ...
     positions: tuple[int, ...] = ()  # ... and position
+    # speculative decoding: the last `draft` tokens are drafts, computed past the sequence's tokens
+    # and kept only as far as the draws agree (every one of the chunk's rows is sampled)
+    draft: int = 0
 
     @property
     def num_logits_rows(self) -> int:

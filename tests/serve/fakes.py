@@ -37,7 +37,8 @@ class SlotRunner:
     """Writes each scheduled token into its cache slot and reads the whole context back through the
     block table, so a wrong block table, a shared block overwritten or a lost slot changes the output."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, scores=next_token_scores):
+        self.scores = scores  # context -> next-token logits (the stand-in model)
         self.block_size = block_size
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.plans: list[StepPlan] = []
@@ -79,7 +80,7 @@ class SlotRunner:
                 continue
             last = chunk.start + len(chunk.token_ids)
             for end in range(last - chunk.num_logits_rows + 1, last + 1):
-                rows.append(next_token_scores(self.context(chunk, end)))
+                rows.append(self.scores(self.context(chunk, end)))
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 
     def context(self, chunk, end: int) -> list[int]:

@@ -92,8 +92,9 @@ def test_vllm_style_command_line_api_key_default_name_and_chat_template(tmp_path
         (["--dtype", "int8"], "--dtype 'int8' is not one of"),
         (["--model", "/elsewhere"], "two models given"),
         (["--spin-wait", "-1"], "--spin-wait -1.0 must be in [0, 1] seconds"),
+        (["--speculative-config", '{"method": "eagle"}'], "method 'eagle' is not supported"),
     ],
-    ids=["max-model-len", "dtype", "two-models", "spin-wait"],
+    ids=["max-model-len", "dtype", "two-models", "spin-wait", "speculative-config"],
 )
 def test_bad_serve_flags_are_one_line_errors_with_exit_code_2(tmp_path, flags, message):
     model_dir = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")

@@ -74,6 +74,10 @@ class Engine:
             raise ValueError(
                 f"{type(runner).__name__} cannot run a step ahead of its tokens (async_scheduling)"
             )
+        if async_scheduling and config.speculative is not None:
+            raise ValueError(
+                "speculative decoding cannot run with async_scheduling (drafts follow kept tokens)"
+            )
         self.runner = runner
         self.async_scheduling = async_scheduling
         self._running: Launched | None = None  # the step launched ahead (async_scheduling)

@@ -66,6 +66,8 @@ class ServingMetrics:
         # mixture of experts: (token, choice) rows routed to each expert, summed over the MoE layers
         self.expert_rows: list[float] = []
         self.last_expert_rows: list[float] | None = None  # the last step's (the step log's)
+        # speculative decoding: steps that verified drafts, draft tokens, drafts kept
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
 
     def record_prompt(self, num_tokens: int) -> None:
         with self._lock:
@@ -97,6 +99,18 @@ class ServingMetrics:
                 self.expert_rows = [0.0] * len(rows)
             self.expert_rows = [total + n for total, n in zip(self.expert_rows, rows)]
             self.last_expert_rows = rows
+
+    def record_speculation(self, draft_tokens: int, accepted: int) -> None:
+        """One sample's step verified `draft_tokens` drafts and kept `accepted` of them."""
+        with self._lock:
+            self.spec_drafts += 1
+            self.spec_draft_tokens += draft_tokens
+            self.spec_accepted_tokens += accepted
+
+    def speculation_counts(self) -> tuple[int, int, int]:
+        """(drafts, draft tokens, accepted tokens) so far."""
+        with self._lock:
+            return self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens
 
     def record_rejected(self) -> None:
         with self._lock:
@@ -145,6 +159,25 @@ class ServingMetrics:
                 lines += [f"# HELP {name} Token rows routed to each expert (top-k choices, all MoE layers)."]
                 lines += [f"# TYPE {name} counter"]
                 lines += [f'{name}{{expert="{e}"}} {n:g}' for e, n in enumerate(self.expert_rows)]
+            if self.spec_drafts:  # vLLM's spec_decode counters
+                lines += _scalar(
+                    prefix + "spec_decode_num_drafts_total",
+                    "counter",
+                    "Sample steps that verified drafted tokens.",
+                    self.spec_drafts,
+                )
+                lines += _scalar(
+                    prefix + "spec_decode_num_draft_tokens_total",
+                    "counter",
+                    "Drafted tokens verified.",
+                    self.spec_draft_tokens,
+                )
+                lines += _scalar(
+                    prefix + "spec_decode_num_accepted_tokens_total",
+                    "counter",
+                    "Drafted tokens kept (the draw agreed).",
+                    self.spec_accepted_tokens,
+                )
             lines += [f"# HELP {prefix}step_tokens_total Tokens run by engine steps, by mode."]
             lines += [f"# TYPE {prefix}step_tokens_total counter"]
             lines += [
@@ -193,6 +226,7 @@ class StatsLogger:
 
         self.engine, self.log, self.clock = engine, log, clock or time.monotonic
         self._last = (self.clock(), 0, 0)
+        self._last_spec = (0, 0, 0)
 
     def tick(self) -> str | None:
         stats = self.engine.stats()
@@ -210,5 +244,13 @@ class StatsLogger:
             f"running {running}, waiting {waiting}; "
             f"KV cache usage {100 * stats.kv_cache_usage:.1f}%"
         )
+        spec = self.engine.metrics.speculation_counts()
+        drafts, tokens, accepted = (now_ - last_ for now_, last_ in zip(spec, self._last_spec))
+        self._last_spec = spec
+        if drafts:  # vLLM's SpecDecoding line: what the drafts bought
+            line += (
+                f"; draft acceptance rate {100 * accepted / max(tokens, 1):.1f}%, "
+                f"mean acceptance length {1 + accepted / drafts:.2f}"
+            )
         self.log.info(line)
         return line

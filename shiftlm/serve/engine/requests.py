@@ -68,6 +68,10 @@ class _Sample:
     last_token_time: float | None = None
     finish: FinishReason | None = None
     matcher: Matcher | None = None  # its place in its grammar (structured outputs)
+    # a seeded speculative step's generator states after each row's draw, by logits row, and its first
+    # row (`SingleRequest.advance` rewinds the generator to the last kept draw)
+    generator_states: dict[int, torch.Tensor] | None = None
+    first_row: int = 0
 
     def allowed(self) -> torch.Tensor | None:
         return None if self.matcher is None else self.matcher.allowed()
@@ -199,16 +203,49 @@ class SingleRequest(Request):
 
     def rows(self, last_row: int) -> list[SampleRow]:
         seq, sample = self.seq, self.samples[0]
-        history = (seq.prompt_ids, seq.output_ids)
-        return [SampleRow(last_row, seq.params, sample.generator, *history, allowed=sample.allowed())]
+        drafts = seq.draft_ids
+        if not drafts:
+            history = (seq.prompt_ids, seq.output_ids)
+            return [SampleRow(last_row, seq.params, sample.generator, *history, allowed=sample.allowed())]
+        # speculative decoding: the chunk's last k + 1 rows; row j's history holds drafts 1..j, what
+        # the sample's outputs are if its draws are kept that far (penalties, min_tokens read it)
+        first = last_row - len(drafts)
+        sample.first_row = first
+        sample.generator_states = {} if sample.generator is not None else None
+        return [
+            SampleRow(
+                first + j,
+                seq.params,
+                sample.generator,
+                seq.prompt_ids,
+                [*seq.output_ids, *drafts[:j]],
+                generator_states=sample.generator_states,
+            )
+            for j in range(len(drafts) + 1)
+        ]
 
     def advance(self, picks, now):
-        (token, logprob) = picks[0]
-        self.seq.output_ids.append(token)
-        output = self._emit(0, token, self.seq.output_ids, logprob, now)
+        """One token, or with drafts (engine/speculative.py) the draws up to and including the first
+        that differs from its draft (or the one after the last draft), as far as the sample goes."""
+        seq, sample = self.seq, self.samples[0]
+        drafts, seq.draft_ids = seq.draft_ids, []
+        outputs = []
+        for j, (token, logprob) in enumerate(picks):
+            seq.output_ids.append(token)
+            outputs.append(self._emit(0, token, seq.output_ids, logprob, now))
+            if sample.finish is not None or j >= len(drafts) or token != drafts[j]:
+                break
+            seq.num_computed += 1  # the draft is its next token: the K/V this step wrote for it stand
+        if drafts:
+            kept = len(outputs)
+            accepted = sum(token == draft for (token, _), draft in zip(picks[:kept], drafts))
+            self.ctx.metrics.record_speculation(len(drafts), accepted)
+            if sample.generator_states is not None and kept < len(picks):  # as if only `kept` were drawn
+                sample.generator.set_state(sample.generator_states[sample.first_row + kept - 1])
+            sample.generator_states = None
         if self.done():
             self._finish(now)
-        return [output]
+        return outputs
 
 
 class StreamRequest(Request):

@@ -51,6 +51,9 @@ class SampleRow:
     pending: torch.Tensor | None = None
     # the tokens its grammar allows (structured outputs): an int32 bitmask on the host, else None
     allowed: torch.Tensor | None = None
+    # a seeded row of a speculative step: where its generator's state after this row's draw goes
+    # (by `logits_row`), so that the sample can be rewound to its last kept draw
+    generator_states: dict[int, torch.Tensor] | None = None
 
     @property
     def num_outputs(self) -> int:
@@ -241,7 +244,7 @@ def draw_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = f
             which = _on(device, narrow, torch.long)
             scaled[which] = filter_logits(scaled[which], top_k, top_p)
         probs = torch.softmax(scaled, dim=-1).nan_to_num(0.0)
-        race = probs / _exponentials([rows[i].generator for i in drawn], probs)
+        race = probs / _exponentials([rows[i] for i in drawn], probs)
         picked = torch.argmax(race, dim=-1)
         # a row with no finite probability (all -inf or NaN logits) keeps its argmax, decided on the device
         usable = probs.sum(dim=-1) > 0
@@ -252,21 +255,23 @@ def draw_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = f
     return _draw(logprobs, tokens, ks)
 
 
-def _exponentials(generators: list[torch.Generator | None], probs: torch.Tensor) -> torch.Tensor:
+def _exponentials(rows: list[SampleRow], probs: torch.Tensor) -> torch.Tensor:
     """Exp(1) draws shaped like `probs` [rows, V]: a seeded row's from its generator (on the CPU,
-    copied over asynchronously), the others' on the device in one call."""
+    in row order, copied over asynchronously), the others' on the device in one call."""
     noise = torch.empty_like(probs).exponential_()
-    seeded = [j for j, generator in enumerate(generators) if generator is not None]
+    seeded = [j for j, row in enumerate(rows) if row.generator is not None]
     if seeded:
-        host = torch.stack(
-            [
-                torch.empty(probs.shape[1], dtype=probs.dtype, device=generators[j].device).exponential_(
-                    generator=generators[j]
+        draws = []
+        for j in seeded:
+            row = rows[j]
+            draws.append(
+                torch.empty(probs.shape[1], dtype=probs.dtype, device=row.generator.device).exponential_(
+                    generator=row.generator
                 )
-                for j in seeded
-            ]
-        )
-        noise[_on(probs.device, seeded, torch.long)] = host.to(probs.device, non_blocking=True)
+            )
+            if row.generator_states is not None:
+                row.generator_states[row.logits_row] = row.generator.get_state()
+        noise[_on(probs.device, seeded, torch.long)] = torch.stack(draws).to(probs.device, non_blocking=True)
     return noise
 
 

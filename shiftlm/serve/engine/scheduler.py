@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from shiftlm.serve.engine.kv_blocks import BlockManager
 from shiftlm.serve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from shiftlm.serve.engine.speculative import NgramProposer, SpeculativeConfig
 from shiftlm.serve.plan import PENDING, Mode, ScheduledChunk, StepPlan
 
 
@@ -51,6 +52,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: ShiftPolicy = ShiftPolicy(64)
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None  # draft and verify decodes (engine/speculative.py)
 
     @property
     def cache_tokens(self) -> int:
@@ -86,6 +88,7 @@ class Scheduler:
         self._last_mode: Mode | None = None
         self._free_rows: list[int] = []  # batch rows given back, reused lowest first
         self._num_rows = 0
+        self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
 
     def _take_row(self, seq: Sequence) -> None:
         seq.row = heapq.heappop(self._free_rows) if self._free_rows else self._num_rows
@@ -135,7 +138,11 @@ class Scheduler:
             if num_new == 0:  # a stream group whose timestep does not fit the budget left
                 index += 1
                 continue
-            while not self.blocks.allocate(seq, seq.num_computed + num_new):
+            drafts = self._drafts(seq, num_new, budget)
+            while not self.blocks.allocate(seq, seq.num_computed + num_new + len(drafts)):
+                if drafts:  # a draft gives way before anything is preempted
+                    drafts = []
+                    continue
                 if ahead:  # never free blocks the running step may still write
                     preempted = True
                     break
@@ -144,8 +151,8 @@ class Scheduler:
                 if self.running[index : index + 1] != [seq]:
                     break  # seq preempted itself: nothing newer was left to make room
             else:
-                chunks.append(self._chunk(seq, num_new))
-                budget -= num_new
+                chunks.append(self._chunk(seq, num_new, drafts))
+                budget -= num_new + len(drafts)
                 index += 1
                 continue
             if ahead:
@@ -184,16 +191,37 @@ class Scheduler:
         sampled = []
         for chunk in plan.chunks:
             seq = self._by_id.get(chunk.seq_id)
-            if seq is None or seq.num_computed < chunk.start + len(chunk.token_ids):
+            end = chunk.start + len(chunk.token_ids) - chunk.draft  # drafts are not its tokens (yet)
+            if seq is None or seq.num_computed < end:
                 continue  # finished or preempted (recomputed from scratch) since
-            self.blocks.commit_computed_blocks(seq, chunk.start + len(chunk.token_ids))
+            self.blocks.commit_computed_blocks(seq, end)
             if chunk.sample:
                 sampled.append(seq)
         return sampled
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
-        """The chunk of `seq`'s next `num_new` tokens; they count as computed from here on (a later plan
-        starts after them), their blocks are committed by `complete_step`."""
+    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Tokens drafted to follow a decoding sequence's next one (speculative decoding), within the
+        step's budget, its max_tokens and the context; [] when it does not speculate."""
+        if (
+            self.proposer is None
+            or num_new != 1
+            or seq.num_uncomputed != 1
+            or seq.num_pending
+            or seq.num_computed < len(seq.prompt_ids)
+            or not seq.may_speculate
+        ):
+            return []
+        limit = min(
+            budget - 1,
+            seq.params.max_tokens - len(seq.output_ids) - 1,
+            self.config.max_model_len - seq.num_tokens - 1,
+        )
+        return self.proposer.propose(seq, limit)
+
+    def _chunk(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
+        """The chunk of `seq`'s next `num_new` tokens (and `drafts` after them, every row sampled);
+        they count as computed from here on (a later plan starts after them; kept drafts are added when
+        their draws are read), their blocks are committed by `complete_step`."""
         start, sent = seq.num_computed, seq.num_blocks_sent
         seq.num_blocks_sent = len(seq.block_ids)
         seq.num_computed = start + num_new
@@ -201,17 +229,19 @@ class Scheduler:
         all_logits = seq.params.prompt_logprobs is not None and start < len(seq.prompt_ids)
         argmax_only = seq.params.argmax_only and not all_logits and not tags and seq.num_sampled_rows == 1
         known = tuple(seq.token_ids[start : start + num_new])
+        seq.draft_ids = list(drafts)
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=known + (PENDING,) * (num_new - len(known)),
+            token_ids=known + (PENDING,) * (num_new - len(known)) + tuple(drafts),
             start=start,
             new_blocks=tuple(seq.block_ids[sent:]),
             sample=start + num_new == seq.num_tokens,
             all_logits=all_logits,
             first_block=sent,
             row=seq.row,
-            sample_rows=seq.num_sampled_rows,
+            sample_rows=seq.num_sampled_rows + len(drafts),
             argmax_only=argmax_only,
+            draft=len(drafts),
             **tags,
         )
 

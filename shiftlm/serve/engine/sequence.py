@@ -170,6 +170,10 @@ class Sequence:
     # tokens drawn by a step still running (asynchronous scheduling): counted in `num_tokens`, not yet
     # in `output_ids`; the next chunk carries them as `plan.PENDING`
     num_pending: int = 0
+    # speculative decoding (engine/speculative.py): the tokens drafted to follow `token_ids`, verified
+    # by the step running now (not counted in `num_tokens`), and the proposer's own state
+    draft_ids: list[int] = field(default_factory=list)
+    speculation: object = None
     _all_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     @property
@@ -208,6 +212,12 @@ class Sequence:
     def num_sampled_rows(self) -> int:
         """Logits rows wanted at the end of the tokens: the last one."""
         return 1
+
+    @property
+    def may_speculate(self) -> bool:
+        """Its next tokens may be drafted and verified in one step: one causal stream whose draws need
+        no grammar state on the host between tokens."""
+        return self.params.structured_outputs is None
 
     @property
     def context_len(self) -> int:

@@ -110,6 +110,10 @@ class StreamGroup(Sequence):
         return self.last_width
 
     @property
+    def may_speculate(self) -> bool:
+        return False  # a timestep is one token per stream
+
+    @property
     def context_len(self) -> int:
         return len(self.prompt_ids) + self.timesteps
 

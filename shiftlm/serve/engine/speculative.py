@@ -1,0 +1,137 @@
+"""Speculative decoding by n-gram lookup (vLLM's `--speculative-config '{"method": "ngram", ...}'`;
+prompt lookup decoding, Saxena 2023): the tokens that followed the latest earlier occurrence of a
+sequence's last n tokens are its draft, and one step verifies them all.
+
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    drafts = NgramProposer(config).propose(seq, limit)   # up to `limit` token ids, maybe none
+
+A decode chunk then carries [last token, d1 .. dk] and its k + 1 rows are all sampled, row j with
+d1 .. dj as its history (`requests.SingleRequest`). Draft j + 1 is kept while the token drawn at row j
+equals it; the first draw that differs (or the draw after the last draft) is kept too and ends the
+step. For a proposal that is one token (not a distribution), this is exact speculative sampling
+(Leviathan et al., ICML 2023; Chen et al. 2023): a draft d is kept with probability p(d), and
+otherwise the token drawn is distributed as p with d removed, renormalized, which is what rejection
+sampling against a one-hot proposal gives. So every kept token is drawn from the model's own
+distribution, greedy output is unchanged, and a seeded sample draws the same tokens with or without
+speculation (its generator is rewound to the last kept draw). This file imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from shiftlm.errors import ConfigError
+
+METHODS = ("ngram",)
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`num_speculative_tokens` drafted per step at most; the draft follows the longest n-gram of
+    `prompt_lookup_max` down to `prompt_lookup_min` tokens that ends the sequence and occurred before."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, text: str | dict) -> SpeculativeConfig:
+        """vLLM's `--speculative-config` JSON (or its dict, as `LLM(speculative_config=...)` takes);
+        ConfigError naming the key and the fix."""
+        flag = "--speculative-config"
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    f"{flag} is not JSON ({err.msg}); e.g. "
+                    '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\''
+                ) from None
+        if not isinstance(text, dict):
+            raise ConfigError(f"{flag} must be a JSON object, got {type(text).__name__}")
+        unknown = sorted(set(text) - set(_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"{flag}: unknown key(s) {', '.join(unknown)}; this server takes {', '.join(_KEYS)}"
+            )
+        method = text.get("method", "ngram")
+        if method not in METHODS and method != "[ngram]":  # vLLM's older spelling
+            raise ConfigError(
+                f"{flag}: method {method!r} is not supported; this server speculates with: {', '.join(METHODS)}"
+            )
+        if "num_speculative_tokens" not in text:
+            raise ConfigError(f"{flag} needs num_speculative_tokens (the most tokens drafted per step)")
+        lookup_max, lookup_min = text.get("prompt_lookup_max"), text.get("prompt_lookup_min")
+        # vLLM's defaults: 5 and 5, or the one given for both
+        lookup_max = lookup_max if lookup_max is not None else (lookup_min if lookup_min is not None else 5)
+        lookup_min = lookup_min if lookup_min is not None else lookup_max
+        values = {
+            "num_speculative_tokens": text["num_speculative_tokens"],
+            "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min,
+        }
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+                raise ConfigError(f"{flag}: {key} must be an integer in [1, 64], got {value!r}")
+        if lookup_min > lookup_max:
+            raise ConfigError(
+                f"{flag}: prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max ({lookup_max})"
+            )
+        return cls(method="ngram", **values)
+
+    def describe(self) -> str:
+        return (
+            f"ngram speculation: up to {self.num_speculative_tokens} draft tokens per step, "
+            f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens"
+        )
+
+
+@dataclass
+class _Index:
+    """Per sequence and n: the end of each n-gram's latest occurrence, for n-grams ending before
+    `indexed` (a token list only grows, so each step adds only the new ends)."""
+
+    latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    indexed: int = 0
+
+
+class NgramProposer:
+    """Drafts from the sequence's own tokens (prompt and output); its index lives on the sequence
+    (`Sequence.speculation`), so it goes when the sequence does."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.sizes = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
+
+    def propose(self, seq, limit: int) -> list[int]:
+        """Up to min(limit, num_speculative_tokens) draft tokens to follow `seq.token_ids`."""
+        limit = min(limit, self.config.num_speculative_tokens)
+        tokens = seq.token_ids
+        length = len(tokens)
+        if limit <= 0 or length <= self.config.prompt_lookup_min:
+            return []
+        index = seq.speculation
+        if index is None:
+            index = seq.speculation = _Index({n: {} for n in self.sizes})
+        # index the n-grams ending at positions up to length - 1: an occurrence must be followed by a
+        # token, and the sequence's own last n tokens are the query, not a match
+        for end in range(max(index.indexed, 1), length):
+            for n, latest in index.latest.items():
+                if end >= n:
+                    latest[tuple(tokens[end - n : end])] = end
+        index.indexed = length
+        for n in self.sizes:
+            if n >= length:
+                continue
+            end = index.latest[n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                # what followed, continued past the end as the repeat it implies (a loop of period
+                # length - end drafts `limit` tokens, not only the period's)
+                draft: list[int] = []
+                for j in range(end, end + limit):
+                    draft.append(tokens[j] if j < length else draft[j - length])
+                return draft
+        return []
