@@ -288,3 +288,19 @@ def test_the_model_gives_the_same_tokens_with_drafts_greedy_and_seeded(tmp_path_
             counts = llm._engine.metrics.speculation_counts()
     assert outputs[1] == outputs[0]
     assert counts[2] > 0  # drafts were kept
+
+
+def test_drafts_never_take_a_running_sequences_turn():
+    """With a budget of 8 and 6 decoding sequences, the drafts get what is left after every one of
+    them has its token (without the reserve the oldest took 5 each and the newest waited)."""
+    engine = _engine(SPEC, budget=8)
+    for i in range(6):
+        engine.add_request(f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=12, temperature=0))
+    _run(engine)
+    decoding = [
+        plan
+        for plan in engine.runner.plans
+        if len(plan.chunks) == 6 and all(c.start >= 8 for c in plan.chunks)  # every one decoding
+    ]
+    assert decoding and all(plan.num_tokens <= 8 for plan in decoding)
+    assert any(chunk.draft for plan in decoding for chunk in plan.chunks)

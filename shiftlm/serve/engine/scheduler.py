@@ -138,7 +138,8 @@ class Scheduler:
             if num_new == 0:  # a stream group whose timestep does not fit the budget left
                 index += 1
                 continue
-            drafts = self._drafts(seq, num_new, budget)
+            # drafts take only the budget that every later running sequence's next token leaves
+            drafts = self._drafts(seq, num_new, budget - (len(self.running) - index - 1))
             while not self.blocks.allocate(seq, seq.num_computed + num_new + len(drafts)):
                 if drafts:  # a draft gives way before anything is preempted
                     drafts = []
@@ -200,8 +201,8 @@ class Scheduler:
         return sampled
 
     def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """Tokens drafted to follow a decoding sequence's next one (speculative decoding), within the
-        step's budget, its max_tokens and the context; [] when it does not speculate."""
+        """Tokens drafted to follow a decoding sequence's next one (speculative decoding), within
+        `budget` (its token included), its max_tokens and the context; [] when it does not speculate."""
         if (
             self.proposer is None
             or num_new != 1
