@@ -1,6 +1,6 @@
-"""Tool-call parsers and tool_choice (serve/http/tools.py), without a server: one answer however a
-stream splits the reply, what stays content, the checks of a request's tools, and earlier calls
-reaching the chat template. The live server's side: tests/serve/test_tool_calls.py."""
+"""Tool-call parsers and tool_choice (serve/http/tool_parsers.py, tools.py), without a server: one
+answer however a stream splits the reply, what stays content, the checks of a request's tools, and
+earlier calls reaching the chat template. The live server's side: tests/serve/test_tool_calls.py."""
 
 from __future__ import annotations
 
@@ -13,14 +13,8 @@ from hypothesis import strategies as st
 from shiftlm.errors import ConfigError
 from shiftlm.serve.engine.errors import InvalidRequest
 from shiftlm.serve.engine.tokenizer import chat_messages, load_tokenizer, render_chat, write_char_tokenizer
-from shiftlm.serve.http.tools import (
-    HermesCalls,
-    Llama3JsonCalls,
-    NamedCall,
-    RequiredCalls,
-    ToolChoice,
-    merge_calls,
-)
+from shiftlm.serve.http.tool_parsers import HermesCalls, Llama3JsonCalls
+from shiftlm.serve.http.tools import NamedCall, RequiredCalls, ToolChoice, merge_calls
 from shiftlm.serve.options import ServeOptions
 
 WEATHER = {
