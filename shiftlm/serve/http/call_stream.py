@@ -21,11 +21,11 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def call_delta(index: int, name: str, arguments: str) -> dict[str, Any]:
+def call_delta(index: int, name: str, arguments: str, tool_id: str | None = None) -> dict[str, Any]:
     """One whole call as a `tool_calls` item (a stream chunk's and, merged, the message's)."""
     return {
         "index": index,
-        "id": call_id(),
+        "id": tool_id or call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
@@ -61,6 +61,35 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+class JsonEnd:
+    """Where a JSON object or list closes, its text read as it grows (brackets in strings not
+    counted): a call can be sent as soon as its JSON is whole, before the reply ends."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escaped, self.read = 0, False, False, 0
+
+    def find(self, text: str) -> int | None:
+        """The end of the value that `text` (its text so far, from its first bracket) starts with."""
+        for at in range(self.read, len(text)):
+            char = text[at]
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string:
+                self.escaped = char == "\\"
+                self.in_string = char != '"'
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.read = at + 1
+                    return at + 1
+        self.read = len(text)
+        return None
+
+
 class CallStream:
     """Turns one sample's text into content and tool calls (the base: all text is content)."""
 
@@ -76,11 +105,111 @@ class CallStream:
     def finish(self) -> Deltas:
         return "", []
 
+    def call_id(self) -> str:
+        return call_id()
+
     def _calls(self, found: list[tuple[str, str]]) -> list[dict[str, Any]]:
         items = []
         for name, arguments in found:
             if self.count and not self.parallel:
                 break
-            items.append(call_delta(self.count, name, arguments))
+            items.append(call_delta(self.count, name, arguments, self.call_id()))
             self.count += 1
         return items
+
+
+class SequenceCalls(CallStream):
+    """A reply that is a sequence of calls, known by how it starts (llama3_json, pythonic): each call
+    is sent as soon as its text closes. A reply that does not start as one is content, streamed; from
+    the first piece that is neither a call nor a separator, the rest of the reply is content (all of it
+    if no call came before). A subclass says how the sequence opens and ends, what separates calls,
+    where a call's text ends and what call it is."""
+
+    SEPARATOR = re.compile(r"\s*")  # what comes between two calls; its group 1: the separator proper
+    SPACE = re.compile(r"\s*")  # before the first call and after the sequence's end: nothing else
+
+    def __init__(self, parallel: bool = True):
+        super().__init__(parallel)
+        self.buffer = ""  # text not sent yet, from the reply's start until a call is found
+        self.mode: str | None = None  # None until the reply's start decides: "calls" or "content"
+        self.at = 0  # where in `buffer` what follows the last call (or the opening) starts
+        self.call: Any = None  # the scanner of the call being read, from `scanner()`
+        self.start = 0  # where that call starts in `buffer`
+        self.ended = False  # the sequence was closed (pythonic's `]`): only whitespace may follow
+
+    def opens(self, head: str) -> int | None:
+        """The length of the opening at the reply's start (`head`: less whitespace): -1 if the reply
+        is not calls, None while it may still be."""
+        raise NotImplementedError
+
+    def begins(self, text: str) -> bool | None:
+        """Whether `text` (after a gap) begins a call; None while it may still."""
+        raise NotImplementedError
+
+    def scanner(self) -> Any:
+        """A new reader of one call's text: `.find(text)` is where the call ends, None until it does."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, str] | None:
+        """(name, arguments) of one call's whole text, else None."""
+        raise NotImplementedError
+
+    def closing(self, text: str) -> int:
+        """The length of what ends the sequence at the start of `text` (0: nothing does)."""
+        return 0
+
+    def feed(self, text: str) -> Deltas:
+        if self.mode == "content":
+            return text, []
+        self.buffer += text
+        if self.mode is None:
+            head = self.buffer.lstrip()
+            opened = self.opens(head) if head else None
+            if opened is None:
+                return "", []
+            if opened < 0:
+                return self._content(0), []
+            self.mode, self.at = "calls", len(self.buffer) - len(head) + opened
+        return self._read(final=False)
+
+    def finish(self) -> Deltas:
+        if self.mode != "calls":
+            return self._content(0), []
+        content, calls = self._read(final=True)
+        return content + (self._content(self.start) if self.call is not None else ""), calls
+
+    def _read(self, final: bool) -> Deltas:
+        calls: list[dict[str, Any]] = []
+        while self.mode == "calls":
+            if self.call is None:
+                gap = (self.SEPARATOR if self.count and not self.ended else self.SPACE).match(
+                    self.buffer, self.at
+                )
+                rest = self.buffer[gap.end() :]
+                if not rest:
+                    break
+                closing = 0 if self.ended or not self.count else self.closing(rest)
+                if closing:
+                    self.at, self.ended = gap.end() + closing, True
+                    continue
+                separated = not self.count or bool(gap.groups() and gap.group(1))
+                begins = self.begins(rest) if separated and not self.ended else False
+                if begins is None and not final:
+                    break
+                if not begins:
+                    return self._content(gap.end()), calls
+                self.call, self.start = self.scanner(), gap.end()
+            end = self.call.find(self.buffer[self.start :])
+            if end is None:
+                break
+            found = self.parse(self.buffer[self.start : self.start + end])
+            if found is None:
+                return self._content(self.start), calls
+            calls += self._calls([found])
+            self.buffer, self.at, self.call = self.buffer[self.start + end :], 0, None
+        return "", calls
+
+    def _content(self, at: int) -> str:
+        """From `at` on, the reply is content (from its start if no call came before)."""
+        text, self.buffer, self.mode, self.call = self.buffer[at if self.count else 0 :], "", "content", None
+        return text
