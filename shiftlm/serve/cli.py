@@ -150,7 +150,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         default=None,
         metavar="NAME",
         help="how tool calls are written in the model's replies: hermes (Hermes, Qwen2.5, Qwen3: "
-        "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.1-3.3's JSON calls)",
+        "<tool_call>{...}</tool_call>), llama3_json (Llama 3.1-3.3's JSON calls), mistral "
+        "([TOOL_CALLS]...) or pythonic (Llama 3.2 and 4: [f(x=1), g()])",
     )
     parser.add_argument(
         "--reasoning-parser",

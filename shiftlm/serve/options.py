@@ -27,7 +27,7 @@ from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.engine.speculative import SpeculativeConfig
 from shiftlm.serve.http.app import ApiOptions
 from shiftlm.serve.http.reasoning import REASONING_PARSERS
-from shiftlm.serve.http.tools import TOOL_CALL_PARSERS
+from shiftlm.serve.http.tool_parsers import TOOL_CALL_PARSERS
 from shiftlm.serve.plan import MODE_NAMES
 from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.start import RunnerOptions
@@ -57,7 +57,7 @@ class ServeOptions:
     # structured JSON outputs may put any whitespace between tokens (vLLM's default); else ", " / ": "
     structured_outputs_any_whitespace: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed out of replies
-    tool_call_parser: str | None = None  # http/tools.TOOL_CALL_PARSERS
+    tool_call_parser: str | None = None  # http/tool_parsers.TOOL_CALL_PARSERS
     reasoning_parser: str | None = None  # http/reasoning.REASONING_PARSERS
     attention_backend: str = "auto"  # worker.ATTENTION_BACKENDS
     host: str = "127.0.0.1"

@@ -67,7 +67,7 @@ class ApiOptions:
     chat_template: str | None = None  # overrides the tokenizer's own
     step_timeout: float | None = None  # /health is 503 while a step has run longer than half of it
     body_timeout: float = 30.0  # a body that stalls this long gets a 408 (middleware.py)
-    # what finds tool calls in replies to tool_choice "auto" (tools.TOOL_CALL_PARSERS); None: "auto" is off
+    # what finds tool calls in replies to tool_choice "auto" (tool_parsers.TOOL_CALL_PARSERS); None: "auto" is off
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS: thinking -> reasoning_content
 

@@ -16,7 +16,7 @@ parser gives one answer (tests/serve/test_reasoning.py).
 
 from __future__ import annotations
 
-from shiftlm.serve.http.tools import partial_suffix
+from shiftlm.serve.http.call_stream import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 
