@@ -75,8 +75,8 @@ class SlotRunner:
                 self.slots[slot] = token
                 self.streams[slot] = chunk.streams[offset] if chunk.layout else -1
         rows = []
-        for chunk in plan.chunks:
-            if not chunk.sample:
+        for chunk in plan.chunks:  # the rows the real runner returns: sampled ones, every row of echo chunks
+            if not chunk.num_logits_rows:
                 continue
             last = chunk.start + len(chunk.token_ids)
             for end in range(last - chunk.num_logits_rows + 1, last + 1):

@@ -20,6 +20,9 @@ from shiftlm.serve.engine.speculative import NgramProposer, SpeculativeConfig
 from tests.serve.fakes import EOS, VOCAB, LetterTokenizer, SlotRunner, next_token_scores
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+SUFFIX = SpeculativeConfig.parse(
+    {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_tree_depth": 8}
+)
 
 
 def copy_scores(context: list[int]):
@@ -99,12 +102,13 @@ def _requests(engine: Engine) -> None:
         engine.add_request(f"r{i}", prompt, params)
 
 
+@pytest.mark.parametrize("method", [SPEC, SUFFIX], ids=["ngram", "suffix"])
 @pytest.mark.parametrize(
     "budget,num_blocks", [(32, 64), (5, 64), (32, 16)], ids=["roomy", "chunked", "preempting"]
 )
-def test_every_kind_of_request_gets_what_the_engine_without_drafts_gives(budget, num_blocks):
+def test_every_kind_of_request_gets_what_the_engine_without_drafts_gives(budget, num_blocks, method):
     outputs = []
-    for speculative in (None, SPEC):
+    for speculative in (None, method):
         engine = _engine(speculative, num_blocks=num_blocks, budget=budget)
         _requests(engine)
         outputs.append(_run(engine))
@@ -115,7 +119,7 @@ def test_every_kind_of_request_gets_what_the_engine_without_drafts_gives(budget,
     plans = engine.runner.plans
     assert any(chunk.draft for plan in plans for chunk in plan.chunks)
     assert all(
-        len(chunk.token_ids) <= 1 + SPEC.num_speculative_tokens
+        len(chunk.token_ids) <= 1 + method.num_speculative_tokens
         for p in plans
         for chunk in p.chunks
         if chunk.draft
@@ -264,8 +268,15 @@ def test_the_metrics_count_drafts_and_kept_tokens():
     assert f"draft acceptance rate {100 * accepted / tokens:.1f}%" in log.line
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(tp=1, sp=2)], ids=["1rank", "sp2-shift"])
-def test_the_model_gives_the_same_tokens_with_drafts_greedy_and_seeded(tmp_path_factory, layout):
+NGRAM_JSON = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize(
+    "layout,spec",
+    [(dict(), NGRAM_JSON), (dict(tp=1, sp=2), NGRAM_JSON), (dict(), {"method": "suffix"})],
+    ids=["1rank-ngram", "sp2-shift-ngram", "1rank-suffix"],
+)
+def test_the_model_gives_the_same_tokens_with_drafts_greedy_and_seeded(tmp_path_factory, layout, spec):
     """The real runner: draft chunks are prefill-like chunks whose every row is sampled (and on two
     ranks argmax-only rows for greedy requests); the tokens equal the run without drafts."""
     from shiftlm import LLM
@@ -279,7 +290,6 @@ def test_the_model_gives_the_same_tokens_with_drafts_greedy_and_seeded(tmp_path_
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
         SamplingParams(temperature=1.0, seed=4, max_tokens=24, ignore_eos=True, logprobs=1),
     ]
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     outputs, counts = [], None
     for speculative_config in (None, spec):
         with LLM(str(path), speculative_config=speculative_config, enforce_eager=True, **layout) as llm:

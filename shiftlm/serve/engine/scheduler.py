@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from shiftlm.serve.engine.kv_blocks import BlockManager
 from shiftlm.serve.engine.sequence import FinishReason, Sequence, SequenceStatus
-from shiftlm.serve.engine.speculative import NgramProposer, SpeculativeConfig
+from shiftlm.serve.engine.speculative import SpeculativeConfig, make_proposer
 from shiftlm.serve.plan import PENDING, Mode, ScheduledChunk, StepPlan
 
 
@@ -88,7 +88,7 @@ class Scheduler:
         self._last_mode: Mode | None = None
         self._free_rows: list[int] = []  # batch rows given back, reused lowest first
         self._num_rows = 0
-        self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
+        self.proposer = None if config.speculative is None else make_proposer(config.speculative)
 
     def _take_row(self, seq: Sequence) -> None:
         seq.row = heapq.heappop(self._free_rows) if self._free_rows else self._num_rows
@@ -115,6 +115,8 @@ class Scheduler:
         """Mark `seq` finished and give back its blocks (wherever it is queued)."""
         seq.finish(reason)
         self.blocks.release(seq)
+        if self.proposer is not None:
+            self.proposer.finished(seq)
         self._give_row(seq)
         if seq in self.running:
             self.running.remove(seq)

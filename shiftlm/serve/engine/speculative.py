@@ -23,47 +23,65 @@ from dataclasses import dataclass, field
 
 from shiftlm.errors import ConfigError
 
-METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+METHODS = ("ngram", "suffix")
+_KEYS = {
+    "ngram": ("prompt_lookup_max", "prompt_lookup_min"),
+    "suffix": (
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    ),
+}
+_FLAG = "--speculative-config"
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`num_speculative_tokens` drafted per step at most; the draft follows the longest n-gram of
-    `prompt_lookup_max` down to `prompt_lookup_min` tokens that ends the sequence and occurred before."""
+    """`num_speculative_tokens` drafted per step at most. `ngram`: the draft follows the longest
+    n-gram of `prompt_lookup_max` down to `prompt_lookup_min` tokens that ends the sequence and
+    occurred before. `suffix` (engine/suffix_tree.py): vLLM's suffix_decoding_* options."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     method: str = "ngram"
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def parse(cls, text: str | dict) -> SpeculativeConfig:
         """vLLM's `--speculative-config` JSON (or its dict, as `LLM(speculative_config=...)` takes);
         ConfigError naming the key and the fix."""
-        flag = "--speculative-config"
         if isinstance(text, str):
             try:
                 text = json.loads(text)
             except json.JSONDecodeError as err:
                 raise ConfigError(
-                    f"{flag} is not JSON ({err.msg}); e.g. "
+                    f"{_FLAG} is not JSON ({err.msg}); e.g. "
                     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\''
                 ) from None
         if not isinstance(text, dict):
-            raise ConfigError(f"{flag} must be a JSON object, got {type(text).__name__}")
-        unknown = sorted(set(text) - set(_KEYS))
+            raise ConfigError(f"{_FLAG} must be a JSON object, got {type(text).__name__}")
+        method = {"[ngram]": "ngram"}.get(text.get("method", "ngram"), text.get("method", "ngram"))
+        if method not in METHODS:
+            raise ConfigError(
+                f"{_FLAG}: method {method!r} is not supported; this server speculates with: {', '.join(METHODS)}"
+            )
+        allowed = ("method", "num_speculative_tokens", *_KEYS[method])
+        unknown = sorted(set(text) - set(allowed))
         if unknown:
             raise ConfigError(
-                f"{flag}: unknown key(s) {', '.join(unknown)}; this server takes {', '.join(_KEYS)}"
+                f"{_FLAG}: unknown key(s) {', '.join(unknown)} for method {method}; it takes {', '.join(allowed)}"
             )
-        method = text.get("method", "ngram")
-        if method not in METHODS and method != "[ngram]":  # vLLM's older spelling
-            raise ConfigError(
-                f"{flag}: method {method!r} is not supported; this server speculates with: {', '.join(METHODS)}"
-            )
+        return cls._ngram(text) if method == "ngram" else cls._suffix(text)
+
+    @classmethod
+    def _ngram(cls, text: dict) -> SpeculativeConfig:
         if "num_speculative_tokens" not in text:
-            raise ConfigError(f"{flag} needs num_speculative_tokens (the most tokens drafted per step)")
+            raise ConfigError(f"{_FLAG} needs num_speculative_tokens (the most tokens drafted per step)")
         lookup_max, lookup_min = text.get("prompt_lookup_max"), text.get("prompt_lookup_min")
         # vLLM's defaults: 5 and 5, or the one given for both
         lookup_max = lookup_max if lookup_max is not None else (lookup_min if lookup_min is not None else 5)
@@ -74,19 +92,65 @@ class SpeculativeConfig:
             "prompt_lookup_min": lookup_min,
         }
         for key, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-                raise ConfigError(f"{flag}: {key} must be an integer in [1, 64], got {value!r}")
+            _check_int(key, value, 1, 64)
         if lookup_min > lookup_max:
             raise ConfigError(
-                f"{flag}: prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max ({lookup_max})"
+                f"{_FLAG}: prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max ({lookup_max})"
             )
         return cls(method="ngram", **values)
 
+    @classmethod
+    def _suffix(cls, text: dict) -> SpeculativeConfig:
+        depth = text.get("suffix_decoding_max_tree_depth", 24)
+        _check_int("suffix_decoding_max_tree_depth", depth, 2, 256)
+        # vLLM's default: as many as the tree is deep
+        tokens = text.get("num_speculative_tokens", depth)
+        _check_int("num_speculative_tokens", tokens, 1, 256)
+        cached = text.get("suffix_decoding_max_cached_requests", 10000)
+        _check_int("suffix_decoding_max_cached_requests", cached, 0, 10**7)
+        factor = text.get("suffix_decoding_max_spec_factor", 1.0)
+        probability = text.get("suffix_decoding_min_token_prob", 0.1)
+        for key, value, low, high in (
+            ("suffix_decoding_max_spec_factor", factor, 0.0, 64.0),
+            ("suffix_decoding_min_token_prob", probability, 0.0, 1.0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ConfigError(f"{_FLAG}: {key} must be a number in [{low:g}, {high:g}], got {value!r}")
+        return cls(
+            num_speculative_tokens=tokens,
+            method="suffix",
+            suffix_decoding_max_tree_depth=depth,
+            suffix_decoding_max_cached_requests=cached,
+            suffix_decoding_max_spec_factor=float(factor),
+            suffix_decoding_min_token_prob=float(probability),
+        )
+
     def describe(self) -> str:
+        if self.method == "suffix":
+            return (
+                f"suffix decoding: up to {self.num_speculative_tokens} draft tokens per step, trees "
+                f"{self.suffix_decoding_max_tree_depth} deep, {self.suffix_decoding_max_cached_requests} "
+                "finished requests cached"
+            )
         return (
             f"ngram speculation: up to {self.num_speculative_tokens} draft tokens per step, "
             f"n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max} tokens"
         )
+
+
+def _check_int(key: str, value, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{_FLAG}: {key} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def make_proposer(config: SpeculativeConfig):
+    """The drafter of `config.method`: `propose(seq, limit)` per decode, `finished(seq)` when a
+    sequence ends."""
+    if config.method == "suffix":
+        from shiftlm.serve.engine.suffix_tree import SuffixProposer
+
+        return SuffixProposer(config)
+    return NgramProposer(config)
 
 
 @dataclass
@@ -135,3 +199,6 @@ class NgramProposer:
                     draft.append(tokens[j] if j < length else draft[j - length])
                 return draft
         return []
+
+    def finished(self, seq) -> None:
+        """Nothing outlives a sequence here (its index goes with it)."""
