@@ -6,6 +6,7 @@ are kept and rejected."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -25,14 +26,14 @@ SUFFIX = SpeculativeConfig.parse(
 )
 
 
-def copy_scores(context: list[int]):
+def copy_scores(context: list[int], pull: float = 9.0):
     """The fakes' stand-in model with a pull towards copying: the token that followed the latest
-    earlier occurrence of the last token gets +9 (an induction head), so n-gram drafts are often,
+    earlier occurrence of the last token gets +`pull` (an induction head); at 9 drafts are often,
     not always, what it draws."""
     scores = next_token_scores(context)
     for i in range(len(context) - 2, -1, -1):
         if context[i] == context[-1]:
-            scores[context[i + 1]] += 9
+            scores[context[i + 1]] += pull
             break
     return scores
 
@@ -132,18 +133,10 @@ def test_a_row_after_kept_drafts_counts_them_as_its_outputs():
     after 5 6 7; with min_tokens=2 that EOS is masked at the first output only: the draft row that
     reaches it as the third output must allow it, as the engine without drafts does."""
 
-    def strict_copy(context):
-        scores = next_token_scores(context)
-        for i in range(len(context) - 2, -1, -1):
-            if context[i] == context[-1]:
-                scores[context[i + 1]] += 50
-                break
-        return scores
-
     outputs = []
     for speculative in (None, SPEC):
         engine = _engine(speculative)
-        engine.runner.scores = strict_copy
+        engine.runner.scores = functools.partial(copy_scores, pull=50.0)
         engine.add_request(
             "eos", [5, 6, 7, EOS, 5, 6, 7, EOS, 5], SamplingParams(max_tokens=20, temperature=0, min_tokens=2)
         )

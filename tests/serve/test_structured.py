@@ -89,6 +89,28 @@ def test_every_sample_keeps_to_its_grammar(model_dir, layout):
     assert not any(_valid_json(text) for text in _texts(free))  # the same draws, unconstrained
 
 
+def test_drafts_are_verified_only_as_far_as_the_grammar_takes_them(model_dir):
+    """Speculative decoding with a grammar: each verified row is masked by the grammar after the drafts
+    before it, a draft the grammar refuses (and what follows) is not verified, and the matcher is
+    where it was. Suffix decoding drafts the JSON's structure from earlier outputs: seeded samples at
+    temperature 1 are the same with and without drafts, and every one keeps to the schema."""
+    from shiftlm import LLM, SamplingParams, StructuredOutputsParams
+
+    grammar = StructuredOutputsParams(json=SCHEMA)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=grammar)
+        for seed in range(6)
+    ]
+    texts, counts = [], None
+    for spec in (None, {"method": "suffix"}):
+        with LLM(str(model_dir), speculative_config=spec, enforce_eager=True) as llm:
+            texts.append([llm.generate("hello", p)[0].outputs[0].text for p in params])  # one after another
+            counts = llm._engine.metrics.speculation_counts()
+    assert texts[1] == texts[0]
+    assert all(_valid_json(text) for text in texts[0])
+    assert counts[2] > 0  # drafts kept
+
+
 def test_json_separators_are_fixed_unless_any_whitespace_is_asked(model_dir):
     """By default a JSON grammar takes exactly ", " and ": " between tokens (free whitespace let the
     quickstart model spend max_tokens on newlines); `--structured-outputs-any-whitespace` takes any."""

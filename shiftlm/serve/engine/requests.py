@@ -210,6 +210,10 @@ class SingleRequest(Request):
         # speculative decoding: the chunk's last k + 1 rows; row j's history holds drafts 1..j, what
         # the sample's outputs are if its draws are kept that far (penalties, min_tokens read it)
         first = last_row - len(drafts)
+        masks = [None] * (len(drafts) + 1)
+        if sample.matcher is not None:  # only the drafts its grammar takes are verified
+            drafts, masks = sample.matcher.draft_masks(drafts)
+            seq.draft_ids = drafts
         sample.first_row = first
         sample.generator_states = {} if sample.generator is not None else None
         return [
@@ -219,6 +223,7 @@ class SingleRequest(Request):
                 sample.generator,
                 seq.prompt_ids,
                 [*seq.output_ids, *drafts[:j]],
+                allowed=masks[j],
                 generator_states=sample.generator_states,
             )
             for j in range(len(drafts) + 1)

@@ -111,6 +111,23 @@ class Matcher:
             mask[word] |= _bit(bit)
         return mask
 
+    def draft_masks(self, drafts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Speculative decoding: the drafts the grammar takes in a row (none while the sample may
+        think) and the masks of the rows after 0, 1, ... of them; the matcher is left where it was."""
+        masks = [self.allowed()]
+        if self.state != "answer":
+            return [], masks
+        kept = drafts[: self._matcher.validate_tokens(drafts)]
+        for i, token in enumerate(kept):
+            self._matcher.consume_token(token)
+            if self._matcher.is_stopped():  # complete: the sample ends at this token
+                kept = kept[: i + 1]
+                masks.append(None)
+                break
+            masks.append(self.allowed())
+        self._matcher.rollback(len(kept))
+        return kept, masks
+
     def accept(self, token: int) -> bool:
         """Advance by the drawn token; whether the grammar is complete (it takes no more tokens)."""
         if self.state != "answer":

@@ -25,7 +25,6 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-
 INDEX_PER_STEP = 256  # tokens a sequence's trie grows by in one proposal at most
 
 
