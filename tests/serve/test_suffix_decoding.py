@@ -20,7 +20,7 @@ def _counts(trie: SuffixTrie) -> Counter:
     out, stack = Counter(), [((), 0)]
     while stack:
         path, node = stack.pop()
-        for token, child in trie.edges[node].items():
+        for token, child in trie.children(node):
             out[(*path, token)] = trie.count[child]
             stack.append(((*path, token), child))
     return out
@@ -51,7 +51,9 @@ def test_the_trie_counts_every_substring_up_to_its_depth_and_forgets_removed_one
     assert _counts(trie) == _substrings(sequences[1:], depth)
     for seq in sequences[1:]:
         trie.remove(seq)
-    assert trie.edges == {0: {}}  # every node freed
+    assert trie.num_nodes == 1 and not trie.branches and trie.token[0] == -1  # every node freed
+    trie.add(sequences[0])  # freed nodes are reused
+    assert _counts(trie) == _substrings(sequences[:1], depth)
 
 
 def _seq(tokens, salt=None, seq_id=None) -> Sequence:
@@ -123,3 +125,17 @@ def test_a_long_prompt_is_indexed_over_several_steps_and_drafts_meanwhile(monkey
     assert seq.speculation.added == 8
     assert proposer.propose(seq, 10) == [9, 1, 2, 3]  # whole: the match of 4 drafts 4
     assert seq.speculation.added == len(seq.token_ids)
+
+
+def test_the_shared_tries_keep_to_their_node_bound(monkeypatch):
+    from shiftlm.serve.engine import suffix_tree
+
+    monkeypatch.setattr(suffix_tree, "MAX_SHARED_NODES", 200)
+    proposer = _proposer(suffix_decoding_max_tree_depth=8)
+    for i in range(10):  # outputs that share nothing: ~8 nodes a token
+        done = _seq([1], salt=f"s{i % 2}", seq_id=300 + i)
+        done.output_ids[:] = list(range(100 + 20 * i, 100 + 20 * i + 12))
+        proposer.finished(done)
+        assert sum(t.num_nodes for t in proposer.shared.values()) <= 200 or len(proposer.cached) == 1
+    assert 1 < len(proposer.cached) < 10
+    assert list(proposer.cached)[-1] == 309  # the newest stay
