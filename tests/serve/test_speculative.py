@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -307,3 +308,20 @@ def test_drafts_never_take_a_running_sequences_turn():
     ]
     assert decoding and all(plan.num_tokens <= 8 for plan in decoding)
     assert any(chunk.draft for plan in decoding for chunk in plan.chunks)
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size():
+    config = SpeculativeConfig.parse(
+        {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 2}
+    )
+    engine = _engine(replace(config, prompt_lookup_min=1))
+    for i in range(3):
+        engine.add_request(
+            f"r{i}", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=6 + 4 * i, temperature=0)
+        )
+    _run(engine)
+    plans = engine.runner.plans
+    assert not any(chunk.draft for plan in plans if len(plan.chunks) == 3 for chunk in plan.chunks)
+    assert any(chunk.draft for plan in plans if len(plan.chunks) <= 2 for chunk in plan.chunks)
+    with pytest.raises(ConfigError, match="disable_by_batch_size must be an integer"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 0})

@@ -132,6 +132,10 @@ class Scheduler:
         is done."""
         budget = self.config.max_tokens_per_step
         chunks: list[ScheduledChunk] = []
+        spec = self.config.speculative
+        drafting = spec is not None and (
+            spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size
+        )
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
@@ -141,7 +145,7 @@ class Scheduler:
                 index += 1
                 continue
             # drafts take only the budget that every later running sequence's next token leaves
-            drafts = self._drafts(seq, num_new, budget - (len(self.running) - index - 1))
+            drafts = self._drafts(seq, num_new, budget - (len(self.running) - index - 1)) if drafting else []
             while not self.blocks.allocate(seq, seq.num_computed + num_new + len(drafts)):
                 if drafts:  # a draft gives way before anything is preempted
                     drafts = []
@@ -206,8 +210,7 @@ class Scheduler:
         """Tokens drafted to follow a decoding sequence's next one (speculative decoding), within
         `budget` (its token included), its max_tokens and the context; [] when it does not speculate."""
         if (
-            self.proposer is None
-            or num_new != 1
+            num_new != 1
             or seq.num_uncomputed != 1
             or seq.num_pending
             or seq.num_computed < len(seq.prompt_ids)

@@ -19,7 +19,7 @@ speculation (its generator is rewound to the last kept draw). This file imports 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shiftlm.errors import ConfigError
 
@@ -50,6 +50,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # no drafts in a step while more sequences than this run (vLLM's key; vLLM decides it per new
+    # request, shiftlm per step): at high load a step is compute-bound and verifying costs
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str | dict) -> SpeculativeConfig:
@@ -70,13 +73,17 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"{_FLAG}: method {method!r} is not supported; this server speculates with: {', '.join(METHODS)}"
             )
-        allowed = ("method", "num_speculative_tokens", *_KEYS[method])
+        allowed = ("method", "num_speculative_tokens", "disable_by_batch_size", *_KEYS[method])
         unknown = sorted(set(text) - set(allowed))
         if unknown:
             raise ConfigError(
                 f"{_FLAG}: unknown key(s) {', '.join(unknown)} for method {method}; it takes {', '.join(allowed)}"
             )
-        return cls._ngram(text) if method == "ngram" else cls._suffix(text)
+        config = cls._ngram(text) if method == "ngram" else cls._suffix(text)
+        limit = text.get("disable_by_batch_size")
+        if limit is not None:
+            _check_int("disable_by_batch_size", limit, 1, 1 << 20)
+        return replace(config, disable_by_batch_size=limit)
 
     @classmethod
     def _ngram(cls, text: dict) -> SpeculativeConfig:
