@@ -124,6 +124,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "flag); off by default until measured on a GPU (docs/serving.md)",
     )
     parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        help="fcfs (arrival order) or priority (a request's `priority`, lower first, then arrival; "
+        "the least urgent is preempted first), as vLLM's flag",
+    )
+    parser.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",

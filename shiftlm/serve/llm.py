@@ -98,12 +98,19 @@ class LLM:
         prompts: str | dict | Seq[str | dict] | Seq[int] | Seq[Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Seq[int] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text, token ids, or vLLM's `{"prompt": text}` /
         `{"prompt_token_ids": ids}`); one `SamplingParams` for all or one per
         prompt (default: `SamplingParams()`, sampling at temperature 1 for 16 tokens, as vLLM's). Returns
-        when all are done; `use_tqdm` writes a progress line to stderr."""
+        when all are done; `use_tqdm` writes a progress line to stderr. `priority`: one per prompt
+        (lower first) with `scheduling_policy="priority"`, as vLLM's."""
         texts, token_ids = self._prompts(prompts)
+        if priority is not None:
+            if len(priority) != len(token_ids):
+                raise InvalidRequest(f"{len(priority)} priorities for {len(token_ids)} prompts", "priority")
+            params = self._params(sampling_params, len(token_ids))
+            sampling_params = [replace(p, priority=level) for p, level in zip(params, priority)]
         return self._generate(texts, token_ids, sampling_params, use_tqdm)
 
     def _generate(self, texts, token_ids, sampling_params, use_tqdm: bool) -> list[GenerationOutput]:

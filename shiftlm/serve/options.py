@@ -53,6 +53,7 @@ class ServeOptions:
     enforce_eager: bool = False  # every step eager (default: small decode steps compiled, compiled_step.py)
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batches captured (decode_graphs.capture_sizes)
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
+    scheduling_policy: str = "fcfs"  # fcfs | priority (vLLM's)
     speculative_config: str | dict | None = None  # vLLM's JSON, or its dict (engine/speculative.py)
     # structured JSON outputs may put any whitespace between tokens (vLLM's default); else ", " / ": "
     structured_outputs_any_whitespace: bool = False
@@ -273,6 +274,8 @@ class ServeOptions:
             raise ConfigError(
                 "--enable-auto-tool-choice needs --tool-call-parser: one of " + ", ".join(TOOL_CALL_PARSERS)
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy {self.scheduling_policy!r} is not one of fcfs, priority")
         if self.mode not in MODE_NAMES:
             raise ConfigError(f"--mode {self.mode!r} is not one of {', '.join(MODE_NAMES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -377,6 +380,7 @@ class ServeSetup:
             policy=ShiftPolicy.named(flags.mode, threshold),
             enable_prefix_caching=flags.enable_prefix_caching,
             speculative=flags.speculative(),
+            scheduling_policy=flags.scheduling_policy,
         )
         return dataclasses.replace(self, scheduler=scheduler)
 

@@ -154,6 +154,12 @@ class Engine:
                 f"{params.max_tokens} in max_tokens); lower max_tokens or shorten the prompt",
                 "max_tokens",
             )
+        if params.priority != 0 and self.scheduler.config.scheduling_policy != "priority":
+            raise InvalidRequest(
+                f"priority {params.priority} needs priority scheduling; start the server with "
+                "--scheduling-policy priority, or leave priority out",
+                "priority",
+            )
         if params.top_k > self.vocab_size:
             raise InvalidRequest(f"top_k must be in [0, {self.vocab_size}] (the vocabulary)", "top_k")
         if params.n > 1:  # the n samples run as one group (`enqueue`): all of it must fit the cache

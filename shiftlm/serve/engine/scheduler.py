@@ -53,6 +53,8 @@ class SchedulerConfig:
     policy: ShiftPolicy = ShiftPolicy(64)
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None  # draft and verify decodes (engine/speculative.py)
+    # fcfs: arrival order; priority: lowest `SamplingParams.priority` first, then arrival (vLLM's)
+    scheduling_policy: str = "fcfs"
 
     @property
     def cache_tokens(self) -> int:
@@ -73,6 +75,11 @@ class SchedulerStats:
     mode_switches: int = 0
     preemptions: int = 0
     steps_per_mode: dict[str, int] = field(default_factory=lambda: {mode.value: 0 for mode in Mode})
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Priority order: lower `priority` first, then arrival (sequence ids count up)."""
+    return seq.params.priority, seq.seq_id
 
 
 class Scheduler:
@@ -103,7 +110,7 @@ class Scheduler:
         if seq.context_len >= self.config.max_model_len:
             raise ValueError(f"sequence of {seq.context_len} tokens exceeds {self.config.max_model_len}")
         self._by_id[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._wait(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,7 +160,7 @@ class Scheduler:
                 if ahead:  # never free blocks the running step may still write
                     preempted = True
                     break
-                self._preempt(self.running[-1])
+                self._preempt(self._victim(index))
                 preempted = True
                 if self.running[index : index + 1] != [seq]:
                     break  # seq preempted itself: nothing newer was left to make room
@@ -258,7 +265,25 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.preemptions += 1
-        self.waiting.appendleft(seq)
+        self._wait(seq, front=True)
+
+    def _wait(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq`: at the back (a new one) or the front (preempted) under fcfs; under priority
+        by (priority, arrival), where a preempted sequence's arrival puts it before newer equals."""
+        if self.config.scheduling_policy != "priority":
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key, at = _rank(seq), len(self.waiting)
+        while at > 0 and _rank(self.waiting[at - 1]) > key:
+            at -= 1
+        self.waiting.insert(at, seq)
+
+    def _victim(self, index: int) -> Sequence:
+        """Whom to preempt for `running[index]`'s blocks: the newest running sequence (fcfs), or the
+        least urgent (priority), among those this step has not scheduled yet (their chunks stand)."""
+        if self.config.scheduling_policy != "priority":
+            return self.running[-1]
+        return max(self.running[index:], key=_rank)
 
     def _plan(self, chunks: tuple[ScheduledChunk, ...]) -> StepPlan:
         num_tokens = sum(len(chunk.token_ids) for chunk in chunks)

@@ -48,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     cache_salt: str | None = None  # starts the prefix cache's hash chain (kv_blocks.root_hash)
+    priority: int = 0  # --scheduling-policy priority: lower is served first (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output keeps to
     # the grammar holds the reply from the end of its thinking (`</think>`), as vLLM's structured
     # outputs with a reasoning parser (`shiftlm serve --reasoning-parser` sets it)
@@ -68,6 +69,11 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it)"),
             (1 <= self.n <= 16, "n", f"n must be in [1, 16], got {self.n}"),
+            (
+                isinstance(self.priority, int) and abs(self.priority) < 2**63,
+                "priority",
+                "priority must be an integer",
+            ),
             (len(self.stop) <= 4 and all(self.stop), "stop", "stop takes up to 4 non-empty strings"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (

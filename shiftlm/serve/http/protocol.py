@@ -169,6 +169,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
@@ -239,6 +240,7 @@ class SamplingFields(BaseModel):
             prompt_logprobs=prompt_logprobs,
             min_tokens=self.min_tokens,
             cache_salt=self.cache_salt,
+            priority=self.priority,
             structured_outputs=structured or self.structured(),
             structured_after_thinking=after_thinking,
         )
