@@ -107,7 +107,7 @@ def test_the_suffix_config_takes_vllms_keys_and_defaults():
         '{"method": "suffix", "prompt_lookup_max": 3}': "unknown key(s) prompt_lookup_max for method suffix",
         '{"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 3}': "for method ngram",
         '{"method": "suffix", "suffix_decoding_min_token_prob": 2}': "must be a number in [0, 1]",
-        '{"method": "suffix", "suffix_decoding_max_tree_depth": 1}': "integer in [2, 256]",
+        '{"method": "suffix", "suffix_decoding_max_tree_depth": 1}': "integer in [2, 64]",
     }.items():
         with pytest.raises(ConfigError, match="--speculative-config") as err:
             SpeculativeConfig.parse(text)

@@ -109,10 +109,11 @@ class SpeculativeConfig:
     @classmethod
     def _suffix(cls, text: dict) -> SpeculativeConfig:
         depth = text.get("suffix_decoding_max_tree_depth", 24)
-        _check_int("suffix_decoding_max_tree_depth", depth, 2, 256)
+        # a request's trie holds up to D nodes a token (~35 bytes each): 64 keeps a 4k context under 10 MB
+        _check_int("suffix_decoding_max_tree_depth", depth, 2, 64)
         # vLLM's default: as many as the tree is deep
         tokens = text.get("num_speculative_tokens", depth)
-        _check_int("num_speculative_tokens", tokens, 1, 256)
+        _check_int("num_speculative_tokens", tokens, 1, 64)
         cached = text.get("suffix_decoding_max_cached_requests", 10000)
         _check_int("suffix_decoding_max_cached_requests", cached, 0, 10**7)
         factor = text.get("suffix_decoding_max_spec_factor", 1.0)
