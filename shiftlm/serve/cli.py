@@ -124,6 +124,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         "flag); off by default until measured on a GPU (docs/serving.md)",
     )
     parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="auto: the model's generation_config.json sets the defaults of the sampling parameters a "
+        "request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) and "
+        "adds its eos_token_id; vllm: ignore it; a directory: that one's file (vLLM's flag)",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="set or override those defaults, e.g. '{\"temperature\": 0.5}' (vLLM's flag)",
+    )
+    parser.add_argument(
         "--scheduling-policy",
         default="fcfs",
         help="fcfs (arrival order) or priority (a request's `priority`, lower first, then arrival; "

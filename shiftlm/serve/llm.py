@@ -257,10 +257,14 @@ class LLM:
             raise InvalidRequest("no prompts given", "prompts")
         return texts, token_ids
 
-    @staticmethod
-    def _params(sampling_params, count: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: `SamplingParams()` with the model's generation_config.json defaults (what a call
+        without sampling_params uses)."""
+        return SamplingParams(**dict(self.setup.api.sampling_defaults))
+
+    def _params(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * count
+            params = [sampling_params or self.get_default_sampling_params()] * count
         else:
             params = list(sampling_params)
             if len(params) != count:

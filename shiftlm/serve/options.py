@@ -23,8 +23,11 @@ from typing import Any
 from shiftlm.config import ModelConfig
 from shiftlm.errors import CheckpointError, ConfigError
 from shiftlm.parallel import ParallelConfig
+from shiftlm.serve.engine.errors import InvalidRequest
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
+from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.speculative import SpeculativeConfig
+from shiftlm.serve.generation_config import GenerationDefaults, read_generation_config
 from shiftlm.serve.http.app import ApiOptions
 from shiftlm.serve.http.reasoning import REASONING_PARSERS
 from shiftlm.serve.http.tool_parsers import TOOL_CALL_PARSERS
@@ -54,6 +57,8 @@ class ServeOptions:
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batches captured (decode_graphs.capture_sizes)
     async_scheduling: bool = False  # schedule step N+1 while step N runs (engine/core.py)
     scheduling_policy: str = "fcfs"  # fcfs | priority (vLLM's)
+    generation_config: str = "auto"  # auto | vllm | a directory (serve/generation_config.py)
+    override_generation_config: str | dict | None = None
     speculative_config: str | dict | None = None  # vLLM's JSON, or its dict (engine/speculative.py)
     # structured JSON outputs may put any whitespace between tokens (vLLM's default); else ", " / ": "
     structured_outputs_any_whitespace: bool = False
@@ -182,6 +187,7 @@ class ServeOptions:
         )
         # vLLM's default name: the checkpoint's `_name_or_path` if its config.json has one
         served_name = self.served_model_name or config.name_or_path or self.model
+        generation = self.generation_defaults()
         api = ApiOptions(
             model_name=served_name,
             api_key=self.api_key or env.get(API_KEY_ENV) or None,
@@ -191,8 +197,10 @@ class ServeOptions:
             body_timeout=self.body_timeout,
             tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
             reasoning_parser=self.reasoning_parser,
+            sampling_defaults=generation.sampling,
         )
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        eos = [*eos, *generation.eos_token_ids]  # some name their end of turn only there
         setup = ServeSetup(
             flags=self,
             model_config=config,
@@ -324,6 +332,18 @@ class ServeOptions:
                 "--speculative-config and --async-scheduling cannot be combined: a step's drafts "
                 "follow the tokens the previous step kept; drop one of them"
             )
+
+    def generation_defaults(self) -> GenerationDefaults:
+        """The checkpoint's generation_config.json (or --generation-config's) with the override,
+        checked as a request's sampling parameters are (ConfigError naming the file)."""
+        generation = read_generation_config(
+            self.model, self.generation_config, self.override_generation_config
+        )
+        try:
+            SamplingParams(**dict(generation.sampling)).validate()
+        except InvalidRequest as err:
+            raise ConfigError(f"{generation.source or '--override-generation-config'}: {err}") from None
+        return generation
 
     def speculative(self) -> SpeculativeConfig | None:
         """--speculative-config parsed (ConfigError naming the key when it is wrong)."""

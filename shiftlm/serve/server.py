@@ -188,6 +188,8 @@ def _serve_http(runner, setup: ServeSetup, http: socket.socket, step_log, worker
         f"max_model_len={engine.max_model_len}; {setup.describe_kv_cache()})",
         flush=True,
     )
+    if api.sampling_defaults:
+        print(f"shiftlm serve: {setup.flags.generation_defaults().describe()}", flush=True)
     if scheduler.speculative is not None:
         print(f"shiftlm serve: {scheduler.speculative.describe()}", flush=True)
     server.run(sockets=[http])

@@ -29,6 +29,24 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p():
     assert torch.isfinite(filter_logits(LOGITS, 0, 1e-6)).sum() == 1  # the top token always stays
 
 
+def test_min_p_draws_only_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    # probabilities at temperature 1: [0.03, 0.50, 0.07, 0.30, 0.01]; min_p 0.5 keeps tokens 1 and 3
+    draws = [
+        sample_token(
+            LOGITS,
+            SamplingParams(temperature=1.0, min_p=0.5, seed=s),
+            make_generator(SamplingParams(seed=s), 0),
+        )
+        for s in range(300)
+    ]
+    assert set(draws) == {1, 3}
+    # at temperature 2 the distribution is flatter: token 2 (logit 1, vs 3 at the top) comes in
+    flat = {sample_token(LOGITS, SamplingParams(temperature=2.0, min_p=0.3), None) for _ in range(300)}
+    assert flat == {1, 2, 3}
+    plain = {sample_token(LOGITS, SamplingParams(temperature=1.0), None) for _ in range(600)}
+    assert {0, 2} <= plain  # without min_p the small ones are drawn too
+
+
 def test_top_k_one_samples_the_argmax_at_any_temperature():
     params = SamplingParams(temperature=2.0, top_k=1, seed=0)
     assert {sample_token(LOGITS, params, make_generator(params, i)) for i in range(20)} == {1}

@@ -8,8 +8,9 @@ Order as in vLLM: the grammar's mask (structured outputs), logit_bias, min_token
 stop_token_ids masked), repetition penalty (CTRL, Keskar et al. 2019: divide a seen token's
 positive logit, multiply a negative one), frequency and presence penalties
 (OpenAI: logit - frequency * count - presence * [count > 0], over generated tokens), then temperature,
-top-k and top-p (nucleus; Holtzman et al., ICLR 2020), then one draw. Every step works on the whole
-[rows, vocab] tensor at once, where the logits are (the GPU). The draw is the exponential race (as
+min-p (a token less likely than min_p times the most likely one is dropped), top-k and top-p
+(nucleus; Holtzman et al., ICLR 2020), then one draw. Every step works on the whole [rows, vocab]
+tensor at once, where the logits are (the GPU). The draw is the exponential race (as
 vLLM's sampler): token = argmax(p / E) with E ~ Exp(1) per token, which picks token i with probability
 p_i; a seeded row's E comes from its own CPU `torch.Generator` (so its samples do not depend on what
 else is in the batch, and a seed picks the same token on every device), the others' from the device.
@@ -236,6 +237,14 @@ def draw_rows(logits: torch.Tensor, rows: list[SampleRow], eos_ids: set[int] = f
             device, [max(rows[i].params.temperature, GREEDY_BELOW) for i in drawn], torch.float32
         )
         scaled = x[take] / temperature.unsqueeze(1)
+        floors = [j for j, i in enumerate(drawn) if rows[i].params.min_p > 0]
+        if floors:  # min_p (vLLM's order: before top-k/top-p, which then see what it left)
+            which = _on(device, floors, torch.long)
+            min_p = _on(device, [rows[drawn[j]].params.min_p for j in floors], scaled.dtype)
+            part = scaled[which]
+            probs = torch.softmax(part, dim=-1)
+            low = probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            scaled[which] = part.masked_fill(low, float("-inf"))
         # top_k past the vocabulary keeps every token (as vLLM clamps it); never overflows int64
         narrow = [j for j, i in enumerate(drawn) if rows[i].params.top_k > 0 or rows[i].params.top_p < 1.0]
         if narrow:  # sorting the vocab is the costly part: only rows that filter pay it

@@ -33,6 +33,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 keeps every token
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one's (0 keeps every token)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # drawing one ends the sample (finish "stop"), even with ignore_eos
@@ -57,7 +58,7 @@ class SamplingParams:
     def validate(self) -> None:
         finite = all(
             math.isfinite(v)
-            for v in (self.temperature, self.top_p, self.presence_penalty, self.frequency_penalty)
+            for v in (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)
         )
         logprobs = [k for k in (self.logprobs, self.prompt_logprobs) if k is not None]
         if not isinstance(self.max_tokens, int):  # None reaches here only outside `LLM`, which resolves it
@@ -67,6 +68,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
             (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
             (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it)"),
             (1 <= self.n <= 16, "n", f"n must be in [1, 16], got {self.n}"),
             (

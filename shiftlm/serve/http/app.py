@@ -70,6 +70,8 @@ class ApiOptions:
     # what finds tool calls in replies to tool_choice "auto" (tool_parsers.TOOL_CALL_PARSERS); None: "auto" is off
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS: thinking -> reasoning_content
+    # the model's generation_config.json values (serve/generation_config.py) of what a request leaves out
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -149,7 +151,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
         except Exception as err:  # noqa: BLE001 - the tokenizer's own error, as one line
             raise ApiError(400, f"the {param} could not be tokenized: {type(err).__name__}", param) from None
 
-    add_stream_routes(app, engine, tokenizer, model_name, options.default_max_tokens, tokenize)
+    add_stream_routes(
+        app, engine, tokenizer, model_name, options.default_max_tokens, tokenize, options.sampling_defaults
+    )
 
     async def check_grammar(
         body: SamplingFields, tools: ToolChoice | None = None
@@ -198,11 +202,19 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, options: ApiOptions) ->
             if field.startswith("guided_"):  # vLLM's older spelling, removed there too
                 fix = f"send structured_outputs: {{{field.removeprefix('guided_')!r}: ...}} instead"
             raise ApiError(400, f"{field!r} is not supported by shiftlm; {fix}", field)
+        defaults = options.sampling_defaults
         if body.max_tokens is None:  # the default never asks for more than the context (or cache) has left
+            default_tokens = dict(defaults).get("max_tokens", default_tokens)  # generation_config's
             default_tokens = min(default_tokens, engine.max_tokens_left(max(map(len, prompts)), body.n))
         try:
             params = body.sampling_params(
-                default_tokens, logprobs, prompt_logprobs, engine.vocab_size, structured, after_thinking
+                default_tokens,
+                logprobs,
+                prompt_logprobs,
+                engine.vocab_size,
+                structured,
+                after_thinking,
+                defaults,
             )
             return params, engine.submit(prompts, params)
         except EngineError as err:

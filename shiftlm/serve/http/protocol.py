@@ -153,6 +153,7 @@ class SamplingFields(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     n: int = 1
     best_of: int | None = None
     seed: int | None = None
@@ -210,11 +211,16 @@ class SamplingFields(BaseModel):
         vocab_size: int | None = None,
         structured: StructuredOutputsParams | None = None,
         after_thinking: bool = False,
+        defaults: tuple[tuple[str, float | int], ...] = (),
     ) -> SamplingParams:
         """The request's SamplingParams (`structured`: its tools' grammar, else its own, which holds
-        the reply from the end of its thinking if `after_thinking`); `top_k` past
+        the reply from the end of its thinking if `after_thinking`; `defaults`: the model's
+        generation_config values of the fields it did not send); `top_k` past
         the vocabulary (or -1) keeps every token, as in vLLM, so no integer a client sends can
         overflow the sampler's int64 tensors."""
+        for name, value in defaults:
+            if name != "max_tokens" and name not in self.model_fields_set:
+                setattr(self, name, value)
         top_k = 0 if self.top_k == -1 else self.top_k
         if vocab_size is not None and top_k >= vocab_size:
             top_k = 0
@@ -224,6 +230,7 @@ class SamplingFields(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=top_k,
+            min_p=self.min_p,
             # any integer is a seed: reduced to what torch.Generator.manual_seed accepts
             seed=None if self.seed is None else self.seed % SEED_MODULUS,
             stop=stop,
@@ -351,11 +358,12 @@ class ChatCompletionRequest(ChatRendering, SamplingFields):
         vocab_size: int | None = None,
         structured: StructuredOutputsParams | None = None,
         after_thinking: bool = False,
+        defaults: tuple[tuple[str, float | int], ...] = (),
     ) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(
-            default_max_tokens, logprobs, prompt_logprobs, vocab_size, structured, after_thinking
+            default_max_tokens, logprobs, prompt_logprobs, vocab_size, structured, after_thinking, defaults
         )
 
 

@@ -42,13 +42,13 @@ class StreamsRequest(SamplingFields):
     streams: list[StreamSpec]
     layout: str = "timestep"
 
-    def stream_params(self, default_max_tokens: int, vocab_size: int | None = None) -> list:
+    def stream_params(self, default_max_tokens: int, vocab_size: int | None = None, defaults=()) -> list:
         if self.n != 1:
             raise InvalidRequest("n is not a /v1/streams field; send one entry per stream in streams", "n")
         for name in ("response_format", "structured_outputs"):
             if getattr(self, name) is not None:
                 raise InvalidRequest(f"{name} is not a /v1/streams field (use /v1/completions)", name)
-        base = self.sampling_params(default_max_tokens, None, None, vocab_size)
+        base = self.sampling_params(default_max_tokens, None, None, vocab_size, defaults=defaults)
         params = []
         for k, spec in enumerate(self.streams):
             changes = {}
@@ -66,7 +66,9 @@ class StreamsRequest(SamplingFields):
         return params
 
 
-def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_tokens: int, tokenize) -> None:
+def add_stream_routes(
+    app, engine, tokenizer, model_name: str, default_max_tokens: int, tokenize, defaults=()
+) -> None:
     """Register /v1/streams on `app`; `tokenize(work, size, param)` is the API's tokenizer call."""
 
     async def ids(value: str | list[int], param: str, special: bool) -> list[int]:
@@ -95,7 +97,7 @@ def add_stream_routes(app, engine, tokenizer, model_name: str, default_max_token
             await ids(spec.prefix, f"streams[{k}].prefix", False) for k, spec in enumerate(body.streams)
         ]
         try:
-            params = body.stream_params(default_max_tokens, engine.vocab_size)
+            params = body.stream_params(default_max_tokens, engine.vocab_size, defaults)
             outputs = engine.submit_streams(prompt, prefixes, params, body.layout)
         except EngineError as err:
             raise api_error(err) from None
