@@ -15,28 +15,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shiftlm.config import ModelConfig
-from shiftlm.errors import CheckpointError, ConfigError
+from shiftlm.errors import ConfigError
 from shiftlm.parallel import ParallelConfig
 from shiftlm.serve.engine.errors import InvalidRequest
 from shiftlm.serve.engine.scheduler import SchedulerConfig, ShiftPolicy
 from shiftlm.serve.engine.sequence import SamplingParams
 from shiftlm.serve.engine.speculative import SpeculativeConfig
+from shiftlm.serve.flag_checks import DTYPES, check_flags
 from shiftlm.serve.generation_config import GenerationDefaults, read_generation_config
 from shiftlm.serve.http.app import ApiOptions
-from shiftlm.serve.http.reasoning import REASONING_PARSERS
-from shiftlm.serve.http.tool_parsers import TOOL_CALL_PARSERS
-from shiftlm.serve.plan import MODE_NAMES
-from shiftlm.serve.worker import ATTENTION_BACKENDS
 from shiftlm.serve.worker.start import RunnerOptions
 
-DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-          "float16": "float16", "half": "float16"}  # fmt: skip
 API_KEY_ENV = "SHIFTLM_API_KEY"
 
 
@@ -255,83 +249,8 @@ class ServeOptions:
         return None, activations
 
     def _check_flags(self) -> None:
-        """The flags alone, before the checkpoint is read."""
-        if self.tp < 1 or self.sp < 1:
-            raise ConfigError("--tp and --sp must be >= 1")
-        for name, value in (("MODEL", self.model), ("--tokenizer", self.tokenizer)):
-            if value is not None and looks_like_hub_id(value):
-                raise CheckpointError(
-                    f"{name} {value!r} looks like a Hugging Face Hub id; shiftlm does not download "
-                    f"models: fetch it first (huggingface-cli download {value} --local-dir DIR) and pass "
-                    "the local directory"
-                )
-        if self.kv_cache_dtype != "auto":
-            raise ConfigError(
-                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported: the KV cache always has "
-                "the weights' dtype (--dtype); use --kv-cache-dtype auto or leave it out"
-            )
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ConfigError(
-                f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(
-                f"--reasoning-parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
-            )
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ConfigError(
-                "--enable-auto-tool-choice needs --tool-call-parser: one of " + ", ".join(TOOL_CALL_PARSERS)
-            )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(f"--scheduling-policy {self.scheduling_policy!r} is not one of fcfs, priority")
-        if self.mode not in MODE_NAMES:
-            raise ConfigError(f"--mode {self.mode!r} is not one of {', '.join(MODE_NAMES)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"--attention-backend {self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
-            )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        for name in ("rank_timeout", "step_timeout", "max_request_bytes", "header_timeout", "body_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
-        if not 0 <= self.spin_wait <= 1:
-            raise ConfigError(f"--spin-wait {self.spin_wait} must be in [0, 1] seconds (0: never poll)")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ConfigError("--max-connections must be >= 1")
-        for name in ("max_pending", "max_num_seqs", "max_tokens_per_step", "block_size"):
-            if getattr(self, name) < 1:
-                flag = f"--{name.replace('_', '-')}"  # vLLM's name for the step's budget:
-                flag = "--max-num-batched-tokens" if name == "max_tokens_per_step" else flag
-                raise ConfigError(f"{flag} {getattr(self, name)} must be >= 1")
-        for size in self.cuda_graph_sizes:
-            if not 1 <= size <= self.max_num_seqs:
-                raise ConfigError(
-                    f"--cuda-graph-sizes {size} is outside 1..--max-num-seqs {self.max_num_seqs}: a decode "
-                    "step never holds more sequences; lower it or raise --max-num-seqs"
-                )
-        if self.shift_threshold != "auto" and not (
-            isinstance(self.shift_threshold, int) and self.shift_threshold >= 0
-        ):
-            raise ConfigError(
-                f"--shift-threshold {self.shift_threshold!r} must be a token count >= 0 or auto"
-            )
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port {self.port} must be in [0, 65535] (0: a free port, printed)")
-        for name in ("log_interval", "shutdown_timeout"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 0")
-        if self.timeout_keep_alive <= 0:
-            raise ConfigError(f"--timeout-keep-alive {self.timeout_keep_alive} must be > 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError("--num-blocks must be >= 1")
-        if self.speculative() is not None and self.async_scheduling:
-            raise ConfigError(
-                "--speculative-config and --async-scheduling cannot be combined: a step's drafts "
-                "follow the tokens the previous step kept; drop one of them"
-            )
+        """The flags alone, before the checkpoint is read (serve/flag_checks.py)."""
+        check_flags(self)
 
     def generation_defaults(self) -> GenerationDefaults:
         """The checkpoint's generation_config.json (or --generation-config's) with the override,
@@ -417,8 +336,3 @@ class ServeSetup:
         """The setup after `--shift-threshold auto` was measured (worker/shift_probe.py)."""
         policy = ShiftPolicy.named(self.flags.mode, threshold)
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, policy=policy))
-
-
-def looks_like_hub_id(model: str) -> bool:
-    """`org/name` that is not a local path: what vLLM would download from the Hugging Face Hub."""
-    return not Path(model).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None

@@ -14,8 +14,6 @@ A completion prompt may be a string, a list of strings, a list of token ids, or 
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -384,19 +382,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1_000_000)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }

@@ -13,12 +13,30 @@ import asyncio
 import contextlib
 import functools
 import json
+import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from shiftlm.serve.engine.errors import EngineError
-from shiftlm.serve.http.protocol import api_error, new_id, now, usage
+from shiftlm.serve.http.protocol import api_error
 from shiftlm.serve.http.tools import merge_calls
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class Choices:

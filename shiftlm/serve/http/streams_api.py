@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict
 
 from shiftlm.serve.engine.errors import EngineError, InvalidRequest
 from shiftlm.serve.engine.sampling import SEED_MODULUS
-from shiftlm.serve.http.protocol import ApiError, SamplingFields, api_error, new_id, now, usage
-from shiftlm.serve.http.responses import finished_unless_gone
+from shiftlm.serve.http.protocol import ApiError, SamplingFields, api_error
+from shiftlm.serve.http.responses import finished_unless_gone, new_id, now, usage
 
 
 class StreamSpec(BaseModel):
