@@ -98,3 +98,22 @@ def test_the_openai_field_reaches_the_sampling_params():
     request = CompletionRequest(model="m", prompt="hi", priority=-3)
     assert request.unsupported_field() is None
     assert request.sampling_params(16, None, None).priority == -3
+
+
+def test_the_offline_api_takes_one_priority_per_prompt(tmp_path):
+    from shiftlm import LLM
+    from shiftlm.serve.engine.tokenizer import write_char_tokenizer
+    from shiftlm.tools.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
+    write_char_tokenizer(path, vocab_size=256)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with LLM(str(path), scheduling_policy="priority", enforce_eager=True, max_num_seqs=1) as llm:
+        alone = [llm.generate(p, greedy)[0].outputs[0].token_ids for p in ("ab", "cd", "ef")]
+        ranked = llm.generate(["ab", "cd", "ef"], greedy, priority=[2, 0, 1])
+        with pytest.raises(InvalidRequest, match="2 priorities for 3 prompts"):
+            llm.generate(["ab", "cd", "ef"], greedy, priority=[0, 1])
+    assert [out.outputs[0].token_ids for out in ranked] == alone  # in prompt order, each its own
+    with pytest.raises(InvalidRequest, match="--scheduling-policy priority"):
+        with LLM(str(path), enforce_eager=True) as llm:
+            llm.generate(["ab"], greedy, priority=[1])
