@@ -32,28 +32,22 @@ def check_flags(flags) -> None:
             f"--kv-cache-dtype {flags.kv_cache_dtype!r} is not supported: the KV cache always has "
             "the weights' dtype (--dtype); use --kv-cache-dtype auto or leave it out"
         )
-    if flags.tool_call_parser is not None and flags.tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ConfigError(
-            f"--tool-call-parser {flags.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
-        )
-    if flags.reasoning_parser is not None and flags.reasoning_parser not in REASONING_PARSERS:
-        raise ConfigError(
-            f"--reasoning-parser {flags.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
-        )
     if flags.enable_auto_tool_choice and flags.tool_call_parser is None:
         raise ConfigError(
             "--enable-auto-tool-choice needs --tool-call-parser: one of " + ", ".join(TOOL_CALL_PARSERS)
         )
-    if flags.scheduling_policy not in ("fcfs", "priority"):
-        raise ConfigError(f"--scheduling-policy {flags.scheduling_policy!r} is not one of fcfs, priority")
-    if flags.mode not in MODE_NAMES:
-        raise ConfigError(f"--mode {flags.mode!r} is not one of {', '.join(MODE_NAMES)}")
-    if flags.attention_backend not in ATTENTION_BACKENDS:
-        raise ConfigError(
-            f"--attention-backend {flags.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
-        )
-    if flags.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {flags.dtype!r} is not one of {', '.join(DTYPES)}")
+    choices = [
+        ("--tool-call-parser", flags.tool_call_parser, (None, *TOOL_CALL_PARSERS)),
+        ("--reasoning-parser", flags.reasoning_parser, (None, *REASONING_PARSERS)),
+        ("--scheduling-policy", flags.scheduling_policy, ("fcfs", "priority")),
+        ("--mode", flags.mode, MODE_NAMES),
+        ("--attention-backend", flags.attention_backend, ATTENTION_BACKENDS),
+        ("--dtype", flags.dtype, DTYPES),
+    ]
+    for flag, value, allowed in choices:
+        if value not in allowed:
+            named = ", ".join(str(choice) for choice in allowed if choice is not None)
+            raise ConfigError(f"{flag} {value!r} is not one of {named}")
     for name in ("rank_timeout", "step_timeout", "max_request_bytes", "header_timeout", "body_timeout"):
         if getattr(flags, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
