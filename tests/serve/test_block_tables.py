@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shiftlm.model.stream_mask import HOGWILD
 from shiftlm.serve.plan import Mode, ScheduledChunk, StepPlan
@@ -73,3 +75,54 @@ def test_the_runners_table_is_as_wide_as_max_model_len(tmp_path):
     assert runner.tables.table.shape[1] == 8 and runner.tables.num_blocks == 1000
     short = ModelRunner.load(path, mesh, num_blocks=5, block_size=4, max_model_len=30)
     assert short.tables.table.shape[1] == 5  # never wider than the cache
+
+
+def _same_batch(got, want) -> None:
+    got_tensors, want_tensors = list(_tensors(got)), list(_tensors(want))
+    assert [path for path, _ in got_tensors] == [path for path, _ in want_tensors]
+    for (path, a), (_, b) in zip(got_tensors, want_tensors):
+        assert a.dtype == b.dtype and torch.equal(a, b), path
+    assert (got.num_tokens, got.chunks[0].window, got.chunks[0].from_start) == (
+        want.num_tokens,
+        want.chunks[0].window,
+        want.chunks[0].from_start,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(st.tuples(st.integers(0, 9), st.booleans(), st.booleans()), min_size=1, max_size=6),
+        min_size=1,
+        max_size=5,
+    ),
+    block_size=st.sampled_from([2, 4]),
+    window=st.sampled_from([None, 1, 3]),
+    sp_tp=st.booleans(),
+)
+def test_a_decode_steps_fast_path_gives_the_general_paths_batch(steps, block_size, window, sp_tp):
+    """Decode plans (one-token causal chunks: rows, positions, new blocks, sampled and argmax-only
+    rows, a window, SP x TP padding, a table that grows) decode to the same tensors on both paths."""
+    fast, general = BlockTables(4, rows=2), BlockTables(4, rows=2)
+    length: dict[int, int] = {}
+    for step, chunks in enumerate(steps):
+        plan_chunks, used = [], set()
+        for row, sample, argmax in chunks:
+            if row in used:
+                continue
+            used.add(row)
+            start = length.get(row, 0)
+            new = (row * 5 + start // block_size,) if start % block_size == 0 else ()
+            length[row] = start + 1
+            first = start // block_size
+            plan_chunks.append(
+                ScheduledChunk(
+                    row, (row + 3,), start, new, sample, row=row, first_block=first, argmax_only=argmax
+                )
+            )
+        plan = StepPlan(step, Mode.SP_TP if sp_tp else Mode.TP, tuple(plan_chunks))
+        message = encode_plan(plan)
+        got = decode_plan(message, fast, block_size, 2, window)[2]
+        want = decode_plan(message, general, block_size, 2, window, fast_decode=False)[2]
+        _same_batch(got, want)
+        assert torch.equal(fast.table, general.table)

@@ -101,13 +101,22 @@ def decode_plan(
     pad_to_multiple: int = 1,
     sliding_window: int | None = None,
     inv_freq: torch.Tensor | None = None,
+    fast_decode: bool = True,
 ) -> tuple[int, Mode, FlatBatch]:
     """Apply the plan's block deltas to `tables`; build the step's flat batch and attention groups
     (SP x TP steps padded to a multiple of `pad_to_multiple`, the sp size).
-    `inv_freq` (the model's RoPE) is needed only by hogwild stream groups (query rotation)."""
+    `inv_freq` (the model's RoPE) is needed only by hogwild stream groups (query rotation).
+    `fast_decode`: a plan of one-token causal chunks only (a decode step) takes `_decode_batch`, the
+    same batch in a third of the host time; False: the general path (the tests compare the two)."""
     step, mode, num_chunks, num_tokens, num_blocks, _ = message[:HEADER].tolist()
     end_chunks = HEADER + num_chunks * CHUNK_FIELDS
     chunks = message[HEADER:end_chunks].view(num_chunks, CHUNK_FIELDS)
+    padding = -num_tokens % pad_to_multiple if MODES[mode] is Mode.SP_TP else 0
+    if fast_decode and num_chunks:
+        fields = chunks.tolist()
+        if all(f[2] == 1 and f[4] == 0 and f[7] == 0 for f in fields):
+            args = (message, chunks, fields, end_chunks, num_tokens, num_blocks, tables, block_size)
+            return step, MODES[mode], _decode_batch(*args, sliding_window, padding)
     rows, starts, lengths, sample, all_logits, first_block, new_counts, layouts, prompt_lens, argmax = (
         chunks.unbind(1)
     )
@@ -146,13 +155,57 @@ def decode_plan(
             groups.append(stream_group(chunk, layout, *args, window))
     # Ulysses splits the tokens evenly over sp: SP x TP steps pad to a multiple of it; full-TP steps,
     # where every rank takes every token, need no padding row
-    padding = -num_tokens % pad_to_multiple if MODES[mode] is Mode.SP_TP else 0
     if padding:
         token_ids = _pad(token_ids, padding, 0)
         positions = _pad(positions, padding, 0)
         slots = _pad(slots, padding, -1)
     batch = FlatBatch(token_ids, positions, slots, tuple(groups), sample_rows, num_tokens, sample_argmax)
     return step, MODES[mode], batch
+
+
+def _decode_batch(
+    message, chunks, fields, end_chunks, num_tokens, num_blocks, tables, block_size, window, padding
+):
+    """`decode_plan`'s batch of a decode step (every chunk one token of a causal sequence): the
+    same tensors as the general path, from the chunk fields as Python ints (a handful of small
+    tensors instead of ~40 ops over per-token index tensors: 0.29 -> ~0.1 ms a step here)."""
+    rows_list, starts_list = [f[0] for f in fields], [f[1] for f in fields]
+    if num_blocks or max(rows_list) >= tables.table.shape[0]:  # new blocks, or the table grows
+        blocks = message[end_chunks + num_tokens : end_chunks + num_tokens + num_blocks]
+        tables.update(chunks[:, 0], chunks[:, 5], chunks[:, 6], blocks)
+    device = message.device
+    rows = torch.tensor(rows_list, dtype=torch.long, device=device)
+    positions = torch.tensor(starts_list, dtype=torch.long, device=device)
+    table = tables.table
+    slots = table[rows, positions // block_size] * block_size + positions % block_size
+    sampled = [i for i, f in enumerate(fields) if f[3] > 0]
+    sample_rows = torch.tensor(sampled, dtype=torch.long, device=device)
+    sample_argmax = torch.tensor([fields[i][9] != 0 for i in sampled], dtype=torch.bool, device=device)
+    # the decode group, as `_group` makes it for one-token chunks: query i is row i at its position
+    count, context = len(fields), max(starts_list) + 1
+    num_ctx_blocks = -(-context // block_size)
+    query_pos = positions.unsqueeze(1)
+    distance = query_pos.unsqueeze(-1) - torch.arange(num_ctx_blocks * block_size, device=device)
+    mask = distance >= 0
+    if window is not None:
+        mask &= distance < window
+    group = AttentionGroup(
+        torch.arange(count, device=device).unsqueeze(1),
+        None,
+        mask.unsqueeze(1),
+        table[rows, :num_ctx_blocks].flatten(),
+        query_pos=query_pos,
+        window=window or 0,
+        from_start=max(starts_list) == 0 and (window is None or window >= 1),
+    )
+    token_ids = message[end_chunks : end_chunks + num_tokens]
+    if padding:
+        token_ids, positions, slots = (
+            _pad(token_ids, padding, 0),
+            _pad(positions, padding, 0),
+            _pad(slots, padding, -1),
+        )
+    return FlatBatch(token_ids, positions, slots, (group,), sample_rows, num_tokens, sample_argmax)
 
 
 def _pad(values: torch.Tensor, count: int, fill: int) -> torch.Tensor:
