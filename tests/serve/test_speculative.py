@@ -325,3 +325,19 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size():
     assert any(chunk.draft for plan in plans if len(plan.chunks) <= 2 for chunk in plan.chunks)
     with pytest.raises(ConfigError, match="disable_by_batch_size must be an integer"):
         SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 0})
+
+
+def test_the_step_log_counts_drafts_and_decode_rows():
+    import io
+
+    from shiftlm.serve.engine.metrics import step_record
+
+    engine = _engine(SPEC)
+    engine.step_log = io.StringIO()
+    engine.add_request("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20, temperature=0))
+    _run(engine)
+    records = [json.loads(line) for line in engine.step_log.getvalue().splitlines()]
+    drafted = [r for r in records if "drafts" in r]
+    assert drafted and all(r["decodes"] == 1 and r["tokens"] == 1 + r["drafts"] for r in drafted)
+    assert sum(r.get("drafts", 0) for r in records) == engine.metrics.speculation_counts()[1]
+    assert "drafts" not in step_record(engine.runner.plans[0], 0.0, 0.0, None)  # the prompt's step

@@ -24,7 +24,7 @@ import torch
 
 from shiftlm.serve.engine.errors import InvalidRequest, PromptTooLong, StepError
 from shiftlm.serve.engine.launched import Launched
-from shiftlm.serve.engine.metrics import ServingMetrics
+from shiftlm.serve.engine.metrics import ServingMetrics, step_record
 from shiftlm.serve.engine.requests import Request, RequestContext, RequestOutput, SingleRequest, StreamRequest
 from shiftlm.serve.engine.sampling import SEED_MODULUS, draw_rows, sample_rows
 from shiftlm.serve.engine.scheduler import Scheduler, SchedulerConfig
@@ -74,10 +74,8 @@ class Engine:
             raise ValueError(
                 f"{type(runner).__name__} cannot run a step ahead of its tokens (async_scheduling)"
             )
-        if async_scheduling and config.speculative is not None:
-            raise ValueError(
-                "speculative decoding cannot run with async_scheduling (drafts follow kept tokens)"
-            )
+        if async_scheduling and config.speculative is not None:  # drafts follow the tokens kept
+            raise ValueError("speculative decoding cannot run with async_scheduling")
         self.runner = runner
         self.async_scheduling = async_scheduling
         self._running: Launched | None = None  # the step launched ahead (async_scheduling)
@@ -154,12 +152,9 @@ class Engine:
                 f"{params.max_tokens} in max_tokens); lower max_tokens or shorten the prompt",
                 "max_tokens",
             )
-        if params.priority != 0 and self.scheduler.config.scheduling_policy != "priority":
-            raise InvalidRequest(
-                f"priority {params.priority} needs priority scheduling; start the server with "
-                "--scheduling-policy priority, or leave priority out",
-                "priority",
-            )
+        if params.priority and self.scheduler.config.scheduling_policy != "priority":
+            message = f"priority {params.priority} needs --scheduling-policy priority; or leave priority out"
+            raise InvalidRequest(message, "priority")
         if params.top_k > self.vocab_size:
             raise InvalidRequest(f"top_k must be in [0, {self.vocab_size}] (the vocabulary)", "top_k")
         if params.n > 1:  # the n samples run as one group (`enqueue`): all of it must fit the cache
@@ -394,17 +389,5 @@ class Engine:
     def _record_step(self, plan: StepPlan, started: float, seconds: float) -> None:
         self.metrics.record_step(plan.mode.value, plan.num_tokens, seconds)
         if self.step_log is not None:
-            record = {"step": plan.step, "mode": plan.mode.value, "tokens": plan.num_tokens}
-            # start: time.perf_counter() (the host's monotonic clock, comparable across processes)
-            # decodes: the one-token chunks (decode rows); the other chunks are prompt chunks
-            decodes = sum(len(chunk.token_ids) == 1 for chunk in plan.chunks)
-            record.update(
-                seqs=len(plan.chunks), decodes=decodes, start=round(started, 6), seconds=round(seconds, 6)
-            )
-            rows = self.metrics.last_expert_rows  # a mixture of experts: this step's rows per expert
-            if rows is not None:
-                record.update(
-                    expert_rows=[int(n) for n in rows],
-                    expert_imbalance=round(max(rows) / max(sum(rows) / len(rows), 1e-9), 3),
-                )
+            record = step_record(plan, started, seconds, self.metrics.last_expert_rows)
             self.step_log.write(json.dumps(record) + "\n")

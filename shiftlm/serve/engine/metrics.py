@@ -187,6 +187,24 @@ class ServingMetrics:
         return "\n".join(lines) + "\n"
 
 
+def step_record(plan, started: float, seconds: float, expert_rows: list[float] | None) -> dict:
+    """One step's line of the step log (`--step-log`): its mode, tokens, sequences, decode rows
+    (one new token, drafts aside), draft tokens, start (time.perf_counter(): the host's monotonic
+    clock, comparable across processes), model seconds, and a mixture of experts' rows per expert."""
+    record = {"step": plan.step, "mode": plan.mode.value, "tokens": plan.num_tokens}
+    decodes = sum(len(chunk.token_ids) - chunk.draft == 1 for chunk in plan.chunks)
+    record.update(seqs=len(plan.chunks), decodes=decodes, start=round(started, 6), seconds=round(seconds, 6))
+    drafts = sum(chunk.draft for chunk in plan.chunks)
+    if drafts:
+        record["drafts"] = drafts
+    if expert_rows is not None:
+        record.update(
+            expert_rows=[int(n) for n in expert_rows],
+            expert_imbalance=round(max(expert_rows) / max(sum(expert_rows) / len(expert_rows), 1e-9), 3),
+        )
+    return record
+
+
 def render_engine_metrics(engine) -> str:
     """The /metrics page of an `AsyncEngine`: its metrics plus gauges and counters read now."""
     stats = engine.stats()
