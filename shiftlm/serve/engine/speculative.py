@@ -1,9 +1,9 @@
-"""Speculative decoding by n-gram lookup (vLLM's `--speculative-config '{"method": "ngram", ...}'`;
-prompt lookup decoding, Saxena 2023): the tokens that followed the latest earlier occurrence of a
-sequence's last n tokens are its draft, and one step verifies them all.
+"""Speculative decoding without a draft model (vLLM's `--speculative-config`): its config, and the
+n-gram drafter (prompt lookup decoding, Saxena 2023: the tokens that followed the latest earlier
+occurrence of a sequence's last n tokens); the suffix drafter is engine/suffix_tree.py.
 
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
-    drafts = NgramProposer(config).propose(seq, limit)   # up to `limit` token ids, maybe none
+    drafts = make_proposer(config).propose(seq, limit)   # up to `limit` token ids, maybe none
 
 A decode chunk then carries [last token, d1 .. dk] and its k + 1 rows are all sampled, row j with
 d1 .. dj as its history (`requests.SingleRequest`). Draft j + 1 is kept while the token drawn at row j
