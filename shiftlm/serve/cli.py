@@ -148,8 +148,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, model_required: bool = 
         metavar="JSON",
         help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts each decode\'s next tokens from the '
-        "latest earlier occurrence of its last n tokens and verifies them in one step (the output is "
-        "unchanged: docs/serving.md)",
+        'latest earlier occurrence of its last n tokens and verifies them in one step; \'{"method": '
+        "\"suffix\"}' drafts from suffix trees of the request and of earlier outputs (ArcticInference's "
+        "suffix decoding, vLLM's suffix_decoding_* keys). The output is unchanged: docs/serving.md",
     )
     parser.add_argument(
         "--structured-outputs-any-whitespace",
