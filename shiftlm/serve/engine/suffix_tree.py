@@ -38,10 +38,9 @@ class SuffixTrie:
     Nodes are ints (0: the root) in arrays: `count[node]`, how often its substring occurred, and its
     child when it has one (`token`, `child`; -1: none); a node with two or more children keeps them
     all in `branches[node]` (token -> child) instead. Most nodes of a text's trie have one child (a
-    substring that occurred once goes on one way), so a node costs ~24 bytes, not the ~300 of a dict
-    each (measured: 64,310 nodes for 3,313 tokens of stdlib prompts, 18.9 MB with a dict per node);
-    and ints in arrays give Python's garbage collector nothing to walk (with an object per node, one
-    full collection over four prompts' tries took 145 ms)."""
+    substring that occurred once goes on one way), so a node costs ~35 bytes, not the ~300 of a dict
+    each, and ints in arrays give Python's garbage collector nothing to walk (a full collection takes
+    as long with them as without: bench/serve_host_overhead.py)."""
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -189,8 +188,8 @@ class SuffixProposer:
         own = seq.speculation
         if own is None:
             own = seq.speculation = _RequestTrie(SuffixTrie(self.depth))
-        # a long prompt is indexed over several steps (~12 us a token here), not in one pause of
-        # the engine thread; until it is, its last tokens are looked up by walking
+        # a long prompt is indexed over several steps (~26 us a token here, bench/serve_host_overhead.py),
+        # not in one pause of the engine thread; until it is, its last tokens are looked up by walking
         upto = min(len(tokens), own.added + INDEX_PER_STEP)
         own.active = own.trie.add(tokens[own.added : upto], own.active)
         own.added = upto
